@@ -1,0 +1,159 @@
+"""agenttap's mitmproxy addon: ``mitmdump -s addons/capture.py --set agenttap_tokenizer=...``.
+
+Glue only. Calls to the intercepted API hosts are pointed at the gateway (a loopback server in
+this same event loop, see ``capture/gateway.py``) which answers them from the policy and records
+them; every other destination is refused with a 403 and never tunnelled out. Client API keys are
+removed from the flow before anything else sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+# mitmproxy puts this script's folder first on sys.path, where this file would shadow the
+# `capture` package; drop it, and make the repository importable when it is not installed.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+if str(_HERE.parent) not in sys.path:
+    sys.path.append(str(_HERE.parent))
+
+from mitmproxy import ctx, exceptions, http  # noqa: E402
+from mitmproxy.addonmanager import Loader  # noqa: E402
+
+from capture.gateway import HOST_HEADER, SESSION_HEADER, TOKEN_HEADER, Gateway, GatewayConfig  # noqa: E402
+from rewriter.parsers import check_parser_names  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"
+# Credentials a client sends to its provider: never forwarded, never logged.
+SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+
+
+class AgentTap:
+    def __init__(self) -> None:
+        self.gateway: Gateway | None = None
+        self.hosts: frozenset[str] = frozenset()
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
+        loader.add_option("agenttap_tokenizer", str, "", "Folder of the policy's tokenizer.")
+        loader.add_option("agenttap_out", str, "agenttap-out", "Folder for journals and shards.")
+        loader.add_option("agenttap_tool_parser", str, "hermes", "Tool-call parser, as vLLM names it.")
+        loader.add_option("agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it.")
+        loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
+        loader.add_option("agenttap_idle_timeout", int, 300, "Seconds idle before a session is sharded.")
+        loader.add_option("agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted.")
+        # Offline, mitmproxy must not dial the real host on CONNECT; and the proxy username names
+        # the session, so accept any credentials.
+        opts = loader.master.options
+        opts.update(connection_strategy="lazy")
+        if not opts.proxyauth:
+            opts.update(proxyauth="any")
+
+    def configure(self, updated: set[str]) -> None:
+        if "agenttap_hosts" in updated:
+            self.hosts = frozenset(h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip())
+        if updated & {"agenttap_tool_parser", "agenttap_reasoning_parser"}:
+            try:
+                check_parser_names(ctx.options.agenttap_tool_parser, ctx.options.agenttap_reasoning_parser)
+            except ValueError as exc:
+                raise exceptions.OptionsError(str(exc)) from None
+        if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
+            if not Path(ctx.options.agenttap_tokenizer).is_dir():
+                raise exceptions.OptionsError(
+                    f"agenttap_tokenizer: {ctx.options.agenttap_tokenizer} is not a folder"
+                )
+        if self.gateway is not None and updated & {"agenttap_policy_url", "agenttap_tokenizer", "agenttap_out"}:
+            logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
+
+    async def running(self) -> None:
+        opts = ctx.options
+        if not opts.agenttap_policy_url or not opts.agenttap_tokenizer:
+            logger.error(
+                "agenttap: set agenttap_policy_url and agenttap_tokenizer "
+                "(or start through scripts/run_proxy.sh); API calls get 503 until then"
+            )
+            return
+        config = GatewayConfig(
+            policy_urls=[u.strip() for u in opts.agenttap_policy_url.split(",") if u.strip()],
+            tokenizer_path=Path(opts.agenttap_tokenizer),
+            out_dir=Path(opts.agenttap_out),
+            tool_parser=opts.agenttap_tool_parser,
+            reasoning_parser=opts.agenttap_reasoning_parser,
+            idle_timeout_s=opts.agenttap_idle_timeout,
+            max_body_bytes=opts.agenttap_max_body_bytes,
+        )
+        gateway = Gateway(config)
+        await gateway.start()
+        self.gateway = gateway
+        logger.info(
+            "agenttap: answering %s from %s; shards in %s",
+            ", ".join(sorted(self.hosts)),
+            ", ".join(config.policy_urls),
+            os.path.abspath(config.out_dir),
+        )
+
+    async def done(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
+            self.gateway = None
+
+    # -- flows -------------------------------------------------------------------------------
+    def _refuse(self, flow: http.HTTPFlow, host: str) -> None:
+        flow.response = http.Response.make(
+            403,
+            f"agenttap: {host} is not an intercepted API host; this proxy only answers "
+            f"{', '.join(sorted(self.hosts))} and sends nothing out.\n",
+            {"Content-Type": "text/plain"},
+        )
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        if flow.response:
+            return  # proxyauth's 407
+        host = flow.request.host.lower()
+        if host not in self.hosts:
+            self._refuse(flow, host)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response:
+            return
+        host = flow.request.pretty_host.lower()
+        if host not in self.hosts:
+            self._refuse(flow, host)
+            return
+        for name in SECRET_HEADERS:
+            flow.request.headers.pop(name, None)
+        if self.gateway is None:
+            flow.response = http.Response.make(
+                503,
+                b'{"error": {"message": "agenttap is not configured: no policy server", '
+                b'"type": "server_error", "param": null, "code": null}}',
+                {"Content-Type": "application/json"},
+            )
+            return
+        auth = flow.metadata.get("proxyauth")
+        session_id = str(auth[0]) if auth else "anonymous"
+        flow.metadata["agenttap_host"] = host
+        flow.metadata["agenttap_session"] = session_id
+        flow.request.headers[TOKEN_HEADER] = self.gateway.token
+        flow.request.headers[SESSION_HEADER] = session_id
+        flow.request.headers[HOST_HEADER] = host
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = self.gateway.port
+        flow.request.headers["Host"] = host
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if "agenttap_host" in flow.metadata and flow.response is not None:
+            flow.response.stream = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        # The gateway's secret must not end up in a saved flow file.
+        flow.request.headers.pop(TOKEN_HEADER, None)
+
+
+addons = [AgentTap()]

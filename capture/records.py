@@ -1,0 +1,42 @@
+"""What is recorded per policy call: plain dataclasses, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class TurnRecord:
+    """One call answered by the policy: the exact prompt it saw and what it sampled."""
+
+    session_id: str
+    request_id: str
+    turn_index: int
+    protocol: str  # e.g. "openai.chat"
+    requested_model: str
+    policy_model: str
+    backend: str
+    user_agent: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str  # the policy's: stop / length / ...
+    response_finish_reason: str  # what the client was told: stop / tool_calls / length ...
+    started_at: float
+    latency_s: float
+    stream: bool
+    completion_text: str = ""
+    thread_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> TurnRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in row.items() if k in known})

@@ -1,0 +1,145 @@
+"""Chat-template rendering to token ids with the policy's own tokenizer.
+
+The tokenizer folder is the policy's (``tokenizer.json`` + ``tokenizer_config.json`` with its
+``chat_template``); nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rewriter.canonical import Message, ToolSpec
+
+logger = logging.getLogger(__name__)
+
+
+def message_to_template_dict(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                # Templates serialize arguments with `tojson` when given a mapping.
+                "function": {"name": call.name, "arguments": call.arguments_object()},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def tool_to_template_dict(tool: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters or {"type": "object", "properties": {}},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class TemplateTail:
+    """What the template writes after an assistant turn's content, e.g. ``<|im_end|>\\n``."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+class ChatTemplate:
+    """The policy tokenizer plus its chat template."""
+
+    def __init__(self, tokenizer_path: str | os.PathLike[str]) -> None:
+        path = Path(tokenizer_path)
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+            raise FileNotFoundError(
+                f"no tokenizer in {path}: give the folder holding the policy's tokenizer.json "
+                "and tokenizer_config.json (with its chat_template)"
+            )
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer in {path} has no chat_template")
+        self.eos_token_id: int = self.tokenizer.eos_token_id
+        self._tail = self._probe_assistant_tail()
+
+    # -- rendering -------------------------------------------------------------------------
+    def render_text(
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = {}
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        text = self.tokenizer.apply_chat_template(
+            [message_to_template_dict(m) for m in messages],
+            tools=[tool_to_template_dict(t) for t in tools] if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        # Chat templates write their own special tokens; never add a BOS here.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def render(
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+    ) -> list[int]:
+        return self.encode(
+            self.render_text(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+            )
+        )
+
+    # -- the template's closing of an assistant turn ----------------------------------------
+    @property
+    def assistant_tail(self) -> TemplateTail:
+        return self._tail
+
+    def _probe_assistant_tail(self) -> TemplateTail:
+        marker = "AGENTTAP_PROBE_CONTENT"
+        probe = [
+            Message(role="user", content="hi"),
+            Message(role="assistant", content=marker),
+            Message(role="user", content="again"),
+        ]
+        text = self.render_text(probe, add_generation_prompt=False)
+        after = text[text.index(marker) + len(marker) :]
+        # The tail is what follows the content up to where the next message begins.
+        without_last = self.render_text(probe[:2], add_generation_prompt=False)
+        tail = without_last[without_last.index(marker) + len(marker) :]
+        if not after.startswith(tail):
+            tail = ""
+        return TemplateTail(text=tail, ids=tuple(self.encode(tail)))

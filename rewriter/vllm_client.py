@@ -1,0 +1,191 @@
+"""Client for vLLM's token-in/token-out completions API.
+
+The proxy never sends text to the policy: it sends the exact prompt token ids it rendered and
+asks for the sampled token ids and their logprobs back (``return_token_ids``, ``logprobs=0``),
+so what is recorded is what the policy did. See ``docs/ARCHITECTURE.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from rewriter.canonical import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyError(RuntimeError):
+    """The policy server failed or refused a request; ``status`` is its HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class CompletionDelta:
+    """A piece of a completion: new text, the token ids behind it and their logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def extend(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos"):
+        value = getattr(params, name)
+        if value is not None:
+            body[name] = value
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.json_schema is not None:
+        body["structured_outputs"] = {"json": params.json_schema}
+    return body
+
+
+def _choice_delta(choice: dict[str, Any]) -> CompletionDelta:
+    ids = list(choice.get("token_ids") or [])
+    lp = choice.get("logprobs") or {}
+    logprobs = [float(x) if x is not None else 0.0 for x in (lp.get("token_logprobs") or [])]
+    if len(logprobs) != len(ids):
+        raise PolicyError(
+            f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
+            "is it a vLLM server with return_token_ids support?"
+        )
+    return CompletionDelta(
+        text=choice.get("text") or "",
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+    )
+
+
+@dataclass
+class PolicyInfo:
+    model: str
+    max_model_len: int | None
+
+
+class VLLMClient:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._info: PolicyInfo | None = None
+
+    async def info(self) -> PolicyInfo:
+        """The served model's name and context length (asked once, then remembered)."""
+        if self._info is None:
+            try:
+                async with self._session.get(f"{self.base_url}/v1/models") as resp:
+                    if resp.status != 200:
+                        raise PolicyError(f"{self.base_url}/v1/models answered {resp.status}", resp.status)
+                    data = await resp.json()
+            except aiohttp.ClientError as exc:
+                raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
+            model = data["data"][0]
+            self._info = PolicyInfo(model=model["id"], max_model_len=model.get("max_model_len"))
+        return self._info
+
+    async def _body(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> dict[str, Any]:
+        info = await self.info()
+        body: dict[str, Any] = {
+            "model": info.model,
+            "prompt": prompt_ids,
+            "logprobs": 0,
+            "return_token_ids": True,
+            # Tags such as <tool_call> and <think> must reach the parsers; the EOS text must not.
+            "skip_special_tokens": True,
+            "stream": stream,
+        }
+        body.update(sampling_to_vllm(params))
+        if "max_tokens" not in body and info.max_model_len:
+            # vLLM's default is 16; a chat client that sets no limit means "until done".
+            body["max_tokens"] = max(1, info.max_model_len - len(prompt_ids))
+        return body
+
+    async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        try:
+            resp = await self._session.post(f"{self.base_url}{path}", json=body)
+        except aiohttp.ClientError as exc:
+            raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
+        if resp.status != 200:
+            text = await resp.text()
+            resp.release()
+            try:
+                message = json.loads(text).get("error", {}).get("message") or text
+            except (json.JSONDecodeError, AttributeError):
+                message = text
+            raise PolicyError(f"policy server answered {resp.status}: {message}", resp.status)
+        return resp
+
+    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        resp = await self._post("/v1/completions", await self._body(prompt_ids, params, stream=False))
+        async with resp:
+            data = await resp.json()
+        choice = data["choices"][0]
+        out = Completion(prompt_token_ids=choice.get("prompt_token_ids"))
+        out.extend(_choice_delta(choice))
+        return out
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
+        resp = await self._post("/v1/completions", await self._body(prompt_ids, params, stream=True))
+        async with resp:
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise PolicyError(f"policy stream failed: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    yield _choice_delta(choice)
+
+    async def prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+        """Log-probability of each token of ``ids`` given the ones before it (entry 0: None)."""
+        info = await self.info()
+        body = {
+            "model": info.model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        }
+        resp = await self._post("/v1/completions", body)
+        async with resp:
+            data = await resp.json()
+        entries = data["choices"][0]["prompt_logprobs"]
+        out: list[float | None] = []
+        for token, entry in zip(ids, entries, strict=True):
+            out.append(None if entry is None else float(entry[str(token)]["logprob"]))
+        return out

