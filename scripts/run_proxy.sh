@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Start the agenttap proxy.
+#   scripts/run_proxy.sh [--policy-url URL[,URL...]] [--tokenizer PATH] [--out DIR] [--port N]
+#                        [--tool-parser NAME] [--reasoning-parser NAME] [-- MITMDUMP ARGS...]
+# With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
+# here) is started first, so the whole path can be seen working offline.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="$ROOT/.venv/bin/python"
+[ -x "$PY" ] || { echo "agenttap: $ROOT/.venv missing: run scripts/setup.sh first" >&2; exit 1; }
+
+POLICY_URL="" TOKENIZER="" OUT="agenttap-out" PORT=8080 TOOL_PARSER=hermes REASONING_PARSER=qwen3
+CONFDIR="${AGENTTAP_CONFDIR:-$HOME/.mitmproxy}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --policy-url) POLICY_URL="$2"; shift 2;;
+    --tokenizer) TOKENIZER="$2"; shift 2;;
+    --out) OUT="$2"; shift 2;;
+    --port) PORT="$2"; shift 2;;
+    --tool-parser) TOOL_PARSER="$2"; shift 2;;
+    --reasoning-parser) REASONING_PARSER="$2"; shift 2;;
+    --confdir) CONFDIR="$2"; shift 2;;
+    --) shift; break;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0;;
+    *) echo "agenttap: unknown argument $1 (mitmdump arguments go after --)" >&2; exit 2;;
+  esac
+done
+
+POLICY_PID=""
+cleanup() { [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+
+if [ -z "$POLICY_URL" ]; then
+  LOG="$(mktemp -t agenttap-policy.XXXXXX.log)"
+  FIFO="$(mktemp -u)"; mkfifo "$FIFO"
+  "$PY" -m rewriter.policy_server --log "$LOG" > "$FIFO" &
+  POLICY_PID=$!
+  while read -r line; do
+    echo "$line"
+    case "$line" in POLICY_URL=*) POLICY_URL="${line#POLICY_URL=}"; break;; esac
+  done < "$FIFO"
+  rm -f "$FIFO"
+  [ -n "$POLICY_URL" ] || { echo "agenttap: the embedded policy did not start; see $LOG" >&2; exit 1; }
+  [ -n "$TOKENIZER" ] || TOKENIZER="$("$PY" -c 'from rewriter.policy_server import DEFAULT_MODEL_DIR; print(DEFAULT_MODEL_DIR)')"
+fi
+if [ -z "$TOKENIZER" ]; then
+  echo "agenttap: --tokenizer PATH is required with --policy-url (the policy's tokenizer folder)" >&2
+  exit 2
+fi
+
+CA="$CONFDIR/mitmproxy-ca-cert.pem"
+cat <<MSG
+agenttap proxy:  http://127.0.0.1:$PORT   (policy: $POLICY_URL, shards: $OUT)
+CA certificate:  $CA   (created on first start)
+Point a client at it (SESSION names the session in the shards):
+  export HTTPS_PROXY=http://SESSION:x@127.0.0.1:$PORT
+  export SSL_CERT_FILE=$CA          # Python SDKs (httpx)
+  export NODE_EXTRA_CA_CERTS=$CA    # Node CLIs (Claude Code, Gemini CLI)
+MSG
+
+"$ROOT/.venv/bin/mitmdump" -s "$ROOT/addons/capture.py" \
+  --listen-host 127.0.0.1 --listen-port "$PORT" --set confdir="$CONFDIR" \
+  --set agenttap_policy_url="$POLICY_URL" --set agenttap_tokenizer="$TOKENIZER" \
+  --set agenttap_out="$OUT" --set agenttap_tool_parser="$TOOL_PARSER" \
+  --set agenttap_reasoning_parser="$REASONING_PARSER" "$@" &
+MITM_PID=$!
+trap 'kill $MITM_PID 2>/dev/null; cleanup' EXIT INT TERM
+wait $MITM_PID

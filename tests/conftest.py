@@ -1,0 +1,176 @@
+"""Shared fixtures: the real tokenizers, a real vLLM (once per test session), a scripted
+vLLM-shaped stub, and real ``mitmdump`` processes running the addon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SHARED = Path(os.environ.get("AGENTTAP_SHARED", REPO.parent / "shared"))
+QWEN3 = SHARED / "tokenizers" / "qwen3"
+QWEN25 = SHARED / "tokenizers" / "qwen2.5-instruct"
+MITMDUMP = Path(sys.executable).parent / "mitmdump"
+
+from rewriter import policy_server  # noqa: E402
+from tests.stub_vllm import StubPolicy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    assert (QWEN3 / "tokenizer.json").exists(), f"Qwen3 tokenizer missing at {QWEN3}"
+    return QWEN3
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir() -> Path:
+    assert (QWEN25 / "tokenizer.json").exists(), f"Qwen2.5 tokenizer missing at {QWEN25}"
+    return QWEN25
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real vLLM serving the tiny fp32 Qwen3 model (cold start about a minute)."""
+    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    port = policy_server.free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=4096)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        policy_server.wait_ready(url, proc, timeout_s=600)
+    except policy_server.PolicyServerError:
+        print(log.read_text()[-5000:])
+        raise
+    yield url
+    policy_server.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def stub() -> Iterator[StubPolicy]:
+    policy = StubPolicy(str(QWEN3))
+    policy.start()
+    yield policy
+    policy.stop()
+
+
+@pytest.fixture(scope="session")
+def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mitmconf")
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mitmdump exited early:\n{log.read_text()[-4000:]}")
+        if "agenttap: answering" in log.read_text(errors="replace"):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+        time.sleep(0.2)
+    raise RuntimeError(f"mitmdump not ready:\n{log.read_text()[-4000:]}")
+
+
+@dataclass
+class Proxy:
+    port: int
+    out: Path
+    ca: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def env(self, session: str) -> dict[str, str]:
+        return {
+            "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{self.port}",
+            "SSL_CERT_FILE": str(self.ca),
+        }
+
+    def openai(self, session: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+        """The real openai SDK, configured only through the environment."""
+        import openai
+
+        for key, value in self.env(session).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+        return openai.OpenAI(api_key="sk-agenttap-test-key", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def turns(self, session: str | None = None, expect: int = 1, timeout: float = 30.0) -> list[dict]:
+        """Rows of the per-call shards (waits for the session's idle flush)."""
+        deadline = time.monotonic() + timeout
+        rows: list[dict] = []
+        while time.monotonic() < deadline:
+            rows = read_turns(self.out, session)
+            if len(rows) >= expect:
+                return rows
+            time.sleep(0.3)
+        return rows
+
+
+def read_turns(out: Path, session: str | None = None) -> list[dict]:
+    turns_dir = out / "turns"
+    if not turns_dir.exists() or not any(turns_dir.glob("*.parquet")):
+        return []
+    table = ds.dataset(str(turns_dir), format="parquet").to_table()
+    rows = table.to_pylist()
+    if session is not None:
+        rows = [r for r in rows if r["session_id"] == session]
+    return sorted(rows, key=lambda r: r["turn_index"])
+
+
+def start_proxy(
+    policy_url: str,
+    out: Path,
+    confdir: Path,
+    tokenizer: Path = QWEN3,
+    extra: list[str] | None = None,
+) -> Proxy:
+    port = policy_server.free_port()
+    log = out.parent / f"{out.name}-mitmdump.log"
+    cmd = [
+        str(MITMDUMP), "-s", str(REPO / "addons" / "capture.py"),
+        "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        "--set", f"confdir={confdir}",
+        "--set", f"agenttap_policy_url={policy_url}",
+        "--set", f"agenttap_tokenizer={tokenizer}",
+        "--set", f"agenttap_out={out}",
+        "--set", "agenttap_idle_timeout=1",
+        *(extra or []),
+    ]  # fmt: skip
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+    _wait_port(port, proc, log)
+    return Proxy(port=port, out=out, ca=confdir / "mitmproxy-ca-cert.pem", log=log, proc=proc)
+
+
+@pytest.fixture(scope="session")
+def stub_proxy(stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    proxy = start_proxy(stub.url, tmp_path_factory.mktemp("stub-proxy") / "out", confdir)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_proxy(vllm_url: str, confdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    proxy = start_proxy(vllm_url, tmp_path_factory.mktemp("vllm-proxy") / "out", confdir)
+    yield proxy
+    proxy.stop()

@@ -1,0 +1,192 @@
+"""A vLLM-shaped scripted policy for tests that need a chosen completion (a tool call, say).
+
+It answers ``/v1/completions`` with a token-id prompt exactly as vLLM 0.32 does (same fields,
+same streaming chunks; ``tests/test_stub_contract.py`` checks this against the real server), but
+the completion is the next scripted text, tokenized with the real tokenizer and ended with EOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from aiohttp import web
+from transformers import AutoTokenizer
+
+
+class StubPolicy:
+    def __init__(self, tokenizer_dir: str, model_name: str = "stub-policy", max_model_len: int = 32768):
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.replies: deque[str] = deque()
+        self.default_reply = "OK."
+        self.requests: list[dict[str, Any]] = []
+        self.chunk_delay_s = 0.0
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+
+    # -- scripting --------------------------------------------------------------------------
+    def script(self, *texts: str) -> None:
+        self.replies.extend(texts)
+
+    def _completion_ids(self, body: dict[str, Any]) -> tuple[list[int], str]:
+        text = self.replies.popleft() if self.replies else self.default_reply
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        max_tokens = body.get("max_tokens") or 16
+        if len(ids) + 1 > max_tokens:
+            return ids[:max_tokens], "length"
+        return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop"
+
+    @staticmethod
+    def _logprob(i: int, token: int) -> float:
+        return -((token * 7919 + i * 104729) % 1000) / 997.0 - 1e-3
+
+    def _piece(self, ids: list[int], upto: int) -> str:
+        return self.tok.decode(ids[:upto], skip_special_tokens=True)
+
+    # -- server -----------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "vllm",
+                        "root": self.model_name,
+                        "parent": None,
+                        "max_model_len": self.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(x, int) for x in prompt)):
+            return web.json_response({"error": {"message": "stub takes token-id prompts", "type": "BadRequestError", "code": 400}}, status=400)
+        ids, finish = self._completion_ids(body)
+        rid = "cmpl-" + uuid.uuid4().hex[:16]
+        created = int(time.time())
+        texts = [self._piece(ids, i + 1)[len(self._piece(ids, i)) :] for i in range(len(ids))]
+        logprobs = [self._logprob(i, t) for i, t in enumerate(ids)]
+        if not body.get("stream"):
+            offsets, pos = [], 0
+            for t in texts:
+                offsets.append(pos)
+                pos += len(t)
+            choice = {
+                "index": 0,
+                "text": "".join(texts),
+                "logprobs": {
+                    "text_offset": offsets,
+                    "token_logprobs": logprobs,
+                    "tokens": [self.tok.decode([t]) for t in ids],
+                    "top_logprobs": [{self.tok.decode([t]): lp} for t, lp in zip(ids, logprobs, strict=True)],
+                },
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": ids,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt,
+                "routed_experts": None,
+            }
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                    "service_tier": None,
+                    "system_fingerprint": "stub",
+                    "usage": {
+                        "prompt_tokens": len(prompt),
+                        "total_tokens": len(prompt) + len(ids),
+                        "completion_tokens": len(ids),
+                        "prompt_tokens_details": None,
+                        "completion_tokens_details": None,
+                    },
+                    "kv_transfer_params": None,
+                    "ec_transfer_params": None,
+                    "metrics": None,
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        pos = 0
+        for i, (t, text, lp) in enumerate(zip(ids, texts, logprobs, strict=True)):
+            chunk = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": {
+                            "text_offset": [pos],
+                            "token_logprobs": [lp],
+                            "tokens": [self.tok.decode([t])],
+                            "top_logprobs": [{self.tok.decode([t]): lp}],
+                        },
+                        "finish_reason": finish if i == len(ids) - 1 else None,
+                        "stop_reason": None,
+                        "prompt_token_ids": prompt if i == 0 else None,
+                        "token_ids": [t],
+                    }
+                ],
+            }
+            pos += len(text)
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(ids), "completion_tokens": len(ids)}
+            final = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [], "usage": usage, "system_fingerprint": "stub"}
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def start(self) -> str:
+        """Serve on 127.0.0.1 from a background thread; returns the base URL."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            app = web.Application()
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/completions", self._completions)
+            self._runner = web.AppRunner(app, access_log=None)
+            loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            loop.run_until_complete(site.start())
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.url = f"http://127.0.0.1:{port}"
+            ready.set()
+            loop.run_forever()
+
+        threading.Thread(target=run, daemon=True, name="stub-vllm").start()
+        ready.wait(30)
+        return self.url
+
+    def stop(self) -> None:
+        if self._loop and self._runner:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
