@@ -42,11 +42,19 @@ class AgentTap:
         loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
         loader.add_option("agenttap_tokenizer", str, "", "Folder of the policy's tokenizer.")
         loader.add_option("agenttap_out", str, "agenttap-out", "Folder for journals and shards.")
-        loader.add_option("agenttap_tool_parser", str, "hermes", "Tool-call parser, as vLLM names it.")
-        loader.add_option("agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it.")
+        loader.add_option(
+            "agenttap_tool_parser", str, "hermes", "Tool-call parser, as vLLM names it."
+        )
+        loader.add_option(
+            "agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it."
+        )
         loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
-        loader.add_option("agenttap_idle_timeout", int, 300, "Seconds idle before a session is sharded.")
-        loader.add_option("agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted.")
+        loader.add_option(
+            "agenttap_idle_timeout", int, 300, "Seconds idle before a session is sharded."
+        )
+        loader.add_option(
+            "agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted."
+        )
         # Offline, mitmproxy must not dial the real host on CONNECT; and the proxy username names
         # the session, so accept any credentials.
         opts = loader.master.options
@@ -56,10 +64,14 @@ class AgentTap:
 
     def configure(self, updated: set[str]) -> None:
         if "agenttap_hosts" in updated:
-            self.hosts = frozenset(h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip())
+            self.hosts = frozenset(
+                h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
+            )
         if updated & {"agenttap_tool_parser", "agenttap_reasoning_parser"}:
             try:
-                check_parser_names(ctx.options.agenttap_tool_parser, ctx.options.agenttap_reasoning_parser)
+                check_parser_names(
+                    ctx.options.agenttap_tool_parser, ctx.options.agenttap_reasoning_parser
+                )
             except ValueError as exc:
                 raise exceptions.OptionsError(str(exc)) from None
         if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
@@ -67,7 +79,11 @@ class AgentTap:
                 raise exceptions.OptionsError(
                     f"agenttap_tokenizer: {ctx.options.agenttap_tokenizer} is not a folder"
                 )
-        if self.gateway is not None and updated & {"agenttap_policy_url", "agenttap_tokenizer", "agenttap_out"}:
+        if self.gateway is not None and updated & {
+            "agenttap_policy_url",
+            "agenttap_tokenizer",
+            "agenttap_out",
+        }:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
 
     async def running(self) -> None:

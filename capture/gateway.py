@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 import zlib
@@ -24,8 +25,9 @@ from aiohttp import web
 
 from capture.records import TurnRecord
 from capture.sessions import SessionStore
+from capture.trajectory import Assembly
 from rewriter import openai_chat
-from rewriter.canonical import ChatRequest, RequestError
+from rewriter.canonical import ChatRequest, Message, RequestError
 from rewriter.parsers import ContentDelta, OutputParser, ReasoningDelta, ToolCallEvent
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
@@ -47,6 +49,11 @@ class GatewayConfig:
     idle_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024
     sweep_interval_s: float = 5.0
+    # Re-score policy tokens whose context a scaffold rewrote (vLLM prompt_logprobs); off:
+    # such tokens are masked out of the loss instead.
+    recompute: bool = field(
+        default_factory=lambda: os.environ.get("AGENTTAP_RECOMPUTE_MISMATCH_LOGPROBS", "1") != "0"
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,7 +65,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, template: ChatTemplate | None = None) -> None:
         self.config = config
         self.template = template or ChatTemplate(config.tokenizer_path)
-        self.store = SessionStore(config.out_dir, config.idle_timeout_s)
+        self.store = SessionStore(
+            config.out_dir, self.template, config.idle_timeout_s, recompute=config.recompute
+        )
         self.token = secrets.token_hex(16)
         self.port = 0
         self._http: aiohttp.ClientSession | None = None
@@ -71,7 +80,9 @@ class Gateway:
         recovered = self.store.recover()
         if recovered:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+        )
         self._clients = [VLLMClient(url, self._http) for url in self.config.policy_urls]
         # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
@@ -80,9 +91,8 @@ class Gateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets  # type: ignore[union-attr]
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server: Any = site._server  # aiohttp exposes the bound port only here
+        self.port = int(server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self.port
 
@@ -97,7 +107,9 @@ class Gateway:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2)))
+            await asyncio.sleep(
+                min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2))
+            )
             try:
                 self.store.flush_idle()
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it
@@ -149,7 +161,12 @@ class Gateway:
         except PolicyError as exc:
             return self._openai_error(503, str(exc))
         return web.json_response(
-            {"object": "list", "data": [{"id": info.model, "object": "model", "created": 0, "owned_by": "agenttap"}]}
+            {
+                "object": "list",
+                "data": [
+                    {"id": info.model, "object": "model", "created": 0, "owned_by": "agenttap"}
+                ],
+            }
         )
 
     # -- OpenAI chat completions ------------------------------------------------------------
@@ -159,16 +176,16 @@ class Gateway:
         try:
             body = await self._read_body(request)
             chat = openai_chat.parse_request(body)
-            prompt_ids = self.template.render(
-                chat.messages, chat.tools, enable_thinking=chat.enable_thinking
-            )
+            assembly = self.store.assemble(session_id, chat)
+            prompt_ids = assembly.prompt_ids
             client = self.client_for(session_id)
             info = await client.info()
             if info.max_model_len and len(prompt_ids) >= info.max_model_len:
                 return web.json_response(
                     {
                         "error": {
-                            "message": f"This model's maximum context length is {info.max_model_len} "
+                            "message": "This model's maximum context length is "
+                            f"{info.max_model_len} "
                             f"tokens. However, your messages resulted in {len(prompt_ids)} tokens. "
                             "Please reduce the length of the messages.",
                             "type": "invalid_request_error",
@@ -178,6 +195,7 @@ class Gateway:
                     },
                     status=400,
                 )
+            await self._recompute(client, assembly)
         except RequestError as exc:
             return self._openai_error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
@@ -191,6 +209,7 @@ class Gateway:
             chat=chat,
             prompt_ids=prompt_ids,
             client=client,
+            assembly=assembly,
             policy_model=info.model,
             user_agent=request.headers.get("User-Agent", ""),
             started=started,
@@ -206,7 +225,7 @@ class Gateway:
         parser.finish()
         reply = parser.reply()
         reason = openai_chat.finish_reason(completion.finish_reason, reply)
-        self._record(turn, completion, reason)
+        self._record(turn, completion, reason, reply.as_message())
         return web.json_response(
             openai_chat.completion_response(
                 response_id, chat.model, reply, reason, len(prompt_ids), len(completion.token_ids)
@@ -219,7 +238,7 @@ class Gateway:
         chat = turn.chat
         writer = openai_chat.ChunkWriter(turn.request_id, chat.model)
         completion = Completion()
-        deltas = turn.client.stream(turn.prompt_ids, chat.sampling)
+        deltas = turn.client.stream_resuming(turn.prompt_ids, chat.sampling)
         try:
             first = await anext(deltas, None)
         except PolicyError as exc:
@@ -256,12 +275,26 @@ class Gateway:
         if chat.include_usage:
             await resp.write(_sse(writer.usage(len(turn.prompt_ids), len(completion.token_ids))))
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason)
+        self._record(turn, completion, reason, reply.as_message())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    def _record(self, turn: _TurnContext, completion: Completion, reason: str) -> TurnRecord:
+    async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
+        """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
+        positions = assembly.needs_recompute()
+        if not positions:
+            return
+        scores = await client.prompt_logprobs(assembly.prompt_ids[: positions[-1] + 1])
+        for pos in positions:
+            value = scores[pos]
+            assert value is not None  # position 0 is never a policy token
+            assembly.suffix_logprobs[pos - assembly.base] = value
+        logger.info("recomputed %d logprobs after a history rewrite", len(positions))
+
+    def _record(
+        self, turn: _TurnContext, completion: Completion, reason: str, reply: Message
+    ) -> TurnRecord:
         record = TurnRecord(
             session_id=turn.session_id,
             request_id=turn.request_id,
@@ -281,7 +314,7 @@ class Gateway:
             latency_s=time.time() - turn.started,
             stream=turn.chat.stream,
         )
-        self.store.record(record)
+        self.store.record(record, turn.assembly, reply)
         return record
 
 
@@ -292,6 +325,7 @@ class _TurnContext:
     chat: ChatRequest
     prompt_ids: list[int]
     client: VLLMClient
+    assembly: Assembly
     policy_model: str
     user_agent: str
     started: float

@@ -1,9 +1,12 @@
-"""Sessions: the turns of one scaffold run, journaled as they complete, sharded when it ends.
+"""Sessions: the calls of one scaffold run, journaled as they complete, sharded when it ends.
 
-Durability: every completed turn is appended to the session's journal (one JSON line, flushed and
-fsynced) before the client's response finishes. A session becomes a Parquet shard when it has
-been idle for ``idle_timeout_s`` or the proxy stops; only then is its journal removed. A proxy
-killed with ``kill -9`` leaves journals behind, and the next start turns them into shards.
+Durability: every completed call is appended to the session's journal (one JSON line, flushed and
+fsynced) before the client's response finishes. The line holds the call's record and how it
+changed its thread (what was kept, what replaced the rest), so threads can be rebuilt from the
+journal alone. A session becomes Parquet shards (``turns/`` one row per call, ``threads/`` one
+training row per thread) when it has been idle for ``idle_timeout_s`` or the proxy stops; only
+then is its journal removed. A proxy killed with ``kill -9`` leaves journals behind, and the next
+start turns them into shards.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from capture.records import TurnRecord
-from capture.shards import TURN_SCHEMA, rows_to_table, write_table
+from capture.records import SCHEMA_VERSION, TurnRecord
+from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
+from capture.trajectory import TRAINED, Assembly, Renderer, Thread, ThreadSet, TurnSpan
+from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
 
@@ -33,33 +39,80 @@ def _journal_name(session_id: str) -> str:
 class Session:
     session_id: str
     journal_path: Path
+    threads: ThreadSet | None
     turns: list[TurnRecord] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
-    def __init__(self, out_dir: Path, idle_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        renderer: Renderer | None = None,
+        idle_timeout_s: float = 300.0,
+        recompute: bool = True,
+    ) -> None:
         self.out_dir = out_dir
+        self.renderer = renderer
         self.idle_timeout_s = idle_timeout_s
+        self.recompute = recompute
         self.journal_dir = out_dir / "journal"
         self.turns_dir = out_dir / "turns"
+        self.threads_dir = out_dir / "threads"
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         self._sessions: dict[str, Session] = {}
 
     def session(self, session_id: str) -> Session:
         sess = self._sessions.get(session_id)
         if sess is None:
-            sess = Session(session_id, self.journal_dir / _journal_name(session_id))
+            threads = (
+                ThreadSet(session_id, self.renderer, self.recompute) if self.renderer else None
+            )
+            sess = Session(session_id, self.journal_dir / _journal_name(session_id), threads)
             self._sessions[session_id] = sess
         return sess
 
     def next_turn_index(self, session_id: str) -> int:
         return len(self.session(session_id).turns)
 
-    def record(self, turn: TurnRecord) -> None:
-        """Make ``turn`` durable (journal + fsync) and keep it for the session's shard."""
+    def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
+        threads = self.session(session_id).threads
+        assert threads is not None, "SessionStore needs a renderer to assemble prompts"
+        return threads.assemble(chat.messages, chat.tools, chat.enable_thinking)
+
+    def record(
+        self, turn: TurnRecord, assembly: Assembly | None = None, reply: Message | None = None
+    ) -> None:
+        """Make ``turn`` durable (journal + fsync) and apply it to its thread."""
         sess = self.session(turn.session_id)
-        line = json.dumps(turn.to_row(), separators=(",", ":")) + "\n"
+        entry: dict[str, Any] = {}
+        if assembly is not None and reply is not None and sess.threads is not None:
+            thread = sess.threads.commit(
+                assembly,
+                reply,
+                turn.completion_ids,
+                turn.completion_logprobs,
+                request_id=turn.request_id,
+                turn_index=turn.turn_index,
+                finish_reason=turn.finish_reason,
+                latency_s=turn.latency_s,
+                backend=turn.backend,
+            )
+            turn.thread_id = thread.thread_id
+            turn.metadata["assembly"] = assembly.kind
+            forked = thread is not assembly.thread
+            entry = {
+                "thread_id": thread.thread_id,
+                "parent_thread_id": thread.parent_thread_id,
+                "parent_tool_call_id": thread.parent_tool_call_id,
+                # A fork starts from the prompt's kept prefix, all prompt tokens.
+                "forked_prefix_logprobs": thread.logprobs[: assembly.base] if forked else None,
+                "suffix_logprobs": assembly.suffix_logprobs,
+                "suffix_provenance": [int(p) for p in assembly.suffix_provenance],
+                "base": assembly.base,
+                "spans": [[t.start, t.end, t.dropped] for t in thread.turns],
+            }
+        line = json.dumps({"turn": turn.to_row(), "thread": entry}, separators=(",", ":")) + "\n"
         with open(sess.journal_path, "a", encoding="utf-8") as fh:
             fh.write(line)
             fh.flush()
@@ -80,10 +133,25 @@ class SessionStore:
         sess = self._sessions.pop(session_id, None)
         if sess is None or not sess.turns:
             return []
-        path = write_table(self.turns_dir, _turn_table(sess.turns), prefix="turns")
+        threads = list(sess.threads.threads.values()) if sess.threads else []
+        paths = self._write(sess.turns, threads)
         sess.journal_path.unlink(missing_ok=True)
-        logger.info("session %r ended: %d turns written to %s", session_id, len(sess.turns), path)
-        return [path]
+        logger.info(
+            "session %r ended: %d calls in %d threads written to %s",
+            session_id,
+            len(sess.turns),
+            len(threads),
+            self.out_dir,
+        )
+        return paths
+
+    def _write(self, turns: list[TurnRecord], threads: list[Thread]) -> list[Path]:
+        by_request = {t.request_id: t for t in turns}
+        paths = write_rows(self.turns_dir, [_turn_row(t) for t in turns], TURN_SCHEMA, "turns")
+        rows = [thread_row(th, by_request) for th in threads if th.turns]
+        if rows:
+            paths += write_rows(self.threads_dir, rows, THREAD_SCHEMA, "threads")
+        return paths
 
     def close(self) -> list[Path]:
         return [p for sid in list(self._sessions) for p in self.end_session(sid)]
@@ -94,23 +162,79 @@ class SessionStore:
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
             turns: list[TurnRecord] = []
+            threads: dict[str, Thread] = {}
             for line in journal.read_text(encoding="utf-8").splitlines():
                 try:
-                    turns.append(TurnRecord.from_row(json.loads(line)))
-                except (json.JSONDecodeError, TypeError):
-                    # A line cut short by the crash: that turn had not completed.
+                    entry = json.loads(line)
+                    turn = TurnRecord.from_row(entry["turn"])
+                except (json.JSONDecodeError, TypeError, KeyError):
+                    # A line cut short by the crash: that call had not completed.
                     logger.warning("skipping a torn line in %s", journal)
+                    continue
+                turns.append(turn)
+                if entry.get("thread"):
+                    _replay(threads, turn, entry["thread"])
             if turns:
-                written.append(write_table(self.turns_dir, _turn_table(turns), prefix="turns"))
-                logger.info("recovered %d turns from %s", len(turns), journal.name)
+                written += self._write(turns, list(threads.values()))
+                logger.info("recovered %d calls from %s", len(turns), journal.name)
             journal.unlink()
         return written
 
 
-def _turn_table(turns: list[TurnRecord]):  # type: ignore[no-untyped-def]
-    rows = []
-    for t in turns:
-        row = t.to_row()
-        row["metadata"] = json.dumps(row["metadata"])
-        rows.append(row)
-    return rows_to_table(rows, TURN_SCHEMA)
+def _replay(threads: dict[str, Thread], turn: TurnRecord, delta: dict[str, Any]) -> None:
+    """Apply one journaled call to its thread, as ``ThreadSet.commit`` did live."""
+    thread = threads.get(delta["thread_id"])
+    if thread is None:
+        thread = Thread(
+            thread_id=delta["thread_id"],
+            session_id=turn.session_id,
+            header=(),
+            parent_thread_id=delta.get("parent_thread_id"),
+            parent_tool_call_id=delta.get("parent_tool_call_id"),
+        )
+        threads[thread.thread_id] = thread
+    base = delta["base"]
+    if delta.get("forked_prefix_logprobs") is not None:  # forked from its parent
+        thread.ids = list(turn.prompt_ids[:base])
+        thread.logprobs = list(delta["forked_prefix_logprobs"])
+        thread.provenance = [0] * base
+    thread.ids[base:] = turn.prompt_ids[base:]
+    thread.logprobs[base:] = delta["suffix_logprobs"]
+    thread.provenance[base:] = delta["suffix_provenance"]
+    thread.ids.extend(turn.completion_ids)
+    thread.logprobs.extend(turn.completion_logprobs)
+    thread.provenance.extend([1] * len(turn.completion_ids))
+    thread.turns.append(
+        TurnSpan(
+            turn.request_id, turn.turn_index, 0, 0, turn.finish_reason, turn.latency_s, turn.backend
+        )
+    )
+    for span, (start, end, dropped) in zip(thread.turns, delta["spans"], strict=True):
+        span.start, span.end, span.dropped = start, end, dropped
+
+
+def thread_row(thread: Thread, by_request: dict[str, TurnRecord]) -> dict[str, Any]:
+    first = by_request.get(thread.turns[0].request_id)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "session_id": thread.session_id,
+        "thread_id": thread.thread_id,
+        "parent_thread_id": thread.parent_thread_id,
+        "parent_tool_call_id": thread.parent_tool_call_id,
+        "input_ids": thread.ids,
+        "loss_mask": [1 if p in TRAINED else 0 for p in thread.provenance],
+        "logprobs": thread.logprobs,
+        "provenance": thread.provenance,
+        "turns": [t.to_row() for t in thread.turns],
+        "num_turns": len(thread.turns),
+        "protocol": first.protocol if first else None,
+        "user_agent": first.user_agent if first else None,
+        "reward": None,
+        "metadata": None,
+    }
+
+
+def _turn_row(turn: TurnRecord) -> dict[str, Any]:
+    row = turn.to_row()
+    row["metadata"] = json.dumps(row["metadata"])
+    return row

@@ -60,3 +60,66 @@ def write_table(directory: Path, table: pa.Table, prefix: str = "part") -> Path:
 def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     columns = {name: [row.get(name) for row in rows] for name in schema.names}
     return pa.Table.from_pydict(columns, schema=schema)
+
+
+THREAD_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("session_id", pa.string()),
+        ("thread_id", pa.string()),
+        ("parent_thread_id", pa.string()),
+        ("parent_tool_call_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("provenance", pa.list_(pa.int8())),
+        (
+            "turns",
+            pa.list_(
+                pa.struct(
+                    [
+                        ("request_id", pa.string()),
+                        ("turn_index", pa.int32()),
+                        ("start", pa.int32()),
+                        ("end", pa.int32()),
+                        ("finish_reason", pa.string()),
+                        ("latency_s", pa.float64()),
+                        ("backend", pa.string()),
+                        ("dropped", pa.bool_()),
+                    ]
+                )
+            ),
+        ),
+        ("num_turns", pa.int32()),
+        ("protocol", pa.string()),
+        ("user_agent", pa.string()),
+        ("reward", pa.float64()),
+        ("metadata", pa.string()),  # JSON text, null until set
+    ]
+)
+
+# Rows are split so that one file stays near this size: shards roll over by size.
+SHARD_TARGET_BYTES = 128 * 1024 * 1024
+
+
+def write_rows(
+    directory: Path,
+    rows: list[dict[str, Any]],
+    schema: pa.Schema,
+    prefix: str,
+    target_bytes: int = SHARD_TARGET_BYTES,
+) -> list[Path]:
+    """Write rows as one or more shards of about ``target_bytes`` each."""
+    paths: list[Path] = []
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for row in rows:
+        # ~5 bytes a token per list column after encoding: a cheap, conservative estimate.
+        size += 64 + sum(5 * len(v) for v in row.values() if isinstance(v, list))
+        chunk.append(row)
+        if size >= target_bytes:
+            paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+            chunk, size = [], 0
+    if chunk:
+        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+    return paths

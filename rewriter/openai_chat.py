@@ -63,13 +63,14 @@ class ChatCompletionRequestIn(_Lenient):
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolSpecIn] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    stream: bool = False
+    # OpenAI takes null for its optional parameters (some clients send every field).
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
     seed: int | None = None
     response_format: dict[str, Any] | None = None
@@ -127,7 +128,7 @@ def parse_request(body: bytes) -> ChatRequest:
         req = ChatCompletionRequestIn.model_validate(raw)
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise RequestError("Only n=1 is supported by this proxy.", param="n")
 
     messages: list[Message] = []
@@ -189,7 +190,7 @@ def parse_request(body: bytes) -> ChatRequest:
         ],
         tool_choice=req.tool_choice,
         sampling=sampling,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=bool((req.stream_options or {}).get("include_usage")),
         enable_thinking=kwargs.get("enable_thinking"),
     )

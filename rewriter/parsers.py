@@ -121,7 +121,9 @@ class HermesToolCalls(ToolCallStream):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ContentDelta(self.OPEN + body + self.CLOSE)
         arguments = obj.get("arguments", obj.get("parameters", {}))
-        args_text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        args_text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
         event = ToolCallEvent(self._count, ToolCall(new_tool_call_id(), obj["name"], args_text))
         self._count += 1
         return event
@@ -260,7 +262,9 @@ class OutputParser:
         if self.tool_calls:
             content = content.strip()  # the template's newline before <tool_call> is not content
         reasoning = "".join(self.reasoning).strip("\n") if self.reasoning else None
-        return AssistantReply(content=content, reasoning=reasoning, tool_calls=list(self.tool_calls))
+        return AssistantReply(
+            content=content, reasoning=reasoning, tool_calls=list(self.tool_calls)
+        )
 
 
 def parse_completion(

@@ -38,7 +38,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ensure_tiny_model(model_dir: Path = DEFAULT_MODEL_DIR, tokenizer: Path = DEFAULT_TOKENIZER) -> Path:
+def ensure_tiny_model(
+    model_dir: Path = DEFAULT_MODEL_DIR, tokenizer: Path = DEFAULT_TOKENIZER
+) -> Path:
     if (model_dir / "config.json").exists():
         return model_dir
     if not VLLM_PYTHON.exists():
@@ -49,7 +51,14 @@ def ensure_tiny_model(model_dir: Path = DEFAULT_MODEL_DIR, tokenizer: Path = DEF
             "Qwen3's tokenizer.json and tokenizer_config.json"
         )
     subprocess.run(
-        [str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py"), "--tokenizer", str(tokenizer), "--out", str(model_dir)],
+        [
+            str(VLLM_PYTHON),
+            str(REPO / "scripts" / "build_tiny_model.py"),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(model_dir),
+        ],
         check=True,
     )
     return model_dir
@@ -80,7 +89,9 @@ def start_vllm(
         *(extra_args or []),
     ]  # fmt: skip
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
@@ -111,7 +122,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve the embedded tiny policy with vLLM.")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model folder (default: build the tiny one)"
+    )
     parser.add_argument("--log", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
@@ -120,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         print(f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU)", flush=True)
         proc = start_vllm(model, port, log_path=args.log)
-        signal.signal(signal.SIGTERM, lambda *_: (stop(proc), sys.exit(0)))
+
+        def on_term(*_: object) -> None:
+            stop(proc)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
         wait_ready(url, proc)
     except (PolicyServerError, subprocess.CalledProcessError) as exc:
         print(f"agenttap: could not start the embedded policy: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -19,9 +19,14 @@ from rewriter.canonical import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_RESUMES = 16
+
 
 class PolicyError(RuntimeError):
-    """The policy server failed or refused a request; ``status`` is its HTTP status (0: no answer)."""
+    """The policy server failed or refused a request.
+
+    ``status`` is the server's HTTP status, 0 when it did not answer.
+    """
 
     def __init__(self, message: str, status: int = 0) -> None:
         super().__init__(message)
@@ -106,15 +111,21 @@ class VLLMClient:
             try:
                 async with self._session.get(f"{self.base_url}/v1/models") as resp:
                     if resp.status != 200:
-                        raise PolicyError(f"{self.base_url}/v1/models answered {resp.status}", resp.status)
+                        raise PolicyError(
+                            f"{self.base_url}/v1/models answered {resp.status}", resp.status
+                        )
                     data = await resp.json()
             except aiohttp.ClientError as exc:
-                raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
+                raise PolicyError(
+                    f"cannot reach the policy server at {self.base_url}: {exc}"
+                ) from exc
             model = data["data"][0]
             self._info = PolicyInfo(model=model["id"], max_model_len=model.get("max_model_len"))
         return self._info
 
-    async def _body(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> dict[str, Any]:
+    async def _body(
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool
+    ) -> dict[str, Any]:
         info = await self.info()
         body: dict[str, Any] = {
             "model": info.model,
@@ -147,16 +158,63 @@ class VLLMClient:
         return resp
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        resp = await self._post("/v1/completions", await self._body(prompt_ids, params, stream=False))
-        async with resp:
-            data = await resp.json()
-        choice = data["choices"][0]
-        out = Completion(prompt_token_ids=choice.get("prompt_token_ids"))
-        out.extend(_choice_delta(choice))
+        """A whole completion; generations aborted by the server (weight sync) are resumed."""
+        out = Completion()
+        async for delta in self.stream_resuming(prompt_ids, params, stream=False):
+            out.extend(delta)
         return out
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
-        resp = await self._post("/v1/completions", await self._body(prompt_ids, params, stream=True))
+    async def stream_resuming(
+        self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = True
+    ) -> AsyncIterator[CompletionDelta]:
+        """Like :meth:`stream`, but a generation the server ends with ``finish_reason: abort``
+        (a paused server, a weight sync) is resubmitted with the tokens so far appended to the
+        prompt and the remaining budget, and stitched: the caller sees one completion."""
+        sampled: list[int] = []
+        for resume in range(MAX_RESUMES + 1):
+            budget = replace(
+                params,
+                max_tokens=None if params.max_tokens is None else params.max_tokens - len(sampled),
+                min_tokens=None
+                if params.min_tokens is None
+                else max(0, params.min_tokens - len(sampled)),
+            )
+            aborted = False
+            parts = (
+                self.stream(prompt_ids + sampled, budget)
+                if stream
+                else self._complete_once(prompt_ids + sampled, budget)
+            )
+            async for delta in parts:
+                if delta.finish_reason == "abort":
+                    aborted = True
+                    delta.finish_reason = None
+                sampled.extend(delta.token_ids)
+                yield delta
+            if not aborted:
+                return
+            if params.max_tokens is not None and len(sampled) >= params.max_tokens:
+                yield CompletionDelta("", [], [], finish_reason="length")
+                return
+            logger.info("generation aborted by the policy server; resuming (%d)", resume + 1)
+        raise PolicyError(f"generation aborted {MAX_RESUMES + 1} times; giving up")
+
+    async def _complete_once(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[CompletionDelta]:
+        resp = await self._post(
+            "/v1/completions", await self._body(prompt_ids, params, stream=False)
+        )
+        async with resp:
+            data = await resp.json()
+        yield _choice_delta(data["choices"][0])
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[CompletionDelta]:
+        resp = await self._post(
+            "/v1/completions", await self._body(prompt_ids, params, stream=True)
+        )
         async with resp:
             async for raw in resp.content:
                 line = raw.strip()

@@ -6,7 +6,7 @@ token id the proxy renders is meaningful to it, but only 2 layers of width 64: v
 a CPU in about a minute. Weights are random with a fixed seed, in float32, so sampled logprobs
 equal prompt_logprobs of the same sequence to the bit.
 
-    .venv-vllm/bin/python scripts/build_tiny_model.py --tokenizer ../shared/tokenizers/qwen3 --out DIR
+    .venv-vllm/bin/python scripts/build_tiny_model.py --tokenizer TOKENIZER_DIR --out DIR
 """
 
 from __future__ import annotations

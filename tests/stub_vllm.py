@@ -19,6 +19,16 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 
+def _dumps(obj: Any) -> str:
+    # vLLM writes compact JSON (pydantic's model_dump_json), non-ASCII as UTF-8.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error(status: int, kind: str, message: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
 class StubPolicy:
     def __init__(self, tokenizer_dir: str, model_name: str = "stub-policy", max_model_len: int = 32768):
         self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -36,10 +46,9 @@ class StubPolicy:
     def script(self, *texts: str) -> None:
         self.replies.extend(texts)
 
-    def _completion_ids(self, body: dict[str, Any]) -> tuple[list[int], str]:
+    def _completion_ids(self, body: dict[str, Any], max_tokens: int) -> tuple[list[int], str]:
         text = self.replies.popleft() if self.replies else self.default_reply
         ids = list(self.tok.encode(text, add_special_tokens=False))
-        max_tokens = body.get("max_tokens") or 16
         if len(ids) + 1 > max_tokens:
             return ids[:max_tokens], "length"
         return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop"
@@ -66,19 +75,64 @@ class StubPolicy:
                         "root": self.model_name,
                         "parent": None,
                         "max_model_len": self.max_model_len,
-                        "permission": [],
+                        "permission": [
+                            {
+                                "id": "modelperm-" + uuid.uuid4().hex[:16],
+                                "object": "model_permission",
+                                "created": now,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
                     }
                 ],
-            }
+            },
+            dumps=_dumps,
         )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
         prompt = body["prompt"]
+        if body.get("model") != self.model_name:
+            return _error(
+                404,
+                "NotFoundError",
+                f"The model `{body.get('model')}` does not exist. Valid aliases: {self.model_name}.",
+                "model",
+            )
         if not (isinstance(prompt, list) and all(isinstance(x, int) for x in prompt)):
-            return web.json_response({"error": {"message": "stub takes token-id prompts", "type": "BadRequestError", "code": 400}}, status=400)
-        ids, finish = self._completion_ids(body)
+            return _error(400, "BadRequestError", "stub takes token-id prompts", "prompt")
+        # As vLLM: a prompt over the context is refused; max_tokens (default 16) is clamped to
+        # what the context has left, and refused when nothing is left.
+        room = self.max_model_len - len(prompt)
+        if room < 0:
+            return _error(
+                400,
+                "BadRequestError",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {len(prompt)} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={len(prompt)})",
+                "input_tokens",
+            )
+        max_tokens = min(body["max_tokens"] if body.get("max_tokens") is not None else 16, room)
+        if max_tokens < 1:
+            return _error(
+                400,
+                "BadRequestError",
+                f"max_tokens must be at least 1, got {max_tokens}. "
+                f"(parameter=max_tokens, value={max_tokens})",
+                "max_tokens",
+            )
+        ids, finish = self._completion_ids(body, max_tokens)
         rid = "cmpl-" + uuid.uuid4().hex[:16]
         created = int(time.time())
         texts = [self._piece(ids, i + 1)[len(self._piece(ids, i)) :] for i in range(len(ids))]
@@ -123,7 +177,8 @@ class StubPolicy:
                     "kv_transfer_params": None,
                     "ec_transfer_params": None,
                     "metrics": None,
-                }
+                },
+                dumps=_dumps,
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
@@ -152,13 +207,13 @@ class StubPolicy:
                 ],
             }
             pos += len(text)
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(ids), "completion_tokens": len(ids)}
             final = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [], "usage": usage, "system_fingerprint": "stub"}
-            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+            await resp.write(b"data: " + _dumps(final).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -78,7 +78,7 @@ def test_streaming_is_incremental_and_recorded(vllm_proxy: Proxy, monkeypatch: p
     stream = client.chat.completions.create(
         model="gpt-4o",
         messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=120,
+        max_tokens=300,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -92,7 +92,7 @@ def test_streaming_is_incremental_and_recorded(vllm_proxy: Proxy, monkeypatch: p
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert finish == "length"
-    assert usage is not None and usage.completion_tokens == 120
+    assert usage is not None and usage.completion_tokens == 300
     assert len(arrivals) > 20
     # Real streaming: the first token reaches the client long before the last one.
     first_content = arrivals[1]
@@ -100,7 +100,7 @@ def test_streaming_is_incremental_and_recorded(vllm_proxy: Proxy, monkeypatch: p
 
     row = vllm_proxy.turns("e2e-stream", expect=1)[0]
     assert row["stream"] is True
-    assert len(row["completion_ids"]) == 120 == len(row["completion_logprobs"])
+    assert len(row["completion_ids"]) == 300 == len(row["completion_logprobs"])
     assert "".join(pieces) == row["completion_text"]
 
 

@@ -1,0 +1,339 @@
+"""The stub speaks vLLM's token-id completions API exactly as the real vLLM does.
+
+The same request goes to the real vLLM and to ``tests/stub_vllm.py``; the JSON that comes back
+must have the same shape (the same keys at every level, the same value types), the same streamed
+chunk kinds in the same order, and the same SSE framing. Values differ (the stub's completion is
+scripted), shapes must not: tests that trust the stub then hold for vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.stub_vllm import StubPolicy
+
+pytestmark = pytest.mark.vllm
+
+IM_END = 151645
+LONG_REPLY = "Hello there! How are you doing today? I hope the weather is fine where you are."
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def shape(value: Any, key: str | None = None) -> Any:
+    """The JSON shape of ``value``: dict keys kept, lists reduced to their distinct item shapes,
+    scalars replaced by their type name. ``top_logprobs`` entries map token text to a logprob,
+    so their keys (the tokens) are data, not shape."""
+    if isinstance(value, dict):
+        if key == "top_logprobs":
+            return {"<token>": _distinct(shape(v) for v in value.values())}
+        return {k: shape(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return _distinct(shape(v, key) for v in value)
+    return type(value).__name__
+
+
+def _distinct(items: Iterator[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def shape_diff(a: Any, b: Any, path: str = "$") -> list[str]:
+    """Where two shapes differ, as readable paths (empty when equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}.{k}: only in vLLM" for k in a.keys() - b.keys()]
+        out += [f"{path}.{k}: only in the stub" for k in b.keys() - a.keys()]
+        for k in a.keys() & b.keys():
+            out += shape_diff(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in shape_diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: vLLM {a!r} != stub {b!r}"]
+
+
+def assert_same_shape(real: Any, stub: Any, what: str) -> None:
+    diff = shape_diff(shape(real), shape(stub))
+    assert not diff, f"{what}: the stub deviates from vLLM:\n" + "\n".join(sorted(diff))
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.load(resp)
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    """POST ``body`` to ``url``/v1/completions: (status, media type, raw body)."""
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            media = resp.headers.get_content_type()
+            return resp.status, media, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get_content_type(), exc.read()
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The payloads of an SSE body; every event must be a lone ``data:`` line."""
+    assert raw.endswith(b"\n\n"), raw[-80:]
+    frames = raw[:-2].split(b"\n\n")
+    payloads = []
+    for frame in frames:
+        assert frame.startswith(b"data: ") and b"\n" not in frame, frame[:200]
+        payloads.append(frame[len(b"data: ") :])
+    return payloads
+
+
+def chunk_kinds(raw: bytes) -> dict[str, list[dict[str, Any]]]:
+    """Split a streamed completion into its chunk kinds, checking their order."""
+    payloads = sse_events(raw)
+    assert payloads[-1] == b"[DONE]"
+    assert b"[DONE]" not in payloads[:-1]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    kinds: dict[str, list[dict[str, Any]]] = {"first": [], "middle": [], "last": [], "usage": []}
+    for i, chunk in enumerate(chunks):
+        if not chunk["choices"]:
+            assert "usage" in chunk and i == len(chunks) - 1, "usage comes last, alone"
+            kinds["usage"].append(chunk)
+        elif chunk["choices"][0]["finish_reason"] is not None:
+            kinds["last"].append(chunk)
+        elif i == 0:
+            kinds["first"].append(chunk)
+        else:
+            kinds["middle"].append(chunk)
+    return kinds
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(qwen3_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def models(vllm_url: str, stub: StubPolicy) -> tuple[dict[str, Any], dict[str, Any]]:
+    return get_json(f"{vllm_url}/v1/models"), get_json(f"{stub.url}/v1/models")
+
+
+@pytest.fixture(scope="module")
+def stub_like_vllm(
+    qwen3_dir: Path, models: tuple[dict[str, Any], dict[str, Any]]
+) -> Iterator[StubPolicy]:
+    """A stub with the real server's context length, for the requests that depend on it."""
+    policy = StubPolicy(str(qwen3_dir), max_model_len=models[0]["data"][0]["max_model_len"])
+    policy.start()
+    yield policy
+    policy.stop()
+
+
+def request(model: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+        # The tiny random model may sample its EOS early; the shapes compared need 8 tokens.
+        "ignore_eos": True,
+    }
+    body.update(extra)
+    return body
+
+
+def both(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt: list[int], reply: str, **extra: Any
+) -> tuple[tuple[int, str, bytes], tuple[int, str, bytes]]:
+    """The same request to vLLM and to the stub (scripted to answer ``reply``)."""
+    real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]
+    real = post(vllm_url, request(real_model, prompt, **extra))
+    stub.replies.clear()
+    stub.script(reply)
+    fake = post(stub.url, request(stub_model, prompt, **extra))
+    return real, fake
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_models_shape(models: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    real, fake = models
+    assert_same_shape(real, fake, "/v1/models")
+    assert len(real["data"]) == len(fake["data"]) == 1
+    for m in (real, fake):
+        assert m["object"] == "list" and m["data"][0]["object"] == "model"
+        assert isinstance(m["data"][0]["max_model_len"], int)
+
+
+def test_non_streamed_completion_shape(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    (rs, rmedia, rraw), (fs, fmedia, fraw) = both(vllm_url, stub, models, prompt_ids, LONG_REPLY)
+    assert rs == fs == 200
+    assert rmedia == fmedia == "application/json"
+    real, fake = json.loads(rraw), json.loads(fraw)
+    assert_same_shape(real, fake, "completion")
+    assert_same_shape(real["choices"][0], fake["choices"][0], "choices[0]")
+    assert_same_shape(real["choices"][0]["logprobs"], fake["choices"][0]["logprobs"], "logprobs")
+    assert_same_shape(real["usage"], fake["usage"], "usage")
+    for data, model in ((real, models[0]), (fake, models[1])):
+        assert data["object"] == "text_completion"
+        assert data["id"].startswith("cmpl-")
+        assert data["model"] == model["data"][0]["id"]
+        choice = data["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+        assert choice["prompt_token_ids"] == prompt_ids
+        n = len(choice["token_ids"])
+        assert n == 8
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["text_offset"]) == n
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert all(x <= 0 for x in lp["token_logprobs"])
+        assert data["usage"]["prompt_tokens"] == len(prompt_ids)
+        assert data["usage"]["completion_tokens"] == n
+        assert data["usage"]["total_tokens"] == len(prompt_ids) + n
+
+
+def test_streamed_completion_shape(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    (rs, rmedia, rraw), (fs, fmedia, fraw) = both(
+        vllm_url,
+        stub,
+        models,
+        prompt_ids,
+        LONG_REPLY,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert rs == fs == 200
+    assert rmedia == fmedia == "text/event-stream"
+    real, fake = chunk_kinds(rraw), chunk_kinds(fraw)
+    for kind, count in (("first", 1), ("last", 1), ("usage", 1)):
+        assert len(real[kind]) == len(fake[kind]) == count, kind
+    assert len(real["middle"]) == len(fake["middle"]) == 6
+    for kind in ("first", "middle", "last", "usage"):
+        for r, f in zip(real[kind], fake[kind], strict=True):
+            assert_same_shape(r, f, f"{kind} chunk")
+            if r["choices"]:
+                assert_same_shape(r["choices"][0], f["choices"][0], f"{kind} chunk choices[0]")
+            else:
+                assert_same_shape(r["usage"], f["usage"], "usage chunk usage")
+    for kinds in (real, fake):
+        assert kinds["first"][0]["choices"][0]["prompt_token_ids"] == prompt_ids
+        token_chunks = kinds["first"] + kinds["middle"] + kinds["last"]
+        assert all(len(c["choices"][0]["token_ids"]) == 1 for c in token_chunks)
+        assert all(c["choices"][0]["prompt_token_ids"] is None for c in token_chunks[1:])
+        assert kinds["last"][0]["choices"][0]["finish_reason"] == "length"
+        assert kinds["usage"][0]["usage"]["completion_tokens"] == 8
+        assert len({c["id"] for c in token_chunks + kinds["usage"]}) == 1
+
+
+def test_streamed_without_usage_has_no_usage_chunk(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    (rs, _, rraw), (fs, _, fraw) = both(
+        vllm_url, stub, models, prompt_ids, LONG_REPLY, max_tokens=3, stream=True
+    )
+    assert rs == fs == 200
+    real, fake = chunk_kinds(rraw), chunk_kinds(fraw)
+    assert not real["usage"] and not fake["usage"]
+    assert_same_shape(real["last"][0], fake["last"][0], "last chunk without usage")
+    assert_same_shape(real["first"][0], fake["first"][0], "first chunk without usage")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_eos_stop_is_reported_alike(
+    stream: bool, vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    """vLLM forced to end at once (logit bias on <|im_end|>) vs the stub scripted to say nothing:
+    the EOS token is in token_ids and tokens, not in the text; stop_reason is null."""
+    extra: dict[str, Any] = {"logit_bias": {str(IM_END): 100}, "ignore_eos": False}
+    if stream:
+        extra.update(stream=True, stream_options={"include_usage": True})
+    (rs, _, rraw), (fs, _, fraw) = both(vllm_url, stub, models, prompt_ids, "", **extra)
+    assert rs == fs == 200
+    if stream:
+        real_kinds, fake_kinds = chunk_kinds(rraw), chunk_kinds(fraw)
+        assert [len(real_kinds[k]) for k in real_kinds] == [0, 0, 1, 1]
+        assert [len(fake_kinds[k]) for k in fake_kinds] == [0, 0, 1, 1]
+        real, fake = real_kinds["last"][0], fake_kinds["last"][0]
+    else:
+        real, fake = json.loads(rraw), json.loads(fraw)
+    assert_same_shape(real, fake, "EOS-stopped completion")
+    for data in (real, fake):
+        choice = data["choices"][0]
+        assert choice["text"] == ""
+        assert choice["token_ids"] == [IM_END]
+        assert choice["finish_reason"] == "stop"
+        assert choice["stop_reason"] is None
+        assert choice["logprobs"]["tokens"] == ["<|im_end|>"]
+        assert choice["logprobs"]["text_offset"] == [0]
+        assert choice["prompt_token_ids"] == prompt_ids
+
+
+def test_max_tokens_is_clamped_to_the_context_alike(
+    vllm_url: str, stub_like_vllm: StubPolicy, prompt_ids: list[int]
+) -> None:
+    real_models = get_json(f"{vllm_url}/v1/models")
+    fake_models = get_json(f"{stub_like_vllm.url}/v1/models")
+    limit = real_models["data"][0]["max_model_len"]
+    assert fake_models["data"][0]["max_model_len"] == limit
+    prompt = (prompt_ids * (limit // len(prompt_ids) + 1))[: limit - 3]
+    (rs, _, rraw), (fs, _, fraw) = both(
+        vllm_url, stub_like_vllm, (real_models, fake_models), prompt, LONG_REPLY
+    )
+    assert rs == fs == 200
+    real, fake = json.loads(rraw), json.loads(fraw)
+    assert_same_shape(real, fake, "clamped completion")
+    for data in (real, fake):
+        assert len(data["choices"][0]["token_ids"]) == 3
+        assert data["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("case", ["prompt-too-long", "no-room-left", "unknown-model"])
+def test_errors_have_vllms_shape(
+    case: str, vllm_url: str, stub_like_vllm: StubPolicy, prompt_ids: list[int]
+) -> None:
+    real_models = get_json(f"{vllm_url}/v1/models")
+    fake_models = get_json(f"{stub_like_vllm.url}/v1/models")
+    limit = real_models["data"][0]["max_model_len"]
+    prompt = prompt_ids
+    if case == "prompt-too-long":
+        prompt = [9707] * (limit + 1)
+    elif case == "no-room-left":
+        prompt = [9707] * limit
+    bodies = []
+    for url, models in ((vllm_url, real_models), (stub_like_vllm.url, fake_models)):
+        model = "no-such-model" if case == "unknown-model" else models["data"][0]["id"]
+        bodies.append(post(url, request(model, prompt)))
+    (rs, rmedia, rraw), (fs, fmedia, fraw) = bodies
+    assert rs == fs == (404 if case == "unknown-model" else 400)
+    assert rmedia == fmedia == "application/json"
+    real, fake = json.loads(rraw), json.loads(fraw)
+    assert_same_shape(real, fake, f"{case} error")
+    assert real["error"]["type"] == fake["error"]["type"]
+    assert real["error"]["param"] == fake["error"]["param"]
+    assert real["error"]["code"] == fake["error"]["code"] == rs
