@@ -114,7 +114,9 @@ class Proxy:
                 self.proc.kill()
                 self.proc.wait()
 
-    def turns(self, session: str | None = None, expect: int = 1, timeout: float = 30.0) -> list[dict]:
+    def turns(
+        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
+    ) -> list[dict]:
         """Rows of the per-call shards (waits for the session's idle flush)."""
         deadline = time.monotonic() + timeout
         rows: list[dict] = []
@@ -163,14 +165,18 @@ def start_proxy(
 
 
 @pytest.fixture(scope="session")
-def stub_proxy(stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+def stub_proxy(
+    stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proxy]:
     proxy = start_proxy(stub.url, tmp_path_factory.mktemp("stub-proxy") / "out", confdir)
     yield proxy
     proxy.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_proxy(vllm_url: str, confdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+def vllm_proxy(
+    vllm_url: str, confdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proxy]:
     proxy = start_proxy(vllm_url, tmp_path_factory.mktemp("vllm-proxy") / "out", confdir)
     yield proxy
     proxy.stop()

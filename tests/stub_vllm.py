@@ -30,7 +30,9 @@ def _error(status: int, kind: str, message: str, param: str | None = None) -> we
 
 
 class StubPolicy:
-    def __init__(self, tokenizer_dir: str, model_name: str = "stub-policy", max_model_len: int = 32768):
+    def __init__(
+        self, tokenizer_dir: str, model_name: str = "stub-policy", max_model_len: int = 32768
+    ):
         self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -149,7 +151,9 @@ class StubPolicy:
                     "text_offset": offsets,
                     "token_logprobs": logprobs,
                     "tokens": [self.tok.decode([t]) for t in ids],
-                    "top_logprobs": [{self.tok.decode([t]): lp} for t, lp in zip(ids, logprobs, strict=True)],
+                    "top_logprobs": [
+                        {self.tok.decode([t]): lp} for t, lp in zip(ids, logprobs, strict=True)
+                    ],
                 },
                 "finish_reason": finish,
                 "stop_reason": None,
@@ -211,8 +215,20 @@ class StubPolicy:
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(ids), "completion_tokens": len(ids)}
-            final = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [], "usage": usage, "system_fingerprint": "stub"}
+            usage = {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(ids),
+                "completion_tokens": len(ids),
+            }
+            final = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage,
+                "system_fingerprint": "stub",
+            }
             await resp.write(b"data: " + _dumps(final).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

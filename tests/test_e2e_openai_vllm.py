@@ -14,11 +14,16 @@ from tests.conftest import Proxy
 pytestmark = pytest.mark.vllm
 
 
-def test_non_streaming_call_is_answered_and_recorded_exactly(vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_streaming_call_is_answered_and_recorded_exactly(
+    vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = vllm_proxy.openai("e2e-plain", monkeypatch)
     resp = client.chat.completions.create(
         model="gpt-4o-mini",
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hi."},
+        ],
         max_tokens=24,
         seed=7,
     )
@@ -37,13 +42,18 @@ def test_non_streaming_call_is_answered_and_recorded_exactly(vllm_proxy: Proxy, 
     assert all(lp <= 0.0 for lp in row["completion_logprobs"])
 
 
-def test_recorded_tokens_equal_what_vllm_returns(vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recorded_tokens_equal_what_vllm_returns(
+    vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same prompt ids and seed straight to vLLM: the shard holds exactly vLLM's ids and logprobs."""
     import urllib.request
 
     client = vllm_proxy.openai("e2e-exact", monkeypatch)
     client.chat.completions.create(
-        model="gpt-4o", messages=[{"role": "user", "content": "Count to three."}], max_tokens=16, seed=1234
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Count to three."}],
+        max_tokens=16,
+        seed=1234,
     )
     row = vllm_proxy.turns("e2e-exact", expect=1)[0]
     models = json.load(urllib.request.urlopen(f"{vllm_url}/v1/models"))
@@ -57,7 +67,9 @@ def test_recorded_tokens_equal_what_vllm_returns(vllm_proxy: Proxy, vllm_url: st
         "skip_special_tokens": True,
     }
     req = urllib.request.Request(
-        f"{vllm_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        f"{vllm_url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
     )
     direct = json.load(urllib.request.urlopen(req))["choices"][0]
     assert row["completion_ids"] == direct["token_ids"]
@@ -68,7 +80,9 @@ def test_recorded_tokens_equal_what_vllm_returns(vllm_proxy: Proxy, vllm_url: st
     assert np.array_equal(np.asarray(row["completion_logprobs"], dtype=np.float32), expected)
 
 
-def test_streaming_is_incremental_and_recorded(vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streaming_is_incremental_and_recorded(
+    vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = vllm_proxy.openai("e2e-stream", monkeypatch)
     start = time.monotonic()
     arrivals: list[float] = []
@@ -116,7 +130,9 @@ def test_plain_program_with_only_env_vars(vllm_proxy: Proxy) -> None:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI")}
     env.update(vllm_proxy.env("e2e-program"))
-    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     reason, n = out.stdout.split()
     assert reason in ("stop", "length") and 1 <= int(n) <= 8
@@ -142,7 +158,11 @@ def _raw_proxy_request(port: int, request: bytes) -> bytes:
             data += piece
         head, _, body = data.partition(b"\r\n\r\n")
         length = next(
-            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
             0,
         )
         while len(body) < length:
@@ -156,16 +176,19 @@ def _raw_proxy_request(port: int, request: bytes) -> bytes:
 def test_other_hosts_are_refused_never_tunnelled(vllm_proxy: Proxy) -> None:
     auth = b"Proxy-Authorization: Basic ZTJlLXJlZnVzZTp4\r\n"  # e2e-refuse:x
     answer = _raw_proxy_request(
-        vllm_proxy.port, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n" + auth + b"\r\n"
+        vllm_proxy.port,
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n" + auth + b"\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
     assert b"not an intercepted API host" in answer
     answer = _raw_proxy_request(
-        vllm_proxy.port, b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n" + auth + b"\r\n"
+        vllm_proxy.port,
+        b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n" + auth + b"\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
     # An intercepted host is answered by the proxy itself, not tunnelled.
     answer = _raw_proxy_request(
-        vllm_proxy.port, b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n" + auth + b"\r\n"
+        vllm_proxy.port,
+        b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n" + auth + b"\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]

@@ -19,7 +19,9 @@ def _rescore(vllm_url: str, ids: list[int]) -> list[float | None]:
     model = json.load(urllib.request.urlopen(f"{vllm_url}/v1/models"))["data"][0]["id"]
     body = {"model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
     req = urllib.request.Request(
-        f"{vllm_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        f"{vllm_url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
     )
     entries = json.load(urllib.request.urlopen(req))["choices"][0]["prompt_logprobs"]
     return [None if e is None else e[str(t)]["logprob"] for t, e in zip(ids, entries, strict=True)]
@@ -49,7 +51,9 @@ def _assert_exact(row: dict, turns: list[dict], vllm_url: str) -> float:
     ]
     assert diffs, "no trained tokens"
     max_diff = float(max(diffs))
-    print(f"thread {row['thread_id']}: {len(diffs)} trained tokens, max |stored - rescored| = {max_diff}")
+    print(
+        f"thread {row['thread_id']}: {len(diffs)} trained tokens, max |stored - rescored| = {max_diff}"
+    )
     assert max_diff == 0.0
     # The sampled ids in the thread are exactly the ids vLLM returned for each call.
     by_request = {t["request_id"]: t for t in turns}
@@ -60,7 +64,9 @@ def _assert_exact(row: dict, turns: list[dict], vllm_url: str) -> float:
     return max_diff
 
 
-def test_multi_turn_extension_is_exact(vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_turn_extension_is_exact(
+    vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = vllm_proxy.openai("traj-extend", monkeypatch)
     messages: list[dict] = [{"role": "system", "content": "You are terse."}]
     for i in range(4):
@@ -80,7 +86,9 @@ def test_multi_turn_extension_is_exact(vllm_proxy: Proxy, vllm_url: str, monkeyp
     _assert_exact(row, turns, vllm_url)
 
 
-def test_rewritten_history_is_recomputed_exactly(vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rewritten_history_is_recomputed_exactly(
+    vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = vllm_proxy.openai("traj-rewrite", monkeypatch)
     messages: list[dict] = [
         {"role": "system", "content": "You are terse."},
@@ -102,16 +110,29 @@ def test_rewritten_history_is_recomputed_exactly(vllm_proxy: Proxy, vllm_url: st
     assert len(threads) == 1
     row = threads[0]
     # Both earlier replies sit after the rewritten user turn: their logprobs were recomputed.
-    assert row["provenance"].count(2) == len(turns[0]["completion_ids"]) + len(turns[1]["completion_ids"])
+    assert row["provenance"].count(2) == len(turns[0]["completion_ids"]) + len(
+        turns[1]["completion_ids"]
+    )
     assert row["num_turns"] == 3 and not any(t["dropped"] for t in row["turns"])
     _assert_exact(row, turns, vllm_url)
 
 
-def test_side_call_starts_its_own_thread(vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_side_call_starts_its_own_thread(
+    vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = vllm_proxy.openai("traj-side", monkeypatch)
-    main = [{"role": "system", "content": "Main agent."}, {"role": "user", "content": "Do the task."}]
+    main = [
+        {"role": "system", "content": "Main agent."},
+        {"role": "user", "content": "Do the task."},
+    ]
     main.append({"role": "assistant", "content": _chat(client, main)})
-    _chat(client, [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "Do the task."}])
+    _chat(
+        client,
+        [
+            {"role": "system", "content": "Write a title."},
+            {"role": "user", "content": "Do the task."},
+        ],
+    )
     main.append({"role": "user", "content": "Continue."})
     _chat(client, main)
     threads = _threads(vllm_proxy, "traj-side", 3)
