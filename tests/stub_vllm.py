@@ -40,6 +40,7 @@ class StubPolicy:
         self.default_reply = "OK."
         self.requests: list[dict[str, Any]] = []
         self.chunk_delay_s = 0.0
+        self.chunk_tokens = 1
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -186,9 +187,20 @@ class StubPolicy:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # vLLM sends what the engine produced since the last chunk: usually one token, several
+        # when the server lags behind. ``chunk_tokens`` lets a test ask for the latter.
+        size = max(1, self.chunk_tokens)
+        starts = range(0, len(ids), size)
         pos = 0
-        for i, (t, text, lp) in enumerate(zip(ids, texts, logprobs, strict=True)):
-            chunk = {
+        for i, start in enumerate(starts):
+            part = range(start, min(start + size, len(ids)))
+            offsets = []
+            for j in part:
+                offsets.append(pos)
+                pos += len(texts[j])
+            last = i == len(starts) - 1
+            chunk: dict[str, Any] = {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
@@ -196,25 +208,29 @@ class StubPolicy:
                 "choices": [
                     {
                         "index": 0,
-                        "text": text,
+                        "text": "".join(texts[j] for j in part),
                         "logprobs": {
-                            "text_offset": [pos],
-                            "token_logprobs": [lp],
-                            "tokens": [self.tok.decode([t])],
-                            "top_logprobs": [{self.tok.decode([t]): lp}],
+                            "text_offset": offsets,
+                            "token_logprobs": [logprobs[j] for j in part],
+                            "tokens": [self.tok.decode([ids[j]]) for j in part],
+                            "top_logprobs": [
+                                {self.tok.decode([ids[j]]): logprobs[j]} for j in part
+                            ],
                         },
-                        "finish_reason": finish if i == len(ids) - 1 else None,
+                        "finish_reason": finish if last else None,
                         "stop_reason": None,
                         "prompt_token_ids": prompt if i == 0 else None,
-                        "token_ids": [t],
+                        "token_ids": [ids[j] for j in part],
                     }
                 ],
             }
-            pos += len(text)
+            if last and not include_usage:
+                # As vLLM: the fingerprint rides on the usage chunk, or else on the last one.
+                chunk["system_fingerprint"] = "stub"
             await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if include_usage:
             usage = {
                 "prompt_tokens": len(prompt),
                 "total_tokens": len(prompt) + len(ids),

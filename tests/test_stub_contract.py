@@ -58,7 +58,11 @@ def shape_diff(a: Any, b: Any, path: str = "$") -> list[str]:
             out += shape_diff(a[k], b[k], f"{path}.{k}")
         return out
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in shape_diff(x, y, f"{path}[{i}]")]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in shape_diff(x, y, f"{path}[{i}]")
+        ]
     return [] if a == b else [f"{path}: vLLM {a!r} != stub {b!r}"]
 
 
@@ -231,24 +235,40 @@ def test_streamed_completion_shape(
     assert rs == fs == 200
     assert rmedia == fmedia == "text/event-stream"
     real, fake = chunk_kinds(rraw), chunk_kinds(fraw)
-    for kind, count in (("first", 1), ("last", 1), ("usage", 1)):
-        assert len(real[kind]) == len(fake[kind]) == count, kind
-    assert len(real["middle"]) == len(fake["middle"]) == 6
+    for kind in ("first", "last", "usage"):
+        assert len(real[kind]) == len(fake[kind]) == 1, kind
+    # vLLM may put several tokens in one chunk when it lags; the stub sends one per chunk.
+    assert real["middle"] and len(fake["middle"]) == 6
     for kind in ("first", "middle", "last", "usage"):
-        for r, f in zip(real[kind], fake[kind], strict=True):
+        for r in real[kind]:
+            f = fake[kind][0]
             assert_same_shape(r, f, f"{kind} chunk")
             if r["choices"]:
                 assert_same_shape(r["choices"][0], f["choices"][0], f"{kind} chunk choices[0]")
             else:
                 assert_same_shape(r["usage"], f["usage"], "usage chunk usage")
     for kinds in (real, fake):
-        assert kinds["first"][0]["choices"][0]["prompt_token_ids"] == prompt_ids
-        token_chunks = kinds["first"] + kinds["middle"] + kinds["last"]
-        assert all(len(c["choices"][0]["token_ids"]) == 1 for c in token_chunks)
-        assert all(c["choices"][0]["prompt_token_ids"] is None for c in token_chunks[1:])
-        assert kinds["last"][0]["choices"][0]["finish_reason"] == "length"
-        assert kinds["usage"][0]["usage"]["completion_tokens"] == 8
-        assert len({c["id"] for c in token_chunks + kinds["usage"]}) == 1
+        check_token_chunks(kinds, prompt_ids, 8)
+
+
+def check_token_chunks(kinds: dict[str, list[dict[str, Any]]], prompt: list[int], n: int) -> None:
+    token_chunks = kinds["first"] + kinds["middle"] + kinds["last"]
+    assert kinds["first"][0]["choices"][0]["prompt_token_ids"] == prompt
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in token_chunks[1:])
+    assert sum(len(c["choices"][0]["token_ids"]) for c in token_chunks) == n
+    text = ""
+    for c in token_chunks:
+        choice = c["choices"][0]
+        lp = choice["logprobs"]
+        assert len(choice["token_ids"]) == len(lp["tokens"]) == len(lp["token_logprobs"])
+        assert len(lp["text_offset"]) == len(lp["top_logprobs"]) == len(choice["token_ids"])
+        # Offsets count from the start of the whole completion text.
+        assert lp["text_offset"][0] == len(text)
+        text += choice["text"]
+    assert kinds["last"][0]["choices"][0]["finish_reason"] == "length"
+    if kinds["usage"]:
+        assert kinds["usage"][0]["usage"]["completion_tokens"] == n
+    assert len({c["id"] for c in token_chunks + kinds["usage"]}) == 1
 
 
 def test_streamed_without_usage_has_no_usage_chunk(
@@ -262,6 +282,34 @@ def test_streamed_without_usage_has_no_usage_chunk(
     assert not real["usage"] and not fake["usage"]
     assert_same_shape(real["last"][0], fake["last"][0], "last chunk without usage")
     assert_same_shape(real["first"][0], fake["first"][0], "first chunk without usage")
+    check_token_chunks(real, prompt_ids, 3)
+    check_token_chunks(fake, prompt_ids, 3)
+
+
+def test_stub_can_send_several_tokens_per_chunk(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    """``stub.chunk_tokens`` imitates a lagging vLLM: chunks of several tokens, same shapes."""
+    stub.chunk_tokens = 3
+    try:
+        (rs, _, rraw), (fs, _, fraw) = both(
+            vllm_url,
+            stub,
+            models,
+            prompt_ids,
+            LONG_REPLY,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    finally:
+        stub.chunk_tokens = 1
+    assert rs == fs == 200
+    real, fake = chunk_kinds(rraw), chunk_kinds(fraw)
+    assert [len(c["choices"][0]["token_ids"]) for c in fake["first"] + fake["middle"]] == [3, 3]
+    assert len(fake["last"][0]["choices"][0]["token_ids"]) == 2
+    for kind in ("first", "last", "usage"):
+        assert_same_shape(real[kind][0], fake[kind][0], f"{kind} chunk")
+    check_token_chunks(fake, prompt_ids, 8)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

@@ -1,0 +1,162 @@
+"""Property tests of the trajectory core (no HTTP, no vLLM): random multi-turn conversations with
+random tool calls, re-serialized arguments, renamed ids, injections into earlier turns and
+sub-agent threads, assembled with the real Qwen3 chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capture.trajectory import Provenance, ThreadSet
+from rewriter.canonical import Message, ToolCall, ToolSpec
+from rewriter.parsers import parse_completion
+from rewriter.template import ChatTemplate
+
+TOOLS = [
+    ToolSpec("bash", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}}),
+    ToolSpec("agent", "Spawn a sub-agent", {"type": "object", "properties": {"prompt": {"type": "string"}}}),
+]
+WORDS = ["alpha", "beta", "files", "done", "ok", "result", "x = 1", "naïve", "日本", "{json}"]
+
+
+@pytest.fixture(scope="module")
+def template(qwen3_dir) -> ChatTemplate:  # type: ignore[no-untyped-def]
+    return ChatTemplate(qwen3_dir)
+
+
+class Policy:
+    """Samples replies as token ids, like vLLM would: text, reasoning, hermes tool calls."""
+
+    def __init__(self, template: ChatTemplate, rng: random.Random) -> None:
+        self.t, self.rng, self.n = template, rng, 0
+
+    def reply(self, spawn: bool) -> tuple[list[int], list[float], str]:
+        rng = self.rng
+        text = ""
+        if rng.random() < 0.3:
+            text += "<think>\n" + " ".join(rng.choices(WORDS, k=3)) + "\n</think>\n\n"
+        kind = rng.random()
+        if spawn:
+            prompt = f"Investigate subsystem {self.n} " + " ".join(rng.choices(WORDS, k=3))
+            text += "<tool_call>\n" + json.dumps({"name": "agent", "arguments": {"prompt": prompt}}) + "\n</tool_call>"
+        elif kind < 0.5:
+            args = {"cmd": "ls " + rng.choice(WORDS), "n": rng.randint(0, 99), "flag": rng.random() < 0.5}
+            text += "<tool_call>\n" + json.dumps({"name": "bash", "arguments": args}) + "\n</tool_call>"
+        else:
+            text += " ".join(rng.choices(WORDS, k=rng.randint(1, 6)))
+        self.n += 1
+        ids = self.t.encode(text)
+        if rng.random() < 0.8:
+            ids.append(self.t.eos_token_id)  # stopped by EOS; else cut by the length budget
+        return ids, [-(i % 7) / 3.0 - 0.01 for i in range(len(ids))], text
+
+
+def echo(reply_text: str, rng: random.Random) -> Message:
+    """The assistant message as a scaffold sends it back: reasoning dropped, arguments
+    re-serialized (key order, spacing), tool-call ids renamed."""
+    parsed = parse_completion(reply_text)
+    calls = []
+    for c in parsed.tool_calls:
+        args = json.loads(c.arguments)
+        items = list(args.items())
+        rng.shuffle(items)
+        sep = rng.choice([(",", ":"), (", ", ": ")])
+        calls.append(ToolCall("toolu_" + str(rng.randint(0, 10**9)), c.name, json.dumps(dict(items), separators=sep)))
+    content = parsed.content if rng.random() < 0.5 else " " + parsed.content + "\n"
+    return Message("assistant", content, tool_calls=tuple(calls))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(2, 9))
+def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    policy = Policy(template, rng)
+    threads = ThreadSet("s", template)
+    convs: list[list[Message]] = [[Message("system", "Main agent."), Message("user", "Start the task.")]]
+    sampled_by_request: dict[str, list[int]] = {}
+    seen_by_request: dict[str, list[int]] = {}
+    thread_of: dict[str, str] = {}
+    expected_parent: dict[int, tuple[str, str]] = {}
+    for step in range(steps):
+        c = rng.randrange(len(convs))
+        msgs = convs[c]
+        if rng.random() < 0.2 and len(msgs) > 3:
+            # Inject a reminder into an earlier user turn (a rewrite of history).
+            users = [i for i, m in enumerate(msgs[:-1]) if m.role == "user"]
+            i = rng.choice(users)
+            msgs[i] = Message("user", "<system-reminder>r</system-reminder>\n" + msgs[i].content)
+        assembly = threads.assemble(msgs, TOOLS, None)
+        spawn = c == 0 and rng.random() < 0.3
+        ids, lps, text = policy.reply(spawn)
+        rid = f"r{step}"
+        parsed = parse_completion(text)
+        thread = threads.commit(
+            assembly, parsed.as_message(), ids, lps, request_id=rid, turn_index=step,
+            finish_reason="stop", latency_s=0.0, backend="b",
+        )  # fmt: skip
+        sampled_by_request[rid] = ids
+        seen_by_request[rid] = assembly.prompt_ids
+        thread_of[rid] = thread.thread_id
+        # What vLLM saw plus what it sampled is exactly the thread's sequence now.
+        assert thread.ids == assembly.prompt_ids + ids
+        if c in expected_parent:
+            assert (thread.parent_thread_id, thread.parent_tool_call_id) == expected_parent.pop(c)
+        reply = echo(text, rng)
+        msgs.append(reply)
+        if parsed.tool_calls:
+            for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
+                msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
+                if call.name == "agent":
+                    prompt = json.loads(call.arguments)["prompt"]
+                    convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
+                    expected_parent[len(convs) - 1] = (thread.thread_id, call.id)
+        else:
+            msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
+
+    all_turns = [t for th in threads.threads.values() for t in th.turns]
+    # No call lost or duplicated.
+    assert sorted(t.request_id for t in all_turns) == sorted(sampled_by_request)
+    for th in threads.threads.values():
+        th.check()
+        mask = th.loss_mask()
+        for p, m in zip(th.provenance, mask, strict=True):
+            assert (m == 1) == (p in (Provenance.SAMPLED, Provenance.RECOMPUTED))
+        live = [t for t in th.turns if not t.dropped]
+        for t in live:
+            assert th.ids[t.start : t.end] == sampled_by_request[t.request_id]
+            assert thread_of[t.request_id] == th.thread_id
+        # Trained tokens are exactly the live replies' sampled tokens.
+        trained = {i for i, m in enumerate(mask) if m}
+        assert trained == {i for t in live for i in range(t.start, t.end)}
+        # The latest call on the thread saw the whole sequence before its reply.
+        last = th.turns[-1]
+        assert seen_by_request[last.request_id] == th.ids[: last.start]
+
+
+def test_extension_cost_does_not_depend_on_history(template: ChatTemplate) -> None:
+    """Extension renders only the new messages: a mock renderer counts what it is given."""
+    threads = ThreadSet("s", template)
+    msgs = [Message("system", "s"), Message("user", "u0")]
+    rendered: list[int] = []
+    real = template.render_text
+
+    def counting(messages, tools=None, **kw):  # type: ignore[no-untyped-def]
+        rendered.append(len(messages))
+        return real(messages, tools, **kw)
+
+    template.render_text = counting  # type: ignore[method-assign]
+    try:
+        for i in range(30):
+            a = threads.assemble(msgs, [], None)
+            ids = template.encode(f"reply {i}") + [template.eos_token_id]
+            threads.commit(a, Message("assistant", f"reply {i}"), ids, [-1.0] * len(ids),
+                           request_id=str(i), turn_index=i, finish_reason="stop", latency_s=0, backend="b")  # fmt: skip
+            msgs += [Message("assistant", f"reply {i}"), Message("user", f"u{i + 1}")]
+    finally:
+        del template.render_text
+    # After the first call each prompt renders 2 dummy messages + 1 new user message.
+    assert rendered[1:] == [3] * 29
