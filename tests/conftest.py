@@ -145,6 +145,7 @@ def start_proxy(
     confdir: Path,
     tokenizer: Path = QWEN3,
     extra: list[str] | None = None,
+    idle_timeout: int = 1,
 ) -> Proxy:
     port = policy_server.free_port()
     log = out.parent / f"{out.name}-mitmdump.log"
@@ -155,7 +156,7 @@ def start_proxy(
         "--set", f"agenttap_policy_url={policy_url}",
         "--set", f"agenttap_tokenizer={tokenizer}",
         "--set", f"agenttap_out={out}",
-        "--set", "agenttap_idle_timeout=1",
+        "--set", f"agenttap_idle_timeout={idle_timeout}",
         *(extra or []),
     ]  # fmt: skip
     with open(log, "wb") as fh:

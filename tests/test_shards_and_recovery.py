@@ -1,0 +1,121 @@
+"""Shards: atomic, readable by pyarrow.dataset / datasets; the reader's batches; kill -9 recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+
+from capture.reader import load_threads, to_batch
+from capture.records import TurnRecord
+from capture.sessions import SessionStore
+from capture.shards import TURN_SCHEMA, rows_to_table, write_rows
+from rewriter.canonical import ChatRequest, Message
+from rewriter.template import ChatTemplate
+from tests.conftest import Proxy, read_turns, start_proxy
+from tests.stub_vllm import StubPolicy
+
+
+def _turn(store: SessionStore, session: str, chat: ChatRequest, ids: list[int], i: int) -> None:
+    assembly = store.assemble(session, chat)
+    record = TurnRecord(
+        session_id=session, request_id=f"r{i}", turn_index=i, protocol="openai.chat",
+        requested_model="m", policy_model="p", backend="b", user_agent="ua",
+        prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
+        finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+    )  # fmt: skip
+    store.record(record, assembly, Message("assistant", f"answer {i}"))
+
+
+def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Path) -> None:
+    """Threads rebuilt from the journal alone equal the ones the live process would write."""
+    template = ChatTemplate(qwen3_dir)
+    live, crashed = SessionStore(tmp_path / "live", template), SessionStore(tmp_path / "crash", template)
+    msgs = [Message("system", "s"), Message("user", "q0")]
+    for i in range(4):
+        if i == 3:
+            msgs[1] = Message("user", "<system-reminder>x</system-reminder>q0")  # a rewrite
+        ids = template.encode(f"answer {i}") + [template.eos_token_id]
+        for store in (live, crashed):
+            _turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
+        msgs += [Message("assistant", f"answer {i}"), Message("user", f"q{i + 1}")]
+    live.close()
+    # The crashed store never ends its session; a new store over the same folder recovers it.
+    assert list((tmp_path / "crash" / "journal").glob("*.jsonl"))
+    SessionStore(tmp_path / "crash", template).recover()
+    assert not list((tmp_path / "crash" / "journal").glob("*.jsonl"))
+    a, b = load_threads(tmp_path / "live" / "threads"), load_threads(tmp_path / "crash" / "threads")
+    assert len(a) == len(b) == 1
+    for key in ("input_ids", "loss_mask", "logprobs", "provenance", "turns", "parent_thread_id"):
+        assert a[0][key] == b[0][key], key
+    assert 2 in a[0]["provenance"]  # the rewrite marked tokens for recompute
+    assert len(read_turns(tmp_path / "crash")) == 4
+
+
+def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None:
+    rows = [
+        {name: None for name in TURN_SCHEMA.names}
+        | {"session_id": f"s{i}", "prompt_ids": list(range(1000)), "completion_ids": [1, 2], "completion_logprobs": [-1.0, -2.0], "turn_index": i}
+        for i in range(10)
+    ]
+    paths = write_rows(tmp_path, rows, TURN_SCHEMA, "turns", target_bytes=12_000)
+    assert len(paths) > 1  # rolled over by size
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 10
+    # A reader never sees a half-written file: temporary names are hidden from it.
+    (tmp_path / ".turns-partial.parquet.tmp").write_bytes(b"PAR1 garbage")
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 10
+    import datasets
+    loaded = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train")
+    assert len(loaded) == 10 and loaded[0]["completion_ids"] == [1, 2]
+    assert rows_to_table(rows, TURN_SCHEMA).num_rows == 10
+
+
+def test_reader_pads_batches(tmp_path: Path) -> None:
+    rows = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -2.0], "provenance": [0, 1, 1]},
+        {"input_ids": [8], "loss_mask": [0], "logprobs": [0.0], "provenance": [0]},
+    ]
+    batch = to_batch(rows, pad_id=99)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 99, 99]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [0, 0, 0]]
+    assert np.allclose(batch["logprobs"][0], [0.0, -1.0, -2.0])
+    left = to_batch(rows, pad_id=99, left_pad=True)
+    assert left["input_ids"].tolist() == [[5, 6, 7], [99, 99, 8]]
+
+
+def test_kill_9_mid_session_keeps_completed_turns(stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    idle = 3600  # the session never ends by itself
+    proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle)
+    try:
+        client = proxy.openai("crashy", monkeypatch)
+        msgs: list[dict] = [{"role": "user", "content": "one"}]
+        for i in range(3):
+            stub.script(f"answer number {i}")
+            reply = client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=50)
+            msgs += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": f"q{i}"}]
+        assert read_turns(out, "crashy") == []  # not sharded yet: only journaled
+        os.kill(proxy.proc.pid, signal.SIGKILL)
+        proxy.proc.wait()
+    finally:
+        proxy.stop()
+    restarted: Proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(read_turns(out, "crashy")) < 3:
+            time.sleep(0.2)
+        turns = read_turns(out, "crashy")
+        assert [t["turn_index"] for t in turns] == [0, 1, 2]
+        threads = [r for r in load_threads(out / "threads") if r["session_id"] == "crashy"]
+        assert len(threads) == 1 and threads[0]["num_turns"] == 3
+        last = turns[-1]
+        assert threads[0]["input_ids"] == last["prompt_ids"] + last["completion_ids"]
+    finally:
+        restarted.stop()
