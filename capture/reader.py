@@ -1,8 +1,8 @@
 """Read thread shards into padded batches for a trainer.
 
-    rows = load_threads("OUT/threads")
-    batch = to_batch(rows, pad_id=151643)           # numpy arrays
-    tensors = to_torch(batch)                       # torch tensors, if torch is installed
+rows = load_threads("OUT/threads")
+batch = to_batch(rows, pad_id=151643)           # numpy arrays
+tensors = to_torch(batch)                       # torch tensors, if torch is installed
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import numpy as np
 import pyarrow.dataset as ds
 
 
-def load_threads(path: str | os.PathLike[str], columns: list[str] | None = None) -> list[dict[str, Any]]:
+def load_threads(
+    path: str | os.PathLike[str], columns: list[str] | None = None
+) -> list[dict[str, Any]]:
     """All thread rows under ``path`` (a folder of shards, or one file)."""
     return ds.dataset(str(path), format="parquet").to_table(columns=columns).to_pylist()
 
@@ -32,7 +34,7 @@ def to_batch(
     lengths = [len(r["input_ids"]) for r in rows]
     width = max(lengths, default=0) if max_len is None else max_len
     n = len(rows)
-    out = {
+    out: dict[str, np.ndarray] = {
         "input_ids": np.full((n, width), pad_id, dtype=np.int64),
         "attention_mask": np.zeros((n, width), dtype=np.int64),
         "loss_mask": np.zeros((n, width), dtype=np.int64),
