@@ -23,6 +23,7 @@ exact ids: the policy's sampled tokens are never re-rendered from text.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ class Renderer(Protocol):
     def assistant_tail(self) -> Any: ...
 
 
+@functools.lru_cache(maxsize=65536)
 def _canonical_args(arguments: str) -> str:
+    # Cached: every call re-sends the whole history, and its arguments texts repeat verbatim.
     try:
         value = json.loads(arguments, strict=False)
     except (json.JSONDecodeError, TypeError):
@@ -250,6 +253,8 @@ class ThreadSet:
     @staticmethod
     def _common_keys(a: list[MessageKey], b: list[MessageKey]) -> int:
         n = min(len(a), len(b))
+        if a[:n] == b[:n]:  # the common case, compared in C
+            return n
         for i in range(n):
             if a[i] != b[i]:
                 return i
