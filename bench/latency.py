@@ -149,6 +149,7 @@ def run(calls: int, warmup: int, max_tokens: int, work: Path) -> int:
         while time.monotonic() < deadline and len(rows) < warmup + calls:
             time.sleep(0.5)
             rows = read_turns(proxy.out, SESSION)
+        rows.sort(key=lambda r: r["started_at"])
         recorded = [r["prompt_ids"] for r in rows[warmup:]]
         same = recorded == [ids_by_call[i] for i in range(calls)]
 

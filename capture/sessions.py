@@ -61,6 +61,9 @@ class SessionStore:
         self.threads_dir = out_dir / "threads"
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         self._sessions: dict[str, Session] = {}
+        # Calls already sharded per session id: a scaffold that pauses past the idle timeout
+        # and goes on under the same session keeps counting, never reusing a turn index.
+        self._sharded_turns: dict[str, int] = {}
 
     def session(self, session_id: str) -> Session:
         sess = self._sessions.get(session_id)
@@ -73,7 +76,7 @@ class SessionStore:
         return sess
 
     def next_turn_index(self, session_id: str) -> int:
-        return len(self.session(session_id).turns)
+        return self._sharded_turns.get(session_id, 0) + len(self.session(session_id).turns)
 
     def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
         threads = self.session(session_id).threads
@@ -135,6 +138,7 @@ class SessionStore:
             return []
         threads = list(sess.threads.threads.values()) if sess.threads else []
         paths = self._write(sess.turns, threads)
+        self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
             "session %r ended: %d calls in %d threads written to %s",

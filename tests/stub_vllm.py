@@ -3,6 +3,8 @@
 It answers ``/v1/completions`` with a token-id prompt exactly as vLLM 0.32 does (same fields,
 same streaming chunks; ``tests/test_stub_contract.py`` checks this against the real server), but
 the completion is the next scripted text, tokenized with the real tokenizer and ended with EOS.
+Like vLLM it clamps ``max_tokens`` to the context left and refuses over-long prompts and unknown
+model names. ``chunk_tokens`` > 1 streams several tokens per chunk, as a lagging vLLM does.
 """
 
 from __future__ import annotations

@@ -218,3 +218,18 @@ def test_unknown_path_is_a_404_in_openais_format(stub_proxy: Proxy) -> None:
     error = answer.error()
     assert set(error) == {"message", "type", "param", "code"}
     assert "/v1/nonsense" in error["message"] and "/v1/chat/completions" in error["message"]
+
+
+def test_turn_index_keeps_counting_after_an_idle_flush(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scaffold that pauses longer than the idle timeout (a long tool run) and goes on under
+    the same session: its turns must not share turn indices."""
+    stub.replies.clear()
+    stub.script("Before the pause.", "After the pause.")
+    good_call(stub_proxy, "bad-pause", monkeypatch, "Before the pause.")
+    assert len(stub_proxy.turns("bad-pause", expect=1)) == 1  # flushed: the session went idle
+    good_call(stub_proxy, "bad-pause", monkeypatch, "After the pause.")
+    rows = stub_proxy.turns("bad-pause", expect=2)
+    assert len(rows) == 2
+    assert sorted(r["turn_index"] for r in rows) == [0, 1]

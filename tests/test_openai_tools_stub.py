@@ -364,3 +364,30 @@ def test_reasoning_then_tool_call(
     rows = stub_proxy.turns("tools-think-call", expect=1)
     assert len(rows) == 1
     check_row(rows[0], stub, n, expected_ids(tok, text))
+
+
+def test_stream_in_multi_token_chunks(
+    stub_proxy: Proxy, stub: StubPolicy, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM sends several tokens per chunk when it lags: tags split across or sharing chunks
+    must parse the same."""
+    text = "<think>\nThe weather tool answers this.\n</think>\n\nChecking now.\n" + hermes(
+        "get_weather", WEATHER_ARGS
+    )
+    n = script(stub, text)
+    client = stub_proxy.openai("tools-multichunk", monkeypatch)
+    stub.chunk_tokens = 3
+    try:
+        got = collect_stream(
+            client.chat.completions.create(model="gpt-4o", messages=USER, tools=TOOLS, stream=True)
+        )
+    finally:
+        stub.chunk_tokens = 1
+    assert got["reasoning"].strip("\n") == "The weather tool answers this."
+    assert got["content"].strip() == "Checking now."
+    assert got["finish_reason"] == "tool_calls"
+    assert [c["name"] for c in got["tool_calls"]] == ["get_weather"]
+    assert json.loads(got["tool_calls"][0]["arguments"]) == WEATHER_ARGS
+    rows = stub_proxy.turns("tools-multichunk", expect=1)
+    assert len(rows) == 1
+    check_row(rows[0], stub, n, expected_ids(tok, text))
