@@ -161,7 +161,12 @@ def start_proxy(
     ]  # fmt: skip
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-    _wait_port(port, proc, log)
+    try:
+        _wait_port(port, proc, log)
+    except RuntimeError:
+        proc.kill()
+        proc.wait()
+        raise
     return Proxy(port=port, out=out, ca=confdir / "mitmproxy-ca-cert.pem", log=log, proc=proc)
 
 

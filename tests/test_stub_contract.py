@@ -262,8 +262,8 @@ def check_token_chunks(kinds: dict[str, list[dict[str, Any]]], prompt: list[int]
         lp = choice["logprobs"]
         assert len(choice["token_ids"]) == len(lp["tokens"]) == len(lp["token_logprobs"])
         assert len(lp["text_offset"]) == len(lp["top_logprobs"]) == len(choice["token_ids"])
-        # Offsets count from the start of the whole completion text.
-        assert lp["text_offset"][0] == len(text)
+        # (text_offset values are not compared: vLLM's depend on how it batched the chunk, and
+        # the proxy does not use them.)
         text += choice["text"]
     assert kinds["last"][0]["choices"][0]["finish_reason"] == "length"
     if kinds["usage"]:
