@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_vllm(model, port, log_path=args.log)
 
         def on_term(*_: object) -> None:
-            stop(proc)
-            sys.exit(0)
+            # Stopping here would deadlock with the proc.wait() below; unwind to it instead.
+            raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, on_term)
         wait_ready(url, proc)
