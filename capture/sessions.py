@@ -22,7 +22,7 @@ from typing import Any
 
 from capture.records import SCHEMA_VERSION, TurnRecord
 from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
-from capture.trajectory import TRAINED, Assembly, Renderer, Thread, ThreadSet, TurnSpan
+from capture.trajectory import Assembly, Renderer, Thread, ThreadSet, TurnSpan
 from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def thread_row(thread: Thread, by_request: dict[str, TurnRecord]) -> dict[str, A
         "parent_thread_id": thread.parent_thread_id,
         "parent_tool_call_id": thread.parent_tool_call_id,
         "input_ids": thread.ids,
-        "loss_mask": [1 if p in TRAINED else 0 for p in thread.provenance],
+        "loss_mask": thread.loss_mask(),
         "logprobs": thread.logprobs,
         "provenance": thread.provenance,
         "turns": [t.to_row() for t in thread.turns],
