@@ -10,7 +10,7 @@ tokens arrive, and recorded. Nothing here knows about mitmproxy.
 from __future__ import annotations
 
 import asyncio
-import json
+import fnmatch
 import logging
 import os
 import secrets
@@ -23,12 +23,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from capture.offline import local_answer
+from capture.protocols import AnthropicMessages, OpenAIChat, ProviderProtocol
 from capture.records import TurnRecord
 from capture.sessions import SessionStore
 from capture.trajectory import Assembly
-from rewriter import openai_chat
+from rewriter import anthropic_messages
 from rewriter.canonical import ChatRequest, Message, RequestError
-from rewriter.parsers import ContentDelta, OutputParser, ReasoningDelta, ToolCallEvent
+from rewriter.parsers import OutputParser
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
 
@@ -37,6 +39,29 @@ logger = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Agenttap-Token"
 SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
+# A client's own session header names the session when the proxy URL has no username.
+CLIENT_SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session-id")
+
+
+def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
+    """``"claude-haiku-*=http://a:8000|http://b:8000,gpt-*=http://c:8000"`` -> rules.
+
+    Each requested model name goes to the servers of the first pattern (fnmatch) it matches;
+    names no rule matches go to the policy servers (``policy_urls``).
+    """
+    rules: list[tuple[str, list[str]]] = []
+    for item in spec.split(","):
+        if not item.strip():
+            continue
+        pattern, sep, urls = item.partition("=")
+        servers = [u.strip() for u in urls.split("|") if u.strip()]
+        if not sep or not pattern.strip() or not servers:
+            raise ValueError(
+                f"model map entry {item.strip()!r} is not PATTERN=URL[|URL...] "
+                "(e.g. claude-haiku-*=http://127.0.0.1:8001)"
+            )
+        rules.append((pattern.strip(), servers))
+    return rules
 
 
 @dataclass
@@ -54,11 +79,14 @@ class GatewayConfig:
     recompute: bool = field(
         default_factory=lambda: os.environ.get("AGENTTAP_RECOMPUTE_MISMATCH_LOGPROBS", "1") != "0"
     )
+    # (pattern, servers): requested model names -> policy servers; see parse_model_map.
+    model_map: list[tuple[str, list[str]]] = field(default_factory=list)
+    # Extra names GET /v1/models lists (every name is served).
+    model_names: list[str] = field(default_factory=list)
+    normalization: anthropic_messages.Normalization = field(
+        default_factory=anthropic_messages.Normalization
+    )
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class Gateway:
@@ -71,7 +99,10 @@ class Gateway:
         self.token = secrets.token_hex(16)
         self.port = 0
         self._http: aiohttp.ClientSession | None = None
-        self._clients: list[VLLMClient] = []
+        self._clients: dict[str, VLLMClient] = {}
+        self._requested_models: set[str] = set()
+        self.openai = OpenAIChat()
+        self.anthropic = AnthropicMessages(config.normalization)
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -83,7 +114,10 @@ class Gateway:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
         )
-        self._clients = [VLLMClient(url, self._http) for url in self.config.policy_urls]
+        urls = list(self.config.policy_urls)
+        for _, servers in self.config.model_map:
+            urls += servers
+        self._clients = {url: VLLMClient(url, self._http) for url in dict.fromkeys(urls)}
         # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
@@ -115,29 +149,52 @@ class Gateway:
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it
                 logger.exception("could not write the shard of an idle session")
 
-    def client_for(self, session_id: str) -> VLLMClient:
+    def _pool_for(self, model: str) -> list[VLLMClient]:
+        for pattern, servers in self.config.model_map:
+            if fnmatch.fnmatchcase(model, pattern):
+                return [self._clients[u] for u in servers]
+        return [self._clients[u] for u in self.config.policy_urls]
+
+    def client_for(self, session_id: str, model: str = "") -> VLLMClient:
+        pool = self._pool_for(model)
         # Sticky per session: a scaffold's consecutive calls reuse one server's prefix cache.
-        return self._clients[zlib.crc32(session_id.encode()) % len(self._clients)]
+        return pool[zlib.crc32(session_id.encode()) % len(pool)]
 
     # -- dispatch --------------------------------------------------------------------------
+    def _protocol_for(self, request: web.Request) -> ProviderProtocol:
+        host = request.headers.get(HOST_HEADER, "")
+        if host.endswith("anthropic.com") or "anthropic-version" in request.headers:
+            return self.anthropic
+        return self.openai
+
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
-        path = request.path
-        if request.method == "POST" and path.rstrip("/").endswith("/chat/completions"):
-            return await self._openai_chat(request)
-        if request.method == "GET" and path.rstrip("/") == "/v1/models":
-            return await self._openai_models(request)
+        path = request.path.rstrip("/") or "/"
+        method = request.method
+        if method == "POST" and path.endswith("/chat/completions"):
+            return await self._turn(request, self.openai)
+        if method == "POST" and path == "/v1/messages":
+            return await self._turn(request, self.anthropic)
+        if method == "POST" and path == "/v1/messages/count_tokens":
+            return await self._count_tokens(request)
+        protocol = self._protocol_for(request)
+        if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
+            return await self._models(request, protocol, path[len("/v1/models/") :])
         host = request.headers.get(HOST_HEADER, "")
-        return self._openai_error(
-            404,
-            f"agenttap: {request.method} {path} on {host} is not served by this proxy. It answers "
-            "POST /v1/chat/completions and GET /v1/models from the policy.",
+        answer = local_answer(host, method, path)
+        if answer is not None:
+            return web.json_response(answer)
+        served = (
+            "POST /v1/messages, POST /v1/messages/count_tokens and GET /v1/models"
+            if protocol is self.anthropic
+            else "POST /v1/chat/completions and GET /v1/models"
         )
-
-    @staticmethod
-    def _openai_error(status: int, message: str, param: str | None = None) -> web.Response:
-        return web.json_response(openai_chat.error_body(message, status, param), status=status)
+        return protocol.error(
+            404,
+            f"agenttap: {method} {path} on {host} is not served by this proxy. It answers "
+            f"{served} from the policy.",
+        )
 
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.config.max_body_bytes:
@@ -155,130 +212,142 @@ class Gateway:
             "(option agenttap_max_body_bytes)."
         )
 
-    async def _openai_models(self, request: web.Request) -> web.Response:
+    async def _models(
+        self, request: web.Request, protocol: ProviderProtocol, model_id: str
+    ) -> web.Response:
         try:
-            info = await self._clients[0].info()
+            info = await self._pool_for("*")[0].info()
         except PolicyError as exc:
-            return self._openai_error(503, str(exc))
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": info.model, "object": "model", "created": 0, "owned_by": "agenttap"}
-                ],
-            }
-        )
+            return protocol.policy_error(exc)
+        if protocol is self.anthropic:
+            if model_id:
+                return web.json_response(anthropic_messages.model_object(model_id))
+            return web.json_response(anthropic_messages.models_list(self.model_names(info.model)))
+        names = [model_id] if model_id else self.model_names(info.model)
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "agenttap"} for n in names]
+        if model_id:
+            return web.json_response(data[0])
+        return web.json_response({"object": "list", "data": data})
 
-    # -- OpenAI chat completions ------------------------------------------------------------
-    async def _openai_chat(self, request: web.Request) -> web.StreamResponse:
-        session_id = request.headers.get(SESSION_HEADER) or "anonymous"
+    def model_names(self, served: str) -> list[str]:
+        """Names clients may ask for: every one maps to a policy (``model_map``)."""
+        names = [served, *self.config.model_names, *sorted(self._requested_models)]
+        names += [p for p, _ in self.config.model_map if not any(c in p for c in "*?[")]
+        return list(dict.fromkeys(n for n in names if n))
+
+    # -- one turn: assemble, generate, parse, answer, record ---------------------------------
+    def _session_id(self, request: web.Request) -> str:
+        session = request.headers.get(SESSION_HEADER) or "anonymous"
+        if session == "anonymous":
+            # No proxy username: a client's own session header still keeps runs apart.
+            for name in CLIENT_SESSION_HEADERS:
+                if request.headers.get(name):
+                    return f"{name.lower()}:{request.headers[name]}"
+        return session
+
+    async def _prepare(
+        self, request: web.Request, protocol: ProviderProtocol
+    ) -> _TurnContext | web.Response:
+        session_id = self._session_id(request)
         started = time.time()
         try:
-            body = await self._read_body(request)
-            chat = openai_chat.parse_request(body)
+            chat = protocol.parse(await self._read_body(request))
+            self._requested_models.add(chat.model)
+            client = self.client_for(session_id, chat.model)
             assembly = self.store.assemble(session_id, chat)
-            prompt_ids = assembly.prompt_ids
-            client = self.client_for(session_id)
             info = await client.info()
-            if info.max_model_len and len(prompt_ids) >= info.max_model_len:
-                return web.json_response(
-                    {
-                        "error": {
-                            "message": "This model's maximum context length is "
-                            f"{info.max_model_len} "
-                            f"tokens. However, your messages resulted in {len(prompt_ids)} tokens. "
-                            "Please reduce the length of the messages.",
-                            "type": "invalid_request_error",
-                            "param": "messages",
-                            "code": "context_length_exceeded",
-                        }
-                    },
-                    status=400,
-                )
+            if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
+                return protocol.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
         except RequestError as exc:
-            return self._openai_error(exc.status, exc.message, exc.param)
+            return protocol.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
-            return self._openai_error(503, f"the policy server is unavailable: {exc}")
+            return protocol.policy_error(exc)
         self.store.touch(session_id)
-        response_id = "chatcmpl-" + secrets.token_hex(12)
-        parser = OutputParser(self.config.tool_parser, self.config.reasoning_parser)
-        turn = _TurnContext(
+        return _TurnContext(
             session_id=session_id,
-            request_id=response_id,
+            request_id=protocol.new_response_id(),
+            protocol=protocol.name,
             chat=chat,
-            prompt_ids=prompt_ids,
+            prompt_ids=assembly.prompt_ids,
             client=client,
             assembly=assembly,
             policy_model=info.model,
             user_agent=request.headers.get("User-Agent", ""),
             started=started,
         )
-        if chat.stream:
-            return await self._openai_stream(request, turn, parser)
+
+    async def _turn(self, request: web.Request, protocol: ProviderProtocol) -> web.StreamResponse:
+        turn = await self._prepare(request, protocol)
+        if isinstance(turn, web.StreamResponse):
+            return turn
+        parser = OutputParser(self.config.tool_parser, self.config.reasoning_parser)
+        if turn.chat.stream:
+            return await self._stream(request, protocol, turn, parser)
         try:
-            completion = await client.complete(prompt_ids, chat.sampling)
+            completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
-            status = 400 if exc.status == 400 else 502
-            return self._openai_error(status, str(exc))
+            return protocol.policy_error(exc)
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
-        reason = openai_chat.finish_reason(completion.finish_reason, reply)
-        self._record(turn, completion, reason, reply.as_message())
-        return web.json_response(
-            openai_chat.completion_response(
-                response_id, chat.model, reply, reason, len(prompt_ids), len(completion.token_ids)
-            )
+        body, reason = protocol.response(
+            turn.request_id, turn.chat, len(turn.prompt_ids), completion, reply
         )
+        self._record(turn, completion, reason, reply.as_message())
+        return web.json_response(body)
 
-    async def _openai_stream(
-        self, request: web.Request, turn: _TurnContext, parser: OutputParser
+    async def _stream(
+        self,
+        request: web.Request,
+        protocol: ProviderProtocol,
+        turn: _TurnContext,
+        parser: OutputParser,
     ) -> web.StreamResponse:
-        chat = turn.chat
-        writer = openai_chat.ChunkWriter(turn.request_id, chat.model)
+        writer = protocol.stream_writer(turn.request_id, turn.chat, len(turn.prompt_ids))
         completion = Completion()
-        deltas = turn.client.stream_resuming(turn.prompt_ids, chat.sampling)
+        deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
         try:
+            # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
         except PolicyError as exc:
-            return self._openai_error(400 if exc.status == 400 else 502, str(exc))
+            return protocol.policy_error(exc)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        await resp.write(_sse(writer.role()))
-
-        async def emit(events: list[Any]) -> None:
-            for event in events:
-                if isinstance(event, ContentDelta):
-                    await resp.write(_sse(writer.content(event.text)))
-                elif isinstance(event, ReasoningDelta):
-                    await resp.write(_sse(writer.reasoning(event.text)))
-                elif isinstance(event, ToolCallEvent):
-                    await resp.write(_sse(writer.tool_call(event.index, event.call)))
-
+        await resp.write(writer.start())
         try:
             delta = first
             while delta is not None:
                 completion.extend(delta)
-                await emit(parser.feed(delta.text))
+                chunk = writer.events(parser.feed(delta.text))
+                if chunk:
+                    await resp.write(chunk)
                 delta = await anext(deltas, None)
         except PolicyError as exc:
-            await resp.write(_sse(openai_chat.error_body(str(exc), 502)))
+            await resp.write(writer.error(str(exc)))
             await resp.write_eof()
             return resp
-        await emit(parser.finish())
+        tail = writer.events(parser.finish())
         reply = parser.reply()
-        reason = openai_chat.finish_reason(completion.finish_reason, reply)
-        await resp.write(_sse(writer.finish(reason)))
-        if chat.include_usage:
-            await resp.write(_sse(writer.usage(len(turn.prompt_ids), len(completion.token_ids))))
+        closing, reason = writer.finish(completion, reply)
+        await resp.write(tail + closing)
         # Durable before the client sees the end of the response.
         self._record(turn, completion, reason, reply.as_message())
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(writer.end())
         await resp.write_eof()
         return resp
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Exactly as many tokens as the policy would be sent for this request now."""
+        protocol = self.anthropic
+        try:
+            chat = protocol.parse_count_tokens(await self._read_body(request))
+            assembly = self.store.assemble(self._session_id(request), chat)
+        except RequestError as exc:
+            return protocol.error(exc.status, exc.message, exc.param)
+        return web.json_response({"input_tokens": len(assembly.prompt_ids)})
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
         """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
@@ -299,7 +368,7 @@ class Gateway:
             session_id=turn.session_id,
             request_id=turn.request_id,
             turn_index=self.store.next_turn_index(turn.session_id),
-            protocol="openai.chat",
+            protocol=turn.protocol,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
             backend=turn.client.base_url,
@@ -322,6 +391,7 @@ class Gateway:
 class _TurnContext:
     session_id: str
     request_id: str
+    protocol: str
     chat: ChatRequest
     prompt_ids: list[int]
     client: VLLMClient

@@ -105,6 +105,15 @@ class Proxy:
         monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
         return openai.OpenAI(api_key="sk-agenttap-test-key", max_retries=0, timeout=120)
 
+    def anthropic(self, session: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+        """The real anthropic SDK, configured only through the environment."""
+        import anthropic
+
+        for key, value in self.env(session).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("ANTHROPIC_BASE_URL", raising=False)
+        return anthropic.Anthropic(api_key="sk-ant-agenttap-test-key", max_retries=0, timeout=120)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -39,6 +40,9 @@ class StubPolicy:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.replies: deque[str] = deque()
+        # Consulted before the script: a rule returning text answers that request (a client's
+        # concurrent side calls, e.g. Claude Code's title call, arrive in no fixed order).
+        self.rules: list[Callable[[dict[str, Any]], str | None]] = []
         self.default_reply = "OK."
         self.requests: list[dict[str, Any]] = []
         self.chunk_delay_s = 0.0
@@ -51,12 +55,30 @@ class StubPolicy:
     def script(self, *texts: str) -> None:
         self.replies.extend(texts)
 
-    def _completion_ids(self, body: dict[str, Any], max_tokens: int) -> tuple[list[int], str]:
-        text = self.replies.popleft() if self.replies else self.default_reply
+    def _next_text(self, body: dict[str, Any]) -> str:
+        for rule in self.rules:
+            text = rule(body)
+            if text is not None:
+                return text
+        return self.replies.popleft() if self.replies else self.default_reply
+
+    def _completion_ids(
+        self, body: dict[str, Any], max_tokens: int
+    ) -> tuple[list[int], str, str | None]:
+        """(ids, finish_reason, stop_reason) as vLLM would sample the scripted text."""
+        text = self._next_text(body)
         ids = list(self.tok.encode(text, add_special_tokens=False))
+        stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        for n in range(1, min(len(ids), max_tokens) + 1):
+            # As vLLM: generation ends on the token that completes a stop string; that token
+            # stays in token_ids, the stop string is cut from the text.
+            piece = self.tok.decode(ids[:n], skip_special_tokens=True)
+            hit = next((s for s in stops if s in piece), None)
+            if hit is not None:
+                return ids[:n], "stop", hit
         if len(ids) + 1 > max_tokens:
-            return ids[:max_tokens], "length"
-        return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop"
+            return ids[:max_tokens], "length", None
+        return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop", None
 
     @staticmethod
     def _logprob(i: int, token: int) -> float:
@@ -137,10 +159,15 @@ class StubPolicy:
                 f"(parameter=max_tokens, value={max_tokens})",
                 "max_tokens",
             )
-        ids, finish = self._completion_ids(body, max_tokens)
+        ids, finish, stop_reason = self._completion_ids(body, max_tokens)
         rid = "cmpl-" + uuid.uuid4().hex[:16]
         created = int(time.time())
         texts = [self._piece(ids, i + 1)[len(self._piece(ids, i)) :] for i in range(len(ids))]
+        if stop_reason is not None:
+            full = "".join(texts)
+            cut = full.index(stop_reason)
+            # The last token's text shrinks so the text ends where the stop string began.
+            texts[-1] = texts[-1][: max(0, len(texts[-1]) - (len(full) - cut))]
         logprobs = [self._logprob(i, t) for i, t in enumerate(ids)]
         if not body.get("stream"):
             offsets, pos = [], 0
@@ -159,7 +186,7 @@ class StubPolicy:
                     ],
                 },
                 "finish_reason": finish,
-                "stop_reason": None,
+                "stop_reason": stop_reason,
                 "token_ids": ids,
                 "prompt_logprobs": None,
                 "prompt_token_ids": prompt,
@@ -220,7 +247,7 @@ class StubPolicy:
                             ],
                         },
                         "finish_reason": finish if last else None,
-                        "stop_reason": None,
+                        "stop_reason": stop_reason if last else None,
                         "prompt_token_ids": prompt if i == 0 else None,
                         "token_ids": [ids[j] for j in part],
                     }
