@@ -4,10 +4,16 @@ Glue only. Calls to the intercepted API hosts are pointed at the gateway (a loop
 this same event loop, see ``capture/gateway.py``) which answers them from the policy and records
 them; every other destination is refused with a 403 and never tunnelled out. Client API keys are
 removed from the flow before anything else sees it.
-"""
+
+Saved flows (``mitmdump -w FILE``) show the client's original request
+(``https://api.openai.com/...``), without the gateway's headers or the client's credentials, and
+carry the session id in ``flow.metadata["agenttap_session"]``; so
+``mitmdump -n -C FILE -s addons/capture.py --set ...`` replays them through the policy again,
+offline (see ``tests/flows.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -23,20 +29,33 @@ if str(_HERE.parent) not in sys.path:
 from mitmproxy import ctx, exceptions, http  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
 
-from capture.gateway import HOST_HEADER, SESSION_HEADER, TOKEN_HEADER, Gateway, GatewayConfig  # noqa: E402
+from capture.gateway import (  # noqa: E402
+    HOST_HEADER,
+    SESSION_HEADER,
+    TOKEN_HEADER,
+    Gateway,
+    GatewayConfig,
+    parse_model_map,
+)
+from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization  # noqa: E402
 from rewriter.parsers import check_parser_names  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"
+DEFAULT_MODEL_NAMES = "claude-opus-4-5,claude-sonnet-4-5,claude-haiku-4-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+# How long a request waits for the gateway to come up (a client replay starts sending at once).
+GATEWAY_WAIT_S = 60.0
 
 
 class AgentTap:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         self.hosts: frozenset[str] = frozenset()
+        # Set when `running` has started the gateway, or given up on it.
+        self._ready = asyncio.Event()
 
     def load(self, loader: Loader) -> None:
         loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
@@ -54,6 +73,26 @@ class AgentTap:
         )
         loader.add_option(
             "agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted."
+        )
+        loader.add_option(
+            "agenttap_model_map",
+            str,
+            "",
+            "Requested model names to policy servers: PATTERN=URL[|URL],... (fnmatch patterns; "
+            "unmatched names go to agenttap_policy_url).",
+        )
+        loader.add_option(
+            "agenttap_model_names",
+            str,
+            DEFAULT_MODEL_NAMES,
+            "Model names GET /v1/models lists, comma-separated (any name is served).",
+        )
+        loader.add_option(
+            "agenttap_drop_system_blocks",
+            str,
+            BILLING_HEADER_RE,
+            "Regexes, separated by '||': system text blocks matching one are dropped before "
+            "rendering (scaffold noise such as Claude Code's per-call billing header).",
         )
         # Offline, mitmproxy must not dial the real host on CONNECT; and the proxy username names
         # the session, so accept any credentials.
@@ -74,6 +113,13 @@ class AgentTap:
                 )
             except ValueError as exc:
                 raise exceptions.OptionsError(str(exc)) from None
+        try:
+            if "agenttap_model_map" in updated:
+                parse_model_map(ctx.options.agenttap_model_map)
+            if "agenttap_drop_system_blocks" in updated:
+                Normalization.from_option(ctx.options.agenttap_drop_system_blocks)
+        except ValueError as exc:
+            raise exceptions.OptionsError(f"agenttap: {exc}") from None
         if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
             if not Path(ctx.options.agenttap_tokenizer).is_dir():
                 raise exceptions.OptionsError(
@@ -87,6 +133,12 @@ class AgentTap:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
 
     async def running(self) -> None:
+        try:
+            await self._start_gateway()
+        finally:
+            self._ready.set()
+
+    async def _start_gateway(self) -> None:
         opts = ctx.options
         if not opts.agenttap_policy_url or not opts.agenttap_tokenizer:
             logger.error(
@@ -102,6 +154,9 @@ class AgentTap:
             reasoning_parser=opts.agenttap_reasoning_parser,
             idle_timeout_s=opts.agenttap_idle_timeout,
             max_body_bytes=opts.agenttap_max_body_bytes,
+            model_map=parse_model_map(opts.agenttap_model_map),
+            model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
+            normalization=Normalization.from_option(opts.agenttap_drop_system_blocks),
         )
         gateway = Gateway(config)
         await gateway.start()
@@ -134,7 +189,7 @@ class AgentTap:
         if host not in self.hosts:
             self._refuse(flow, host)
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response:
             return
         host = flow.request.pretty_host.lower()
@@ -143,6 +198,12 @@ class AgentTap:
             return
         for name in SECRET_HEADERS:
             flow.request.headers.pop(name, None)
+        if self.gateway is None and not self._ready.is_set():
+            # A client replay (-C) sends its first request while the gateway is still starting.
+            try:
+                await asyncio.wait_for(self._ready.wait(), GATEWAY_WAIT_S)
+            except TimeoutError:
+                pass
         if self.gateway is None:
             flow.response = http.Response.make(
                 503,
@@ -152,24 +213,61 @@ class AgentTap:
             )
             return
         auth = flow.metadata.get("proxyauth")
-        session_id = str(auth[0]) if auth else "anonymous"
+        if auth:
+            session_id = str(auth[0])
+        else:  # a replayed flow keeps the session it was recorded under
+            session_id = str(flow.metadata.get("agenttap_session") or "anonymous")
+        req = flow.request
+        # Put back by _restore before the flow is saved or shown.
+        flow.metadata["agenttap_origin"] = [
+            req.scheme,
+            req.host,
+            req.port,
+            req.authority,
+            req.headers.get("Host"),
+        ]
         flow.metadata["agenttap_host"] = host
         flow.metadata["agenttap_session"] = session_id
-        flow.request.headers[TOKEN_HEADER] = self.gateway.token
-        flow.request.headers[SESSION_HEADER] = session_id
-        flow.request.headers[HOST_HEADER] = host
-        flow.request.scheme = "http"
-        flow.request.host = "127.0.0.1"
-        flow.request.port = self.gateway.port
-        flow.request.headers["Host"] = host
+        req.headers[TOKEN_HEADER] = self.gateway.token
+        req.headers[SESSION_HEADER] = session_id
+        req.headers[HOST_HEADER] = host
+        req.scheme = "http"
+        req.host = "127.0.0.1"
+        req.port = self.gateway.port
+        req.headers["Host"] = host
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if "agenttap_host" in flow.metadata and flow.response is not None:
             flow.response.stream = True
 
+    @staticmethod
+    def _restore(flow: http.HTTPFlow) -> None:
+        """Show the request as the client sent it (its original URL, no gateway headers) and drop
+        the proxy credentials. Script addons run before mitmproxy's ``save`` addon, so this
+        happens before ``-w`` / ``save_stream_file`` writes the flow."""
+        flow.metadata.pop("proxyauth", None)
+        origin = flow.metadata.get("agenttap_origin")
+        if not origin:
+            return
+        scheme, host, port, authority, host_header = origin
+        req = flow.request
+        for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER):
+            req.headers.pop(name, None)
+        req.scheme = scheme
+        req.host = host
+        req.port = port
+        req.authority = authority
+        if host_header is None:
+            req.headers.pop("Host", None)
+        else:
+            req.headers["Host"] = host_header
+
     def response(self, flow: http.HTTPFlow) -> None:
         # The gateway's secret must not end up in a saved flow file.
-        flow.request.headers.pop(TOKEN_HEADER, None)
+        self._restore(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._restore(flow)
 
 
 addons = [AgentTap()]

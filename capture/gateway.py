@@ -163,7 +163,9 @@ class Gateway:
     # -- dispatch --------------------------------------------------------------------------
     def _protocol_for(self, request: web.Request) -> ProviderProtocol:
         host = request.headers.get(HOST_HEADER, "")
-        if host.endswith("anthropic.com") or "anthropic-version" in request.headers:
+        if host == "anthropic.com" or host.endswith(".anthropic.com"):
+            return self.anthropic
+        if "anthropic-version" in request.headers:
             return self.anthropic
         return self.openai
 
@@ -294,7 +296,7 @@ class Gateway:
         body, reason = protocol.response(
             turn.request_id, turn.chat, len(turn.prompt_ids), completion, reply
         )
-        self._record(turn, completion, reason, reply.as_message())
+        self._record(turn, completion, reason, protocol.recorded_reply(reply))
         return web.json_response(body)
 
     async def _stream(
@@ -334,7 +336,7 @@ class Gateway:
         closing, reason = writer.finish(completion, reply)
         await resp.write(tail + closing)
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason, reply.as_message())
+        self._record(turn, completion, reason, protocol.recorded_reply(reply))
         await resp.write(writer.end())
         await resp.write_eof()
         return resp

@@ -25,7 +25,7 @@ _ANTHROPIC: list[tuple[str, str, Any]] = [
 
 def local_answer(host: str, method: str, path: str) -> Any | None:
     """The JSON body that answers a non-model call, or None when it is not one we know."""
-    if not host.endswith("anthropic.com"):
+    if host != "anthropic.com" and not host.endswith(".anthropic.com"):
         return None
     for want_method, prefix, body in _ANTHROPIC:
         if method == want_method and path.startswith(prefix):

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from rewriter import anthropic_messages, openai_chat
-from rewriter.canonical import AssistantReply, ChatRequest
+from rewriter.canonical import AssistantReply, ChatRequest, Message
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 from rewriter.vllm_client import Completion, PolicyError
 
@@ -64,6 +64,10 @@ class ProviderProtocol(Protocol):
 
     def new_response_id(self) -> str: ...
 
+    def recorded_reply(self, reply: AssistantReply) -> Message:
+        """The reply as the client saw it (its tool-call ids), for the thread's records."""
+        ...
+
 
 # -- OpenAI chat completions -------------------------------------------------------------------
 
@@ -97,6 +101,9 @@ class OpenAIChat:
 
     def new_response_id(self) -> str:
         return "chatcmpl-" + secrets.token_hex(12)
+
+    def recorded_reply(self, reply: AssistantReply) -> Message:
+        return reply.as_message()
 
     def response(
         self,
@@ -186,6 +193,9 @@ class AnthropicMessages:
 
     def new_response_id(self) -> str:
         return anthropic_messages.new_message_id()
+
+    def recorded_reply(self, reply: AssistantReply) -> Message:
+        return anthropic_messages.with_client_ids(reply).as_message()
 
     def response(
         self,

@@ -182,6 +182,8 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
+# Shorter tool-call arguments ("ls", a path) end too many messages to mean a spawn.
+MIN_SPAWN_PROMPT = 16
 _PLACEHOLDER = "\u0000AGENTTAP_REPLY_{}\u0000"
 _DUMMY_USER = "\u0000AGENTTAP_DUMMY_USER\u0000"
 _DUMMY_REPLY = "\u0000AGENTTAP_DUMMY_REPLY\u0000"
@@ -387,8 +389,9 @@ class ThreadSet:
             header=header,
         )
         first_user = next((m.content.strip() for m in messages if m.role == "user"), None)
-        if first_user and first_user in self._spawn_index:
-            thread.parent_thread_id, thread.parent_tool_call_id = self._spawn_index[first_user]
+        spawn = self._spawned_by(first_user) if first_user else None
+        if spawn is not None:
+            thread.parent_thread_id, thread.parent_tool_call_id = spawn
         ids = self.renderer.encode(
             self.renderer.render_text(
                 messages, tools or None, add_generation_prompt=True, enable_thinking=enable_thinking
@@ -405,6 +408,22 @@ class ThreadSet:
             thread_version=0,
             kind="new",
         )
+
+    def _spawned_by(self, first_user: str) -> tuple[str, str] | None:
+        """The (thread, tool call) whose string argument opened this conversation.
+
+        Exact match first; else the longest argument the first user message ends with, since
+        scaffolds put context blocks (Claude Code: a ``<system-reminder>``) before the prompt.
+        """
+        exact = self._spawn_index.get(first_user)
+        if exact is not None:
+            return exact
+        best: str | None = None
+        for value in self._spawn_index:
+            if len(value) >= MIN_SPAWN_PROMPT and first_user.endswith(value):
+                if best is None or len(value) > len(best):
+                    best = value
+        return self._spawn_index[best] if best is not None else None
 
     # -- commit -----------------------------------------------------------------------------
     def commit(

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -202,7 +202,7 @@ def _assistant_message(content: str | list[dict[str, Any]], where: str) -> Messa
     return Message(
         role="assistant",
         content=_join(texts),
-        reasoning=_join(thinking) if thinking else None,
+        reasoning=_join(thinking) or None,
         tool_calls=tuple(calls),
     )
 
@@ -286,7 +286,10 @@ def _enable_thinking(thinking: dict[str, Any] | None) -> bool:
 
 def _format_validation_error(exc: ValidationError) -> RequestError:
     first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    # pydantic names the union member it tried ("content.str", "content.list[...]"): drop it.
+    loc = ".".join(
+        str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p == "str"))
+    )
     if first["type"] == "missing":
         return RequestError(f"{loc}: Field required", param=loc)
     return RequestError(f"{loc}: {first['msg']}", param=loc)
@@ -390,7 +393,16 @@ def new_message_id() -> str:
 
 
 def tool_use_id(call: ToolCall) -> str:
-    return call.id if call.id.startswith("toolu_") else "toolu_" + secrets.token_hex(12)
+    """The id the client sees: derived from the parser's, so records and replies agree."""
+    if call.id.startswith("toolu_"):
+        return call.id
+    return "toolu_" + (call.id.removeprefix("call_") or secrets.token_hex(12))
+
+
+def with_client_ids(reply: AssistantReply) -> AssistantReply:
+    """``reply`` with the tool-call ids the client was given."""
+    calls = [replace(c, id=tool_use_id(c)) for c in reply.tool_calls]
+    return replace(reply, tool_calls=calls)
 
 
 def tool_input(call: ToolCall) -> dict[str, Any]:

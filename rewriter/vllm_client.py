@@ -137,9 +137,12 @@ class VLLMClient:
             "stream": stream,
         }
         body.update(sampling_to_vllm(params))
-        if "max_tokens" not in body and info.max_model_len:
-            # vLLM's default is 16; a chat client that sets no limit means "until done".
-            body["max_tokens"] = max(1, info.max_model_len - len(prompt_ids))
+        if info.max_model_len:
+            # vLLM's default is 16, and it refuses a max_tokens past the context; clients mean
+            # "at most": no limit means until done, a limit over the room left means the room
+            # (Claude Code asks for 128000 whatever the model).
+            room = max(1, info.max_model_len - len(prompt_ids))
+            body["max_tokens"] = min(body.get("max_tokens", room), room)
         return body
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:

@@ -39,4 +39,8 @@ if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ];
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch .venv-vllm/.agenttap-ready
 fi
-echo "[setup] done: .venv (proxy) and .venv-vllm (policy server) are ready"
+if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
+  # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
+  bash scripts/install_clients.sh >/dev/null
+fi
+echo "[setup] done: .venv (proxy), .venv-vllm (policy server) and the agent CLIs are ready"

@@ -45,7 +45,7 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
     port = policy_server.free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=4096)
+    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=32768)
     url = f"http://127.0.0.1:{port}"
     try:
         policy_server.wait_ready(url, proc, timeout_s=600)

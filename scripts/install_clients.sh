@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs the agent CLIs that the end-to-end tests drive, pinned, into .cache/node (git-ignored).
+#   @anthropic-ai/claude-code  -> .cache/node/node_modules/.bin/claude
+# The npm package is a thin wrapper; its postinstall copies the native linux-x64 binary
+# (optional dependency @anthropic-ai/claude-code-linux-x64) over bin/claude.exe, so node
+# is needed only at install time. Its engines field asks for node >= 22; the native binary
+# does not use node, so node 20 is fine (npm prints an EBADENGINE warning, harmless).
+# Idempotent: a marker file per pinned version makes a second run a no-op
+# (remove .cache/node to reinstall).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CLAUDE_CODE_VERSION=2.1.330
+PREFIX="$PWD/.cache/node"
+MARKER="$PREFIX/.agenttap-claude-code-$CLAUDE_CODE_VERSION"
+CLAUDE_BIN="$PREFIX/node_modules/.bin/claude"
+
+if [ ! -f "$MARKER" ]; then
+  echo "[install_clients] installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into $PREFIX" >&2
+  mkdir -p "$PREFIX"
+  rm -f "$PREFIX"/.agenttap-claude-code-*
+  npm install --prefix "$PREFIX" --no-audit --no-fund --save-exact --loglevel=error \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >&2
+  # If npm skipped the postinstall (ignore-scripts / allowScripts), bin/claude.exe is still
+  # the placeholder stub: run the package's own installer, which puts the native binary there.
+  if ! "$CLAUDE_BIN" --version >/dev/null 2>&1; then
+    (cd "$PREFIX/node_modules/@anthropic-ai/claude-code" && node install.cjs) >&2
+  fi
+  got=$("$CLAUDE_BIN" --version)
+  case "$got" in
+    "$CLAUDE_CODE_VERSION "*) ;;
+    *) echo "[install_clients] unexpected 'claude --version': $got" >&2; exit 1 ;;
+  esac
+  touch "$MARKER"
+fi
+echo "$CLAUDE_BIN"

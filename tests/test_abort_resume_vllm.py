@@ -1,0 +1,146 @@
+"""A generation the policy server aborts mid-stream (``POST /pause?mode=abort``, as an RL trainer
+does for a weight sync) is resumed by the proxy and stitched: the client sees one uninterrupted
+stream, and the recorded turn is one exact sequence (real vLLM, fp32 tiny Qwen3)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import QWEN3, start_proxy
+from tests.test_trajectory_vllm import _rescore
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 300
+PAUSE_AFTER_CHUNKS = 40
+RESUME_LOG = "generation aborted by the policy server; resuming"
+
+
+def _post(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=60):
+        pass
+
+
+def _abort_counts(vllm_url: str) -> dict[str, float]:
+    """vLLM's finished-request counters by reason (``vllm:request_success_total``)."""
+    text = urllib.request.urlopen(f"{vllm_url}/metrics", timeout=30).read().decode()
+    counts: dict[str, float] = {}
+    for m in re.finditer(
+        r'^vllm:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([0-9.e+]+)$',
+        text,
+        re.M,
+    ):
+        counts[m.group(1)] = counts.get(m.group(1), 0.0) + float(m.group(2))
+    return counts
+
+
+def test_stream_aborted_by_pause_is_resumed_and_stitched(
+    vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = start_proxy(vllm_url, tmp_path / "out", confdir)
+    before = _abort_counts(vllm_url)
+    errors: list[BaseException] = []
+    timeline: dict[str, float] = {}
+
+    def pause_then_resume() -> None:
+        try:
+            timeline["pause"] = time.monotonic()
+            _post(f"{vllm_url}/pause?mode=abort")
+            timeline["paused"] = time.monotonic()
+            # While paused the proxy's resubmission waits in vLLM's queue.
+            time.sleep(1.0)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+        finally:
+            try:
+                _post(f"{vllm_url}/resume")
+                timeline["resumed"] = time.monotonic()
+            except BaseException as exc:
+                errors.append(exc)
+
+    pauser = threading.Thread(target=pause_then_resume, daemon=True)
+    pieces: list[str] = []
+    chunks_at_pause = 0
+    chunks = 0
+    finish = usage = None
+    try:
+        client = proxy.openai("abort-resume", monkeypatch)
+        start = time.monotonic()
+        stream = client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "Tell me a very long story."}],
+            max_tokens=MAX_TOKENS,
+            seed=11,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            chunks += 1
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                extra = choice.delta.model_extra or {}
+                pieces.append(extra.get("reasoning_content") or "")
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+            if chunks == PAUSE_AFTER_CHUNKS:
+                chunks_at_pause = chunks
+                pauser.start()
+        elapsed = time.monotonic() - start
+    finally:
+        if pauser.ident is not None:  # started
+            pauser.join(120)
+        # Whatever happened, never leave the shared vLLM paused for the other tests.
+        _post(f"{vllm_url}/resume")
+        proxy.stop()
+    assert not errors, errors
+    print(
+        f"stream: {chunks} chunks in {elapsed:.2f}s; pause sent after chunk {chunks_at_pause}, "
+        f"pause took {timeline['paused'] - timeline['pause']:.2f}s"
+    )
+
+    # The client saw one ordinary stream: all the tokens, a normal finish, no error.
+    assert chunks_at_pause == PAUSE_AFTER_CHUNKS, "the stream ended before the pause"
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    # The pause landed mid-stream: the stream went on after the server was resumed.
+    assert chunks > PAUSE_AFTER_CHUNKS + 10
+
+    # vLLM really aborted a request, and the proxy resumed it.
+    log = proxy.log.read_text(errors="replace")
+    assert RESUME_LOG in log, log[-3000:]
+    after = _abort_counts(vllm_url)
+    aborted = after.get("abort", 0.0) - before.get("abort", 0.0)
+    print(f"vLLM finished requests before {before}, after {after}")
+    assert aborted >= 1, (before, after)
+
+    # The recorded turn is one stitched completion of exactly max_tokens ...
+    rows = proxy.turns("abort-resume", expect=1, timeout=60)
+    assert len(rows) == 1
+    row = rows[0]
+    ids, lps = row["completion_ids"], row["completion_logprobs"]
+    assert len(ids) == len(lps) == MAX_TOKENS
+    assert row["finish_reason"] == "length"
+    assert "".join(pieces) == row["completion_text"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(QWEN3))
+    assert row["completion_text"] == tok.decode(ids, skip_special_tokens=True)
+
+    # ... whose every logprob, before and after the abort, is what the policy gives the full
+    # sequence (fp32: exactly).
+    seq: list[Any] = row["prompt_ids"] + ids
+    rescored = _rescore(vllm_url, seq)[len(row["prompt_ids"]) :]
+    stored = np.asarray(lps, dtype=np.float32)
+    diff = np.abs(stored - np.asarray(rescored, dtype=np.float32))
+    print(f"max |stored - rescored| over {len(ids)} tokens = {float(diff.max())}")
+    assert float(diff.max()) == 0.0, np.nonzero(diff)[0][:20]
