@@ -43,7 +43,7 @@ from rewriter.parsers import check_parser_names  # noqa: E402
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"
-DEFAULT_MODEL_NAMES = "claude-opus-4-5,claude-sonnet-4-5,claude-haiku-4-5"
+DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
 # How long a request waits for the gateway to come up (a client replay starts sending at once).

@@ -3,8 +3,8 @@
 It answers ``/v1/completions`` with a token-id prompt exactly as vLLM 0.32 does (same fields,
 same streaming chunks; ``tests/test_stub_contract.py`` checks this against the real server), but
 the completion is the next scripted text, tokenized with the real tokenizer and ended with EOS.
-Like vLLM it clamps ``max_tokens`` to the context left and refuses over-long prompts and unknown
-model names. ``chunk_tokens`` > 1 streams several tokens per chunk, as a lagging vLLM does.
+Like vLLM it clamps ``max_tokens`` to the context left (but refuses one over the whole context)
+and refuses over-long prompts and unknown model names. ``chunk_tokens`` > 1 streams several tokens per chunk, as a lagging vLLM does.
 """
 
 from __future__ import annotations
@@ -150,7 +150,16 @@ class StubPolicy:
                 f"(parameter=input_tokens, value={len(prompt)})",
                 "input_tokens",
             )
-        max_tokens = min(body["max_tokens"] if body.get("max_tokens") is not None else 16, room)
+        asked = body["max_tokens"] if body.get("max_tokens") is not None else 16
+        if asked > self.max_model_len:
+            return _error(
+                400,
+                "BadRequestError",
+                f"max_tokens={asked} cannot be greater than max_model_len={self.max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={asked})",
+                "max_tokens",
+            )
+        max_tokens = min(asked, room)
         if max_tokens < 1:
             return _error(
                 400,

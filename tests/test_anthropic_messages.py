@@ -4,7 +4,6 @@ answers; the model map option. Pure functions: no network, no proxy, no vLLM."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from rewriter.anthropic_messages import (
     sse,
     stop_reason,
     thinking_signature,
+    tool_use_id,
 )
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
@@ -559,7 +559,7 @@ def test_content_blocks_thinking_text_and_tool_use() -> None:
     assert blocks[0]["signature"] and blocks[0]["signature"] == thinking_signature("plan it")
     assert blocks[1] == {"type": "text", "text": "Let me look."}
     use = blocks[2]
-    assert re.fullmatch(r"toolu_[0-9a-f]{24}", use["id"])
+    assert use["id"].startswith("toolu_") and use["id"] == tool_use_id(CALL)
     assert use["name"] == "read_file"
     assert use["input"] == {"path": "a"}
 
@@ -786,7 +786,7 @@ def test_stream_thinking_text_tool_use() -> None:
     ]
     tool_start = content[9]["content_block"]
     assert tool_start["name"] == "read_file" and tool_start["input"] == {}
-    assert re.fullmatch(r"toolu_[0-9a-f]{24}", tool_start["id"])
+    assert tool_start["id"] == tool_use_id(call) == "toolu_9"
     streamed = assemble(content)
     assert streamed[2]["input"] == {"path": "é/a", "n": [1, 2]}
     expected = content_blocks(reply("\n\nLet me look.\n", "\nplan it\n", [call]))

@@ -343,7 +343,7 @@ def test_prompt_too_long(
 def test_models_and_local_answers(stub_proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     client = stub_proxy.anthropic("anth-models", monkeypatch)
     ids = [m.id for m in client.models.list()]
-    assert "claude-haiku-4-5" in ids and "stub-policy" in ids
+    assert "claude-haiku-5-5" in ids and "stub-policy" in ids
     assert client.models.retrieve("claude-opus-4-7").id == "claude-opus-4-7"
     with httpx.Client(
         proxy=f"http://anth-models:x@127.0.0.1:{stub_proxy.port}",

@@ -178,7 +178,8 @@ def test_claude_code_against_the_real_policy(
     rows = threads(vllm_proxy, session)
     assert rows
     for row in rows:
-        assert _assert_exact(row, turns, vllm_url) == 0.0
+        # Claude Code's prompt is ~11.5k tokens: see _assert_exact on fp32 at long context.
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
 
 
 def test_recorded_claude_code_traffic_replays_offline(

@@ -361,7 +361,9 @@ def test_max_tokens_is_clamped_to_the_context_alike(
         assert data["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("case", ["prompt-too-long", "no-room-left", "unknown-model"])
+@pytest.mark.parametrize(
+    "case", ["prompt-too-long", "no-room-left", "max-tokens-over-context", "unknown-model"]
+)
 def test_errors_have_vllms_shape(
     case: str, vllm_url: str, stub_like_vllm: StubPolicy, prompt_ids: list[int]
 ) -> None:
@@ -376,7 +378,8 @@ def test_errors_have_vllms_shape(
     bodies = []
     for url, models in ((vllm_url, real_models), (stub_like_vllm.url, fake_models)):
         model = "no-such-model" if case == "unknown-model" else models["data"][0]["id"]
-        bodies.append(post(url, request(model, prompt)))
+        extra = {"max_tokens": limit + 1} if case == "max-tokens-over-context" else {}
+        bodies.append(post(url, request(model, prompt, **extra)))
     (rs, rmedia, rraw), (fs, fmedia, fraw) = bodies
     assert rs == fs == (404 if case == "unknown-model" else 400)
     assert rmedia == fmedia == "application/json"

@@ -39,7 +39,12 @@ def _chat(client, messages: list[dict], **kw) -> str:  # type: ignore[no-untyped
     return resp.choices[0].message.content or ""
 
 
-def _assert_exact(row: dict, turns: list[dict], vllm_url: str) -> float:
+def _assert_exact(row: dict, turns: list[dict], vllm_url: str, tolerance: float = 0.0) -> float:
+    """Stored logprobs equal a prompt_logprobs re-score of the row: bit for bit by default.
+
+    ``tolerance``: at contexts of ~10k tokens vLLM's CPU attention sums in a different order
+    when decoding than when prefilling the same positions, so fp32 results differ in the last
+    bits (measured: 9.5e-7 at 11.5k tokens); short sessions match exactly."""
     ids, mask, lps, prov = row["input_ids"], row["loss_mask"], row["logprobs"], row["provenance"]
     assert len(ids) == len(mask) == len(lps) == len(prov)
     assert all((m == 1) == (p in (1, 2)) for m, p in zip(mask, prov, strict=True))
@@ -54,7 +59,7 @@ def _assert_exact(row: dict, turns: list[dict], vllm_url: str) -> float:
     print(
         f"thread {row['thread_id']}: {len(diffs)} trained tokens, max |stored - rescored| = {max_diff}"
     )
-    assert max_diff == 0.0
+    assert max_diff <= tolerance
     # The sampled ids in the thread are exactly the ids vLLM returned for each call.
     by_request = {t["request_id"]: t for t in turns}
     for span in row["turns"]:
