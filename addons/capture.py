@@ -14,9 +14,12 @@ offline (see ``tests/flows.py``)."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import os
 import sys
+import urllib.parse
 from pathlib import Path
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
@@ -26,7 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import ctx, exceptions, http  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
@@ -50,9 +53,25 @@ SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "pr
 GATEWAY_WAIT_S = 60.0
 
 
+def proxy_user(header: str | None) -> str | None:
+    """The username of a ``Proxy-Authorization: Basic ...`` header (the session id)."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return urllib.parse.unquote(user) or None
+
+
 class AgentTap:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
+        # client connection id -> proxy username given on its CONNECT
+        self._tunnel_sessions: dict[str, str] = {}
         self.hosts: frozenset[str] = frozenset()
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
@@ -94,12 +113,10 @@ class AgentTap:
             "Regexes, separated by '||': system text blocks matching one are dropped before "
             "rendering (scaffold noise such as Claude Code's per-call billing header).",
         )
-        # Offline, mitmproxy must not dial the real host on CONNECT; and the proxy username names
-        # the session, so accept any credentials.
-        opts = loader.master.options
-        opts.update(connection_strategy="lazy")
-        if not opts.proxyauth:
-            opts.update(proxyauth="any")
+        # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
+        # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
+        # clients configured without credentials. A proxyauth the user sets still applies.
+        loader.master.options.update(connection_strategy="lazy")
 
     def configure(self, updated: set[str]) -> None:
         if "agenttap_hosts" in updated:
@@ -188,6 +205,14 @@ class AgentTap:
         host = flow.request.host.lower()
         if host not in self.hosts:
             self._refuse(flow, host)
+            return
+        user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        if user:
+            # The requests inside this tunnel are flows of their own on the same connection.
+            self._tunnel_sessions[flow.client_conn.id] = user
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self._tunnel_sessions.pop(client.id, None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response:
@@ -196,6 +221,7 @@ class AgentTap:
         if host not in self.hosts:
             self._refuse(flow, host)
             return
+        plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
         for name in SECRET_HEADERS:
             flow.request.headers.pop(name, None)
         if self.gateway is None and not self._ready.is_set():
@@ -213,10 +239,13 @@ class AgentTap:
             )
             return
         auth = flow.metadata.get("proxyauth")
-        if auth:
-            session_id = str(auth[0])
-        else:  # a replayed flow keeps the session it was recorded under
-            session_id = str(flow.metadata.get("agenttap_session") or "anonymous")
+        session_id = (
+            (str(auth[0]) if auth else None)
+            or self._tunnel_sessions.get(flow.client_conn.id)
+            or plain_proxy_user
+            # a replayed flow keeps the session it was recorded under
+            or str(flow.metadata.get("agenttap_session") or "anonymous")
+        )
         req = flow.request
         # Put back by _restore before the flow is saved or shown.
         flow.metadata["agenttap_origin"] = [

@@ -40,7 +40,7 @@ TOKEN_HEADER = "X-Agenttap-Token"
 SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
 # A client's own session header names the session when the proxy URL has no username.
-CLIENT_SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session-id")
+CLIENT_SESSION_HEADERS = {"X-Claude-Code-Session-Id": "claude-code", "session-id": "codex"}
 
 
 def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
@@ -242,9 +242,9 @@ class Gateway:
         session = request.headers.get(SESSION_HEADER) or "anonymous"
         if session == "anonymous":
             # No proxy username: a client's own session header still keeps runs apart.
-            for name in CLIENT_SESSION_HEADERS:
+            for name, client in CLIENT_SESSION_HEADERS.items():
                 if request.headers.get(name):
-                    return f"{name.lower()}:{request.headers[name]}"
+                    return f"{client}:{request.headers[name]}"
         return session
 
     async def _prepare(

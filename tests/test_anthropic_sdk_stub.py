@@ -370,3 +370,22 @@ def test_overloaded_when_policy_is_down(
         assert body["error"]["type"] == "overloaded_error"
     finally:
         proxy.stop()
+
+
+def test_session_without_proxy_credentials(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No username in HTTPS_PROXY: no 407; the client's own session header names the session."""
+    script(stub, "Hi.")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{stub_proxy.port}")
+    monkeypatch.setenv("SSL_CERT_FILE", str(stub_proxy.ca))
+    monkeypatch.delenv("ANTHROPIC_BASE_URL", raising=False)
+    client = anthropic.Anthropic(
+        api_key="sk-ant-test",
+        max_retries=0,
+        default_headers={"X-Claude-Code-Session-Id": "5f0c-no-creds"},
+    )
+    msg = client.messages.create(model="claude-opus-4-5", max_tokens=20, messages=USER)
+    assert msg.content[0].text == "Hi."
+    rows = stub_proxy.turns("claude-code:5f0c-no-creds", expect=1)
+    assert len(rows) == 1

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Proxy
+from tests.conftest import REPO, Proxy, read_turns
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
 from tests.test_anthropic_sdk_stub import hermes, threads
@@ -39,8 +40,14 @@ def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
 
 
 def run_claude(
-    claude: Path, proxy: Proxy, session: str, workdir: Path, prompt: str, timeout: float = 180
+    claude: Path,
+    proxy: Proxy,
+    session: str | None,
+    workdir: Path,
+    prompt: str,
+    timeout: float = 180,
 ) -> subprocess.CompletedProcess[str]:
+    creds = f"{session}:x@" if session else ""
     home = workdir.parent / f"{workdir.name}-home"
     home.mkdir(exist_ok=True)
     env = {
@@ -48,7 +55,7 @@ def run_claude(
         "HOME": str(home),
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_API_KEY": "sk-ant-agenttap-test-key",
-        "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{proxy.port}",
+        "HTTPS_PROXY": f"http://{creds}127.0.0.1:{proxy.port}",
         "NODE_EXTRA_CA_CERTS": str(proxy.ca),
         "DISABLE_AUTOUPDATER": "1",
     }
@@ -113,6 +120,26 @@ def test_file_writing_task_with_scripted_policy(
         if row is not main:
             assert row["thread_id"] != main["thread_id"]
             assert row["input_ids"][:20] != main["input_ids"][:20] or row["num_turns"] == 1
+
+
+def test_runs_without_a_proxy_username(
+    claude: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """A plain HTTPS_PROXY=http://host:port works; Claude Code's session header names the
+    session."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    stub.replies.clear()
+    stub.script("Hello from the policy.")
+    done = run_claude(claude, stub_proxy, None, workdir, "Say hello.")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Hello from the policy." in done.stdout
+    deadline = time.monotonic() + 30
+    rows: list[dict[str, Any]] = []
+    while not rows and time.monotonic() < deadline:
+        time.sleep(0.3)  # the session's shard is written after its idle timeout
+        rows = [r for r in read_turns(stub_proxy.out) if r["session_id"].startswith("claude-code:")]
+    assert rows and rows[-1]["completion_text"] == "Hello from the policy."
 
 
 def test_sub_agent_is_its_own_thread(
