@@ -80,10 +80,19 @@ def message_key(message: Message) -> MessageKey:
     tool-call ids, reasoning (templates and clients drop it), JSON spacing and key order of
     tool-call arguments, whitespace around assistant text.
     """
-    if message.role == "assistant":
-        calls = tuple((c.name, _canonical_args(c.arguments)) for c in message.tool_calls)
-        return ("assistant", message.content.strip(), calls)
-    return (message.role, message.content)
+    # Called for every message of every call: kept lean (no generator for the usual one call).
+    if message.role != "assistant":
+        return (message.role, message.content)
+    calls = message.tool_calls
+    if len(calls) == 1:
+        call = calls[0]
+        return (
+            "assistant",
+            message.content.strip(),
+            ((call.name, _canonical_args(call.arguments)),),
+        )
+    keys = tuple([(c.name, _canonical_args(c.arguments)) for c in calls])
+    return ("assistant", message.content.strip(), keys)
 
 
 def header_key(tools: list[ToolSpec], enable_thinking: bool | None) -> MessageKey:
