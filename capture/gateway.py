@@ -283,7 +283,9 @@ class Gateway:
         turn = await self._prepare(request, protocol)
         if isinstance(turn, web.StreamResponse):
             return turn
-        parser = OutputParser(self.config.tool_parser, self.config.reasoning_parser)
+        # tool_choice "none": whatever the policy writes is text, never a call the client runs.
+        tool_parser = "none" if turn.chat.tool_choice == "none" else self.config.tool_parser
+        parser = OutputParser(tool_parser, self.config.reasoning_parser)
         if turn.chat.stream:
             return await self._stream(request, protocol, turn, parser)
         try:

@@ -389,3 +389,21 @@ def test_session_without_proxy_credentials(
     assert msg.content[0].text == "Hi."
     rows = stub_proxy.turns("claude-code:5f0c-no-creds", expect=1)
     assert len(rows) == 1
+
+
+def test_tool_choice_none_gives_text(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call = hermes("get_weather", {"city": "Paris"})
+    script(stub, call)
+    client = stub_proxy.anthropic("anth-choice-none", monkeypatch)
+    msg = client.messages.create(
+        model="claude-opus-4-5",
+        max_tokens=200,
+        tools=TOOLS,
+        tool_choice={"type": "none"},
+        messages=USER,
+    )
+    assert msg.stop_reason == "end_turn"
+    assert [b.type for b in msg.content] == ["text"]
+    assert '"name": "get_weather"' in msg.content[0].text
