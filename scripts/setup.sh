@@ -18,13 +18,19 @@ if [ -z "$PY311" ]; then
   else PY311="env PYENV_VERSION=3.11.7 python3"; fi
 fi
 
+# The marker holds the pyproject's hash: changed dependencies are installed on the next run.
+DEPS_HASH=$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f .venv/.agenttap-ready ]; then
   echo "[setup] building .venv (proxy, Python 3.12)"
   rm -rf .venv
   $PY312 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'
-  touch .venv/.agenttap-ready
+  echo "$DEPS_HASH" > .venv/.agenttap-ready
+elif [ "$(cat .venv/.agenttap-ready)" != "$DEPS_HASH" ]; then
+  echo "[setup] pyproject.toml changed: updating .venv"
+  .venv/bin/pip install -q -e '.[dev]'
+  echo "$DEPS_HASH" > .venv/.agenttap-ready
 fi
 
 if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ]; then

@@ -73,6 +73,18 @@ def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None
     import datasets
     loaded = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train")
     assert len(loaded) == 10 and loaded[0]["completion_ids"] == [1, 2]
+    # Ray Data (one local worker), as a distributed trainer would read them.
+    import ray
+    import ray.data
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        table = ray.data.read_parquet(str(tmp_path)).take_all()
+        assert len(table) == 10
+        assert sorted(r["session_id"] for r in table) == sorted(f"s{i}" for i in range(10))
+        assert all(list(r["completion_ids"]) == [1, 2] for r in table)
+    finally:
+        ray.shutdown()
     assert rows_to_table(rows, TURN_SCHEMA).num_rows == 10
 
 
