@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
 
+# Sessions whose threads are kept after an idle flush (about 58 bytes per token each).
+DORMANT_SESSIONS = 64
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -64,11 +67,13 @@ class SessionStore:
         # Calls already sharded per session id: a scaffold that pauses past the idle timeout
         # and goes on under the same session keeps counting, never reusing a turn index.
         self._sharded_turns: dict[str, int] = {}
+        # Threads of sessions flushed while idle, most recent last (see end_session).
+        self._dormant: OrderedDict[str, ThreadSet] = OrderedDict()
 
     def session(self, session_id: str) -> Session:
         sess = self._sessions.get(session_id)
         if sess is None:
-            threads = (
+            threads = self._dormant.pop(session_id, None) or (
                 ThreadSet(session_id, self.renderer, self.recompute) if self.renderer else None
             )
             sess = Session(session_id, self.journal_dir / _journal_name(session_id), threads)
@@ -130,13 +135,20 @@ class SessionStore:
     def flush_idle(self, now: float | None = None) -> list[Path]:
         now = time.monotonic() if now is None else now
         idle = [s for s in self._sessions.values() if now - s.last_active >= self.idle_timeout_s]
-        return [p for s in idle for p in self.end_session(s.session_id)]
+        return [p for s in idle for p in self.end_session(s.session_id, keep_threads=True)]
 
-    def end_session(self, session_id: str) -> list[Path]:
+    def end_session(self, session_id: str, keep_threads: bool = False) -> list[Path]:
+        """Write the session's shards. ``keep_threads``: the session may go on (idle flush), so
+        its threads stay in memory and a later call extends their exact ids."""
         sess = self._sessions.pop(session_id, None)
         if sess is None or not sess.turns:
             return []
-        threads = list(sess.threads.threads.values()) if sess.threads else []
+        threads = sess.threads.seal() if sess.threads else []
+        if keep_threads and sess.threads is not None:
+            self._dormant[session_id] = sess.threads
+            self._dormant.move_to_end(session_id)
+            while len(self._dormant) > DORMANT_SESSIONS:
+                self._dormant.popitem(last=False)
         paths = self._write(sess.turns, threads)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)

@@ -144,6 +144,9 @@ class Thread:
     # Every reply the policy gave in this thread, by message key: its exact sampled ids.
     replies: dict[MessageKey, list[int]] = field(default_factory=dict)
     version: int = 0
+    # Written to a shard already (the session went idle): a call that continues it starts a
+    # new thread from its exact ids, so no token is trained twice.
+    sealed: bool = False
 
     def check(self) -> None:
         assert len(self.ids) == len(self.logprobs) == len(self.provenance)
@@ -434,6 +437,13 @@ class ThreadSet:
                     best = value
         return self._spawn_index[best] if best is not None else None
 
+    def seal(self) -> list[Thread]:
+        """Threads with calls not yet in a shard, now marked as written."""
+        fresh = [t for t in self.threads.values() if t.turns and not t.sealed]
+        for thread in self.threads.values():
+            thread.sealed = True
+        return fresh
+
     # -- commit -----------------------------------------------------------------------------
     def commit(
         self,
@@ -450,9 +460,11 @@ class ThreadSet:
     ) -> Thread:
         """Apply a completed call to its thread (a new thread if it changed meanwhile)."""
         thread = assembly.thread
-        if not assembly.is_new_thread and thread.version != assembly.thread_version:
-            # Another call on this thread completed first (a client retry, parallel calls):
-            # this one continues as a thread of its own.
+        if not assembly.is_new_thread and (
+            thread.version != assembly.thread_version or thread.sealed
+        ):
+            # Another call on this thread completed first (a client retry, parallel calls), or
+            # the thread is already in a shard: this one continues as a thread of its own.
             thread = Thread(
                 thread_id=f"{len(self.threads)}-{uuid.uuid4().hex[:8]}",
                 session_id=self.session_id,
@@ -466,6 +478,8 @@ class ThreadSet:
             # Tokens shared with the parent are trained there, not twice.
             thread.logprobs = old.logprobs[:n] + [0.0] * (len(prefix_ids) - n)
             thread.provenance = [int(Provenance.PROMPT)] * len(prefix_ids)
+            # Its replies are still known: a later rewrite can splice them.
+            thread.replies = dict(old.replies)
         if assembly.is_new_thread or thread.thread_id not in self.threads:
             self.threads[thread.thread_id] = thread
         base = assembly.base

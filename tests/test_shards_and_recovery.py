@@ -57,6 +57,41 @@ def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Pat
     assert len(read_turns(tmp_path / "crash")) == 4
 
 
+def test_session_going_on_after_an_idle_flush_keeps_exact_ids(qwen3_dir: Path, tmp_path: Path) -> None:
+    """A scaffold idle past the timeout, then back: its next prompt still extends the exact ids,
+    on a new thread whose earlier tokens are prompt (trained in the first shard, not twice)."""
+    template = ChatTemplate(qwen3_dir)
+    store = SessionStore(tmp_path / "out", template, idle_timeout_s=300)
+    msgs = [Message("user", "q0")]
+    sampled: list[list[int]] = []
+    for i in range(3):
+        ids = template.encode(f"answer {i}") + [template.eos_token_id]
+        sampled.append(ids)
+        _turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
+        msgs += [Message("assistant", f"answer {i}"), Message("user", f"q{i + 1}")]
+        if i == 1:
+            assert store.flush_idle(now=time.monotonic() + 301)  # idle: shards written
+            assert not list((tmp_path / "out" / "journal").glob("*.jsonl"))
+    store.close()
+    rows = sorted(load_threads(tmp_path / "out" / "threads"), key=lambda r: len(r["input_ids"]))
+    assert len(rows) == 2
+    first, second = rows
+    assert first["num_turns"] == 2 and second["num_turns"] == 1
+    assert second["parent_thread_id"] == first["thread_id"]
+    # The third call's prompt is the first thread's exact ids, then the new messages.
+    n = len(first["input_ids"])
+    assert second["input_ids"][:n] == first["input_ids"]
+    turns = read_turns(tmp_path / "out")
+    assert [t["turn_index"] for t in turns] == [0, 1, 2]
+    assert '"extend"' in turns[2]["metadata"]
+    assert turns[2]["prompt_ids"][:n] == first["input_ids"]
+    # Only the new call's tokens are trained in the second row.
+    (span,) = second["turns"]
+    trained = [i for i, m in enumerate(second["loss_mask"]) if m]
+    assert trained == list(range(span["start"], span["end"]))
+    assert second["input_ids"][span["start"] : span["end"]] == sampled[2]
+
+
 def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None:
     rows = [
         {name: None for name in TURN_SCHEMA.names}
