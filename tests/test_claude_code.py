@@ -138,8 +138,15 @@ def test_runs_without_a_proxy_username(
     rows: list[dict[str, Any]] = []
     while not rows and time.monotonic() < deadline:
         time.sleep(0.3)  # the session's shard is written after its idle timeout
-        rows = [r for r in read_turns(stub_proxy.out) if r["session_id"].startswith("claude-code:")]
-    assert rows and rows[-1]["completion_text"] == "Hello from the policy."
+        rows = [
+            r
+            for r in read_turns(stub_proxy.out)
+            if r["completion_text"] == "Hello from the policy."
+        ]
+    assert len(rows) == 1
+    # Named by Claude Code's X-Claude-Code-Session-Id (a UUID), not "anonymous".
+    session = rows[0]["session_id"]
+    assert session.startswith("claude-code:") and len(session) == len("claude-code:") + 36
 
 
 def test_sub_agent_is_its_own_thread(
