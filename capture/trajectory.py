@@ -78,7 +78,8 @@ def message_key(message: Message) -> MessageKey:
 
     Ignored on purpose, because scaffolds change them between calls without changing meaning:
     tool-call ids, reasoning (templates and clients drop it), JSON spacing and key order of
-    tool-call arguments, whitespace around assistant text.
+    tool-call arguments, whitespace in assistant text (Anthropic clients send text around a
+    tool call back as separate blocks, which arrive joined by other whitespace).
     """
     # Called for every message of every call: kept lean (no generator for the usual one call).
     if message.role != "assistant":
@@ -88,11 +89,16 @@ def message_key(message: Message) -> MessageKey:
         call = calls[0]
         return (
             "assistant",
-            message.content.strip(),
+            _canonical_text(message.content),
             ((call.name, _canonical_args(call.arguments)),),
         )
     keys = tuple([(c.name, _canonical_args(c.arguments)) for c in calls])
-    return ("assistant", message.content.strip(), keys)
+    return ("assistant", _canonical_text(message.content), keys)
+
+
+def _canonical_text(text: str) -> str:
+    # Most replies that carry a tool call have no text at all: skip the split for them.
+    return " ".join(text.split()) if text else text
 
 
 def header_key(tools: list[ToolSpec], enable_thinking: bool | None) -> MessageKey:

@@ -160,3 +160,16 @@ def test_extension_cost_does_not_depend_on_history(template: ChatTemplate) -> No
         del template.render_text
     # After the first call each prompt renders 2 dummy messages + 1 new user message.
     assert rendered[1:] == [3] * 29
+
+
+def test_reply_keys_ignore_whitespace_between_text_blocks() -> None:
+    """Text around a tool call comes back from an Anthropic client as separate blocks; joined,
+    its whitespace differs from the parsed reply's, and it is still the same reply."""
+    from capture.trajectory import message_key
+    from rewriter.canonical import Message, ToolCall
+
+    call = (ToolCall("toolu_1", "bash", '{"cmd": "ls"}'),)
+    parsed = Message("assistant", "Let me look.  Then answer.", tool_calls=call)
+    echoed = Message("assistant", "Let me look.\n\nThen answer.", tool_calls=call)
+    assert message_key(parsed) == message_key(echoed)
+    assert message_key(parsed) != message_key(Message("assistant", "Let me look.", tool_calls=call))
