@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +27,7 @@ from tests.test_trajectory_vllm import _assert_exact
 
 CLAUDE = REPO / ".cache" / "node" / "node_modules" / ".bin" / "claude"
 IM_END = 151645
+TUI_KEY = "sk-ant-agenttap-tui-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +255,107 @@ def test_recorded_claude_code_traffic_replays_offline(
     want, got = thread_signatures(live, session), thread_signatures(replayed, session)
     assert len(want) == 1 and want[0]["num_turns"] == 2
     assert got == want
+
+
+def _drive_tui(
+    claude: Path, proxy: Proxy, session: str, workdir: Path, prompt: str, done: Any
+) -> str:
+    """Run interactive Claude Code in a pseudo-terminal, type ``prompt`` once its UI is up, and
+    stop it once ``done()`` holds. Returns the screen output (for failure messages)."""
+    home = workdir.parent / f"{workdir.name}-home"
+    config = home / ".claude"
+    config.mkdir(parents=True, exist_ok=True)
+    # What a first interactive run would ask: onboarding done, the key and the folder trusted.
+    (config / ".claude.json").write_text(
+        json.dumps(
+            {
+                "hasCompletedOnboarding": True,
+                "theme": "dark",
+                # Claude Code remembers approved keys by their last 20 characters.
+                "customApiKeyResponses": {"approved": [TUI_KEY[-20:]], "rejected": []},
+                "projects": {str(workdir): {"hasTrustDialogAccepted": True, "allowedTools": []}},
+            }
+        )
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(config),
+        "ANTHROPIC_API_KEY": TUI_KEY,
+        "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{proxy.port}",
+        "NODE_EXTRA_CA_CERTS": str(proxy.ca),
+        "DISABLE_AUTOUPDATER": "1",
+        "TERM": "xterm",
+    }
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: becomes Claude Code
+        os.chdir(workdir)
+        os.execve(str(claude), [str(claude), "--allowedTools", "Bash,Write"], env)
+    screen = b""
+    typed = False
+    deadline = time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline and not done():
+            ready, _, _ = select.select([fd], [], [], 0.3)
+            if ready:
+                try:
+                    screen += os.read(fd, 65536)
+                except OSError:
+                    break
+            text = screen.decode("utf-8", "replace")
+            if not typed and "effort" in text:  # the prompt box's status line is drawn
+                time.sleep(1.0)
+                for ch in prompt:
+                    os.write(fd, ch.encode())
+                    time.sleep(0.02)
+                time.sleep(0.5)
+                os.write(fd, b"\r")
+                typed = True
+        time.sleep(2.0)  # let the last response finish streaming and be recorded
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    return screen.decode("utf-8", "replace")
+
+
+# pty.fork in a process with threads (the stub's server): the child only execs Claude Code.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_interactive_session_keeps_the_title_call_apart(
+    claude: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """Interactive Claude Code also asks a small model for a session title (JSON schema output,
+    no tools) while the main call runs: that call is a thread of its own."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    target = workdir / "hello.txt"
+    call = hermes("Write", {"file_path": str(target), "content": "hi"})
+
+    def title(body: dict[str, Any]) -> str | None:
+        return '{"title": "Hello file"}' if "structured_outputs" in body else None
+
+    stub.replies.clear()
+    stub.rules.append(title)
+    stub.script(call, "Done: hello.txt holds hi.")
+    session = "cc-tui"
+
+    def finished() -> bool:
+        # Both main replies handed out and the file written: the conversation is over.
+        return target.exists() and not stub.replies
+
+    try:
+        screen = _drive_tui(
+            claude, stub_proxy, session, workdir, "Create hello.txt containing hi", finished
+        )
+    finally:
+        stub.rules.remove(title)
+    assert target.exists() and target.read_text() == "hi", screen[-3000:]
+    turns = stub_proxy.turns(session, expect=3, timeout=30)
+    titles = [t for t in turns if t["completion_text"] == '{"title": "Hello file"}']
+    assert titles, [(t["requested_model"], t["completion_text"][:40]) for t in turns]
+    assert all("haiku" in t["requested_model"] for t in titles)
+    rows = threads(stub_proxy, session, expect=2)
+    main = _main_thread(rows)
+    assert main["num_turns"] == 2
+    assert 2 not in main["provenance"]
+    assert {t["thread_id"] for t in titles}.isdisjoint({main["thread_id"]})
