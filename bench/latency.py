@@ -1,12 +1,13 @@
-"""Latency the proxy adds to a chat call: the openai SDK through mitmdump + the addon, against
-the same prompt token ids sent straight to vLLM's /v1/completions.
+"""Latency the proxy adds to a chat call: the openai and anthropic SDKs through mitmdump + the
+addon, against the same prompt token ids sent straight to vLLM's /v1/completions.
 
     .venv/bin/python bench/latency.py [--calls 50] [--max-tokens 1] [--warmup 5]
 
 Starts its own vLLM (the tiny embedded Qwen3 policy, prefix caching off so that neither path
 profits from the other's cache) and its own mitmdump. Calls are interleaved, alternating which
-path goes first, after a warm-up; each call i uses prompt i on both paths, and the script checks
-that the proxy sent vLLM exactly the prompt ids of the baseline.
+path goes first, after a warm-up; each call i uses prompt i on every path, and the script checks
+that the proxy sent vLLM exactly the prompt ids of the baseline. (Anthropic's default is no
+thinking, so its baseline prompt is the template's with thinking off.)
 """
 
 from __future__ import annotations
@@ -103,18 +104,31 @@ def run(calls: int, warmup: int, max_tokens: int, work: Path) -> int:
         os.environ.pop("OPENAI_BASE_URL", None)
         os.environ.update(proxy.env(SESSION))
         client = openai.OpenAI(api_key="sk-bench", max_retries=0, timeout=120)
+        import anthropic
+
+        os.environ.pop("ANTHROPIC_BASE_URL", None)
+        claude = anthropic.Anthropic(api_key="sk-ant-bench", max_retries=0, timeout=120)
         with urllib.request.urlopen(f"{vllm_url}/v1/models", timeout=30) as resp:
             served = json.load(resp)["data"][0]["id"]
         direct = DirectClient(vllm_url, served, max_tokens)
         template = ChatTemplate(QWEN3)
 
-        def prompt_ids(i: int) -> list[int]:
+        def prompt_ids(i: int, thinking: bool | None = None) -> list[int]:
             msgs = [Message(role=m["role"], content=m["content"]) for m in messages_for(i)]  # type: ignore[arg-type]
-            return template.render(msgs)
+            return template.render(msgs, enable_thinking=thinking)
 
         def via_proxy(i: int) -> Any:
             return client.chat.completions.create(
                 model="gpt-4o-mini", messages=messages_for(i), max_tokens=max_tokens
+            )
+
+        def via_anthropic(i: int) -> Any:
+            system, user = messages_for(i)
+            return claude.messages.create(
+                model="claude-haiku-5-5",
+                system=system["content"],
+                messages=[user],  # type: ignore[list-item]
+                max_tokens=max_tokens,
             )
 
         def timed(fn: Any, *args: Any) -> tuple[float, Any]:
@@ -124,37 +138,52 @@ def run(calls: int, warmup: int, max_tokens: int, work: Path) -> int:
 
         for i in range(warmup):
             via_proxy(-1 - i)
+            via_anthropic(-1 - i)
             direct.complete(prompt_ids(-1 - i))
 
         base_ms: list[float] = []
         proxy_ms: list[float] = []
+        anth_ms: list[float] = []
         ids_by_call: dict[int, list[int]] = {}
+        anth_ids_by_call: dict[int, list[int]] = {}
+        paths = ("direct", "openai", "anthropic")
         for i in range(calls):
             ids = prompt_ids(i)  # rendering is part of the proxy's work, not the baseline's
             ids_by_call[i] = ids
-            order = ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct")
+            anth_ids_by_call[i] = prompt_ids(i, thinking=False)
+            order = paths[i % 3 :] + paths[: i % 3]
             for path in order:
                 if path == "direct":
                     ms, data = timed(direct.complete, ids)
                     assert len(data["choices"][0]["token_ids"]) >= 1
                     base_ms.append(ms)
-                else:
+                elif path == "openai":
                     ms, resp = timed(via_proxy, i)
                     assert resp.usage.prompt_tokens == len(ids)
                     proxy_ms.append(ms)
+                else:
+                    ms, msg = timed(via_anthropic, i)
+                    assert msg.usage.input_tokens == len(anth_ids_by_call[i])
+                    anth_ms.append(ms)
 
         # Same prompts: the proxy recorded exactly the baseline's prompt ids, call by call.
-        rows = []
+        rows: list[dict[str, Any]] = []
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(rows) < warmup + calls:
+        while time.monotonic() < deadline and len(rows) < 2 * (warmup + calls):
             time.sleep(0.5)
             rows = read_turns(proxy.out, SESSION)
         rows.sort(key=lambda r: r["started_at"])
-        recorded = [r["prompt_ids"] for r in rows[warmup:]]
-        same = recorded == [ids_by_call[i] for i in range(calls)]
+
+        def recorded(protocol: str) -> list[list[int]]:
+            return [r["prompt_ids"] for r in rows if r["protocol"] == protocol][warmup:]
+
+        same = recorded("openai.chat") == [ids_by_call[i] for i in range(calls)]
+        same_anth = recorded("anthropic.messages") == [anth_ids_by_call[i] for i in range(calls)]
 
         diffs = [p - b for p, b in zip(proxy_ms, base_ms, strict=True)]
+        anth_diffs = [p - b for p, b in zip(anth_ms, base_ms, strict=True)]
         med_b, med_p = statistics.median(base_ms), statistics.median(proxy_ms)
+        med_a = statistics.median(anth_ms)
         print()
         print(
             f"{calls} non-streamed calls each, max_tokens={max_tokens}, "
@@ -170,12 +199,24 @@ def run(calls: int, warmup: int, max_tokens: int, work: Path) -> int:
             f"{percentile(proxy_ms, 0.9):>10.1f} {min(proxy_ms):>10.1f}"
         )
         print(
-            f"added latency: median of paired (b - a) {statistics.median(diffs):.1f} ms, "
+            f"{'(c) anthropic SDK -> mitmdump+addon -> vLLM':<44} {med_a:>10.1f} "
+            f"{percentile(anth_ms, 0.9):>10.1f} {min(anth_ms):>10.1f}"
+        )
+        print(
+            f"added latency (b): median of paired (b - a) {statistics.median(diffs):.1f} ms, "
             f"median(b) - median(a) {med_p - med_b:.1f} ms, p90 of (b - a) "
             f"{percentile(diffs, 0.9):.1f} ms; ratio median(b)/median(a) {med_p / med_b:.2f}x"
         )
-        print(f"prompt ids recorded by the proxy equal the baseline's: {same} ({len(rows)} turns)")
-        return 0 if same else 1
+        print(
+            f"added latency (c): median of paired (c - a) {statistics.median(anth_diffs):.1f} ms, "
+            f"p90 of (c - a) {percentile(anth_diffs, 0.9):.1f} ms; "
+            f"ratio median(c)/median(a) {med_a / med_b:.2f}x"
+        )
+        print(
+            f"prompt ids recorded by the proxy equal the baseline's: openai {same}, "
+            f"anthropic {same_anth} ({len(rows)} turns)"
+        )
+        return 0 if same and same_anth else 1
     except BaseException:
         for log in (vllm_log, work / "out-mitmdump.log"):
             if log.exists():
