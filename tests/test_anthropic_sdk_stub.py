@@ -407,3 +407,38 @@ def test_tool_choice_none_gives_text(
     assert msg.stop_reason == "end_turn"
     assert [b.type for b in msg.content] == ["text"]
     assert '"name": "get_weather"' in msg.content[0].text
+
+
+def test_model_map_sends_side_models_to_their_own_server(
+    stub: StubPolicy,
+    qwen3_dir: Path,
+    confdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """agenttap_model_map: claude-haiku-* goes to a second policy server, the rest to the policy."""
+    small = StubPolicy(str(qwen3_dir), model_name="small-policy")
+    small.start()
+    proxy = start_proxy(
+        stub.url,
+        tmp_path / "out",
+        confdir,
+        extra=["--set", f"agenttap_model_map=claude-haiku-*={small.url}"],
+    )
+    try:
+        script(stub, "From the main policy.")
+        small.script("From the small policy.")
+        client = proxy.anthropic("anth-map", monkeypatch)
+        side = client.messages.create(model="claude-haiku-5-5", max_tokens=20, messages=USER)
+        main = client.messages.create(model="claude-opus-5-5", max_tokens=20, messages=USER)
+        assert side.content[0].text == "From the small policy."
+        assert main.content[0].text == "From the main policy."
+        assert len(small.requests) == 1
+        rows = proxy.turns("anth-map", expect=2)
+        by_model = {r["requested_model"]: r for r in rows}
+        assert by_model["claude-haiku-5-5"]["backend"] == small.url
+        assert by_model["claude-haiku-5-5"]["policy_model"] == "small-policy"
+        assert by_model["claude-opus-5-5"]["backend"] == stub.url
+    finally:
+        proxy.stop()
+        small.stop()
