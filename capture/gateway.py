@@ -386,6 +386,10 @@ class Gateway:
             started_at=turn.started,
             latency_s=time.time() - turn.started,
             stream=turn.chat.stream,
+            weight_versions=[
+                {"version": v, "start": start, "end": end}
+                for v, start, end in completion.weight_versions
+            ],
         )
         self.store.record(record, turn.assembly, reply)
         return record

@@ -31,6 +31,9 @@ class TurnRecord:
     completion_text: str = ""
     thread_id: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Which weights sampled which completion tokens: {version, start, end} over completion_ids
+    # (as vLLM's generate endpoint reports them, stitched across aborts); empty when unknown.
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_row(self) -> dict[str, Any]:

@@ -40,6 +40,12 @@ TURN_SCHEMA = pa.schema(
         ("started_at", pa.float64()),
         ("latency_s", pa.float64()),
         ("metadata", pa.string()),  # JSON text
+        (
+            "weight_versions",
+            pa.list_(
+                pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+            ),
+        ),
     ]
 )
 

@@ -3,6 +3,12 @@
 The proxy never sends text to the policy: it sends the exact prompt token ids it rendered and
 asks for the sampled token ids and their logprobs back (``return_token_ids``, ``logprobs=0``),
 so what is recorded is what the policy did. See ``docs/ARCHITECTURE.md``.
+
+Two vLLM endpoints can do this. ``POST /v1/completions`` (token-id prompt) works on every vLLM.
+``POST /inference/v1/generate`` (served with ``--enable-scale-out``) also reports which weight
+version sampled which output tokens (``weight_versions``); it is used whenever the server has it
+(asked once per server), with the server's default sampling parameters learned from
+``POST /v1/completions/render`` so that both endpoints sample alike.
 """
 
 from __future__ import annotations
@@ -20,6 +26,21 @@ from rewriter.canonical import SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 16
+GENERATE_PATH = "/inference/v1/generate"
+# Sampling defaults /v1/completions takes from the model's generation_config.json and the
+# generate endpoint does not: learned once from /v1/completions/render.
+SERVER_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+# (version, start, end): output tokens [start, end) were sampled by weights labelled version.
+WeightSpan = tuple[str, int, int]
 
 
 class PolicyError(RuntimeError):
@@ -35,13 +56,18 @@ class PolicyError(RuntimeError):
 
 @dataclass
 class CompletionDelta:
-    """A piece of a completion: new text, the token ids behind it and their logprobs."""
+    """A piece of a completion: new text, the token ids behind it and their logprobs.
+
+    ``weight_versions``: spans over the completion's token indexes (not the piece's), as the
+    generate endpoint reports them on a generation's last piece; empty when unknown.
+    """
 
     text: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -52,11 +78,20 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
+    # Which weights sampled which tokens: (version, start, end) over token_ids; empty: unknown.
+    weight_versions: list[WeightSpan] = field(default_factory=list)
 
     def extend(self, delta: CompletionDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        for version, start, end in delta.weight_versions:
+            last = self.weight_versions[-1] if self.weight_versions else None
+            if last is not None and last[0] == version and last[2] == start:
+                # A generation resumed under the same weights: one span.
+                self.weight_versions[-1] = (version, last[1], end)
+            else:
+                self.weight_versions.append((version, start, end))
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
@@ -93,16 +128,47 @@ def _choice_delta(choice: dict[str, Any]) -> CompletionDelta:
     )
 
 
+def _generate_delta(choice: dict[str, Any]) -> CompletionDelta:
+    """A choice of ``/inference/v1/generate`` (``output_mode: text``); spans are the part's."""
+    ids = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(x.get("logprob", 0.0)) for x in content]
+    if len(logprobs) != len(ids):
+        raise PolicyError(f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs")
+    spans = [
+        (str(s["version"]), int(s["start"]), int(s["end"]))
+        for s in choice.get("weight_versions") or []
+    ]
+    return CompletionDelta(
+        text=choice.get("text") or "",
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        weight_versions=spans,
+    )
+
+
 @dataclass
 class PolicyInfo:
     model: str
     max_model_len: int | None
+    # The server answers POST /inference/v1/generate (weight versions per token span).
+    generate: bool = False
+    # Its default sampling parameters (generation_config.json), for the generate endpoint.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class VLLMClient:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
+    """``api``: ``auto`` (the generate endpoint where the server has it, else
+    ``/v1/completions``), ``completions`` or ``generate``."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, api: str = "auto") -> None:
+        if api not in ("auto", "completions", "generate"):
+            raise ValueError(f"api must be auto, completions or generate, not {api!r}")
         self.base_url = base_url.rstrip("/")
         self._session = session
+        self._api = api
         self._info: PolicyInfo | None = None
 
     async def info(self) -> PolicyInfo:
@@ -120,30 +186,81 @@ class VLLMClient:
                     f"cannot reach the policy server at {self.base_url}: {exc}"
                 ) from exc
             model = data["data"][0]
-            self._info = PolicyInfo(model=model["id"], max_model_len=model.get("max_model_len"))
+            info = PolicyInfo(model=model["id"], max_model_len=model.get("max_model_len"))
+            if self._api != "completions":
+                info.generate = self._api == "generate" or await self._has_generate()
+            if info.generate:
+                info.sampling_defaults = await self._sampling_defaults(info.model)
+            self._info = info
         return self._info
+
+    async def _has_generate(self) -> bool:
+        """Whether the server serves the generate endpoint: an empty body is refused as
+        invalid (400/422) where it does; 404 where it is absent, 403 where it is disabled."""
+        try:
+            async with self._session.post(f"{self.base_url}{GENERATE_PATH}", json={}) as resp:
+                available = resp.status in (400, 422)
+        except aiohttp.ClientError:
+            return False
+        logger.info(
+            "%s: %s",
+            self.base_url,
+            "using " + GENERATE_PATH if available else "no generate endpoint",
+        )
+        return available
+
+    async def _sampling_defaults(self, model: str) -> dict[str, Any]:
+        body = {"model": model, "prompt": [0], "max_tokens": 1}
+        try:
+            async with self._session.post(
+                f"{self.base_url}/v1/completions/render", json=body
+            ) as resp:
+                data = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError):
+            data = None
+        if not isinstance(data, list) or not data:
+            logger.warning(
+                "%s: /v1/completions/render did not answer; the generate endpoint samples with "
+                "vLLM's neutral defaults where a request sets none",
+                self.base_url,
+            )
+            return {}
+        params = data[0].get("sampling_params") or {}
+        return {k: params[k] for k in SERVER_DEFAULTS if params.get(k) is not None}
 
     async def _body(
         self, prompt_ids: list[int], params: SamplingParams, stream: bool
-    ) -> dict[str, Any]:
+    ) -> tuple[str, dict[str, Any]]:
+        """The endpoint and body for one generation."""
         info = await self.info()
-        body: dict[str, Any] = {
-            "model": info.model,
-            "prompt": prompt_ids,
+        sampling: dict[str, Any] = {
             "logprobs": 0,
-            "return_token_ids": True,
             # Tags such as <tool_call> and <think> must reach the parsers; the EOS text must not.
             "skip_special_tokens": True,
-            "stream": stream,
         }
-        body.update(sampling_to_vllm(params))
+        sampling.update(sampling_to_vllm(params))
         if info.max_model_len:
             # vLLM's default is 16, and it refuses a max_tokens past the context; clients mean
             # "at most": no limit means until done, a limit over the room left means the room
             # (Claude Code asks for 128000 whatever the model).
             room = max(1, info.max_model_len - len(prompt_ids))
-            body["max_tokens"] = min(body.get("max_tokens", room), room)
-        return body
+            sampling["max_tokens"] = min(sampling.get("max_tokens", room), room)
+        if info.generate:
+            return GENERATE_PATH, {
+                "model": info.model,
+                "token_ids": prompt_ids,
+                "sampling_params": {**info.sampling_defaults, **sampling},
+                "output_mode": "text",  # the text (stop strings applied) for the parsers
+                "stream": stream,
+            }
+        body = {
+            "model": info.model,
+            "prompt": prompt_ids,
+            "return_token_ids": True,
+            "stream": stream,
+            **sampling,
+        }
+        return "/v1/completions", body
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
@@ -175,6 +292,7 @@ class VLLMClient:
         prompt and the remaining budget, and stitched: the caller sees one completion."""
         sampled: list[int] = []
         for resume in range(MAX_RESUMES + 1):
+            before = len(sampled)
             budget = replace(
                 params,
                 max_tokens=None if params.max_tokens is None else params.max_tokens - len(sampled),
@@ -192,6 +310,10 @@ class VLLMClient:
                 if delta.finish_reason == "abort":
                     aborted = True
                     delta.finish_reason = None
+                # The server's spans count this generation's tokens; the caller's, the whole.
+                delta.weight_versions = [
+                    (v, start + before, end + before) for v, start, end in delta.weight_versions
+                ]
                 sampled.extend(delta.token_ids)
                 yield delta
             if not aborted:
@@ -205,19 +327,19 @@ class VLLMClient:
     async def _complete_once(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[CompletionDelta]:
-        resp = await self._post(
-            "/v1/completions", await self._body(prompt_ids, params, stream=False)
-        )
+        path, body = await self._body(prompt_ids, params, stream=False)
+        resp = await self._post(path, body)
         async with resp:
             data = await resp.json()
-        yield _choice_delta(data["choices"][0])
+        parse = _generate_delta if path == GENERATE_PATH else _choice_delta
+        yield parse(data["choices"][0])
 
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[CompletionDelta]:
-        resp = await self._post(
-            "/v1/completions", await self._body(prompt_ids, params, stream=True)
-        )
+        path, body = await self._body(prompt_ids, params, stream=True)
+        parse = _generate_delta if path == GENERATE_PATH else _choice_delta
+        resp = await self._post(path, body)
         async with resp:
             async for raw in resp.content:
                 line = raw.strip()
@@ -230,7 +352,7 @@ class VLLMClient:
                 if "error" in chunk:
                     raise PolicyError(f"policy stream failed: {chunk['error']}")
                 for choice in chunk.get("choices") or []:
-                    yield _choice_delta(choice)
+                    yield parse(choice)
 
     async def prompt_logprobs(self, ids: list[int]) -> list[float | None]:
         """Log-probability of each token of ``ids`` given the ones before it (entry 0: None)."""

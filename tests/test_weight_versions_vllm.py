@@ -1,0 +1,173 @@
+"""Weight versions per token span (real vLLM with ``--enable-scale-out``, fp32 tiny Qwen3).
+
+The proxy finds vLLM's ``/inference/v1/generate`` and uses it, so each recorded turn keeps the
+weight versions vLLM reports. A weight sync (``/pause?mode=abort``, ``/update_weight_version``,
+``/resume``) in the middle of a streamed generation gives one stitched turn with two spans.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rewriter import policy_server
+from tests.conftest import QWEN3, start_proxy
+from tests.test_trajectory_vllm import _rescore
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 300
+PAUSE_AFTER_CHUNKS = 40
+RESUME_LOG = "generation aborted by the policy server; resuming"
+
+
+def _post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _set_version(url: str, version: str) -> None:
+    _post(f"{url}/update_weight_version", {"new_version": version})
+    with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as resp:
+        assert json.load(resp)["weight_version"] == version
+
+
+@pytest.fixture(scope="module")
+def generate_vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second real vLLM, this one serving /inference/v1/generate (``--enable-scale-out``)."""
+    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    port = policy_server.free_port()
+    log = tmp_path_factory.mktemp("vllm-generate") / "vllm.log"
+    proc = policy_server.start_vllm(
+        model, port, log_path=log, max_model_len=8192, extra_args=["--enable-scale-out"]
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        policy_server.wait_ready(url, proc, timeout_s=600)
+    except policy_server.PolicyServerError:
+        print(log.read_text()[-5000:])
+        policy_server.stop(proc)
+        raise
+    yield url
+    policy_server.stop(proc)
+
+
+def test_weight_sync_mid_stream_gives_two_spans(
+    generate_vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = generate_vllm_url
+    _set_version(url, "step-1")
+    proxy = start_proxy(url, tmp_path / "out", confdir)
+    errors: list[BaseException] = []
+
+    def weight_sync() -> None:
+        try:
+            _post(f"{url}/pause?mode=abort")
+            _set_version(url, "step-2")
+            # While paused the proxy's resubmission waits in vLLM's queue.
+            time.sleep(1.0)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+        finally:
+            try:
+                _post(f"{url}/resume")
+            except BaseException as exc:
+                errors.append(exc)
+
+    syncer = threading.Thread(target=weight_sync, daemon=True)
+    pieces: list[str] = []
+    chunks = 0
+    finish = usage = None
+    try:
+        client = proxy.openai("weight-sync", monkeypatch)
+        stream = client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "Tell me a very long story."}],
+            max_tokens=MAX_TOKENS,
+            seed=11,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            chunks += 1
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                extra = choice.delta.model_extra or {}
+                pieces.append(extra.get("reasoning_content") or "")
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+            if chunks == PAUSE_AFTER_CHUNKS:
+                syncer.start()
+    finally:
+        if syncer.ident is not None:
+            syncer.join(120)
+        _post(f"{url}/resume")  # never leave the server paused
+        proxy.stop()
+    assert not errors, errors
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert chunks > PAUSE_AFTER_CHUNKS + 10, "the stream ended before the pause"
+    log = proxy.log.read_text(errors="replace")
+    assert RESUME_LOG in log, log[-3000:]
+
+    rows = proxy.turns("weight-sync", expect=1, timeout=60)
+    assert len(rows) == 1
+    row = rows[0]
+    ids, lps = row["completion_ids"], row["completion_logprobs"]
+    assert len(ids) == len(lps) == MAX_TOKENS
+    assert row["finish_reason"] == "length"
+
+    # Two spans, the old weights' then the new ones', covering every completion token once.
+    spans = row["weight_versions"]
+    print(f"weight_versions: {spans}")
+    assert [s["version"] for s in spans] == ["step-1", "step-2"], spans
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == MAX_TOKENS
+    assert spans[0]["end"] == spans[1]["start"]
+    assert PAUSE_AFTER_CHUNKS // 2 <= spans[0]["end"] < MAX_TOKENS - 10
+
+    # The text the client saw is vLLM's text of the stitched ids ...
+    assert "".join(pieces) == row["completion_text"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(QWEN3))
+    assert row["completion_text"] == tok.decode(ids, skip_special_tokens=True)
+    # ... and every logprob, before and after the sync, is the sampled token's under the
+    # policy's full sequence (fp32: exactly; the tiny model's weights did not really change).
+    seq: list[Any] = row["prompt_ids"] + ids
+    rescored = _rescore(url, seq)[len(row["prompt_ids"]) :]
+    diff = np.abs(np.asarray(lps, np.float32) - np.asarray(rescored, np.float32))
+    assert float(diff.max()) == 0.0, np.nonzero(diff)[0][:20]
+
+
+def test_whole_answer_has_one_span(
+    generate_vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _set_version(generate_vllm_url, "step-3")
+    proxy = start_proxy(generate_vllm_url, tmp_path / "out", confdir)
+    try:
+        client = proxy.openai("one-span", monkeypatch)
+        resp = client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=20,
+            seed=3,
+            extra_body={"ignore_eos": True},
+        )
+    finally:
+        proxy.stop()
+    assert resp.usage is not None and resp.usage.completion_tokens == 20
+    (row,) = proxy.turns("one-span", expect=1, timeout=60)
+    assert row["weight_versions"] == [{"version": "step-3", "start": 0, "end": 20}]
+    assert len(row["completion_ids"]) == len(row["completion_logprobs"]) == 20
