@@ -8,6 +8,8 @@ import re
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,43 @@ def _abort_counts(vllm_url: str) -> dict[str, float]:
     return counts
 
 
+@dataclass
+class LongStream:
+    """What the client saw of one long streamed chat completion."""
+
+    pieces: list[str] = field(default_factory=list)
+    chunks: int = 0
+    finish: str | None = None
+    usage: Any = None
+
+
+def stream_long_story(
+    client: Any, after_chunks: int, at_chunk: Callable[[], None], out: LongStream
+) -> None:
+    """Stream ``MAX_TOKENS`` tokens (EOS ignored) and call ``at_chunk`` once, after chunk
+    ``after_chunks``, while the stream goes on. ``out`` fills as chunks arrive."""
+    stream = client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=MAX_TOKENS,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        out.chunks += 1
+        if chunk.usage:
+            out.usage = chunk.usage
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            out.pieces.append(extra.get("reasoning_content") or "")
+            out.pieces.append(choice.delta.content or "")
+            out.finish = choice.finish_reason or out.finish
+        if out.chunks == after_chunks:
+            at_chunk()
+
+
 def test_stream_aborted_by_pause_is_resumed_and_stitched(
     vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,34 +106,18 @@ def test_stream_aborted_by_pause_is_resumed_and_stitched(
                 errors.append(exc)
 
     pauser = threading.Thread(target=pause_then_resume, daemon=True)
-    pieces: list[str] = []
+    seen = LongStream()
     chunks_at_pause = 0
-    chunks = 0
-    finish = usage = None
+
+    def pause() -> None:
+        nonlocal chunks_at_pause
+        chunks_at_pause = seen.chunks
+        pauser.start()
+
     try:
         client = proxy.openai("abort-resume", monkeypatch)
         start = time.monotonic()
-        stream = client.chat.completions.create(
-            model="gpt-4o",
-            messages=[{"role": "user", "content": "Tell me a very long story."}],
-            max_tokens=MAX_TOKENS,
-            seed=11,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            chunks += 1
-            if chunk.usage:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                extra = choice.delta.model_extra or {}
-                pieces.append(extra.get("reasoning_content") or "")
-                pieces.append(choice.delta.content or "")
-                finish = choice.finish_reason or finish
-            if chunks == PAUSE_AFTER_CHUNKS:
-                chunks_at_pause = chunks
-                pauser.start()
+        stream_long_story(client, PAUSE_AFTER_CHUNKS, pause, seen)
         elapsed = time.monotonic() - start
     finally:
         if pauser.ident is not None:  # started
@@ -104,16 +127,16 @@ def test_stream_aborted_by_pause_is_resumed_and_stitched(
         proxy.stop()
     assert not errors, errors
     print(
-        f"stream: {chunks} chunks in {elapsed:.2f}s; pause sent after chunk {chunks_at_pause}, "
+        f"stream: {seen.chunks} chunks in {elapsed:.2f}s; pause sent after chunk {chunks_at_pause}, "
         f"pause took {timeline['paused'] - timeline['pause']:.2f}s"
     )
 
     # The client saw one ordinary stream: all the tokens, a normal finish, no error.
     assert chunks_at_pause == PAUSE_AFTER_CHUNKS, "the stream ended before the pause"
-    assert finish == "length"
-    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert seen.finish == "length"
+    assert seen.usage is not None and seen.usage.completion_tokens == MAX_TOKENS
     # The pause landed mid-stream: the stream went on after the server was resumed.
-    assert chunks > PAUSE_AFTER_CHUNKS + 10
+    assert seen.chunks > PAUSE_AFTER_CHUNKS + 10
 
     # vLLM really aborted a request, and the proxy resumed it.
     log = proxy.log.read_text(errors="replace")
@@ -130,7 +153,7 @@ def test_stream_aborted_by_pause_is_resumed_and_stitched(
     ids, lps = row["completion_ids"], row["completion_logprobs"]
     assert len(ids) == len(lps) == MAX_TOKENS
     assert row["finish_reason"] == "length"
-    assert "".join(pieces) == row["completion_text"]
+    assert "".join(seen.pieces) == row["completion_text"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(QWEN3))

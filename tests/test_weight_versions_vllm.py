@@ -20,13 +20,16 @@ import pytest
 
 from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
+from tests.test_abort_resume_vllm import (
+    MAX_TOKENS,
+    PAUSE_AFTER_CHUNKS,
+    RESUME_LOG,
+    LongStream,
+    stream_long_story,
+)
 from tests.test_trajectory_vllm import _rescore
 
 pytestmark = pytest.mark.vllm
-
-MAX_TOKENS = 300
-PAUSE_AFTER_CHUNKS = 40
-RESUME_LOG = "generation aborted by the policy server; resuming"
 
 
 def _post(url: str, body: dict[str, Any] | None = None) -> Any:
@@ -85,40 +88,19 @@ def test_weight_sync_mid_stream_gives_two_spans(
                 errors.append(exc)
 
     syncer = threading.Thread(target=weight_sync, daemon=True)
-    pieces: list[str] = []
-    chunks = 0
-    finish = usage = None
+    seen = LongStream()
     try:
         client = proxy.openai("weight-sync", monkeypatch)
-        stream = client.chat.completions.create(
-            model="gpt-4o",
-            messages=[{"role": "user", "content": "Tell me a very long story."}],
-            max_tokens=MAX_TOKENS,
-            seed=11,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            chunks += 1
-            if chunk.usage:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                extra = choice.delta.model_extra or {}
-                pieces.append(extra.get("reasoning_content") or "")
-                pieces.append(choice.delta.content or "")
-                finish = choice.finish_reason or finish
-            if chunks == PAUSE_AFTER_CHUNKS:
-                syncer.start()
+        stream_long_story(client, PAUSE_AFTER_CHUNKS, syncer.start, seen)
     finally:
         if syncer.ident is not None:
             syncer.join(120)
         _post(f"{url}/resume")  # never leave the server paused
         proxy.stop()
     assert not errors, errors
-    assert finish == "length"
-    assert usage is not None and usage.completion_tokens == MAX_TOKENS
-    assert chunks > PAUSE_AFTER_CHUNKS + 10, "the stream ended before the pause"
+    assert seen.finish == "length"
+    assert seen.usage is not None and seen.usage.completion_tokens == MAX_TOKENS
+    assert seen.chunks > PAUSE_AFTER_CHUNKS + 10, "the stream ended before the pause"
     log = proxy.log.read_text(errors="replace")
     assert RESUME_LOG in log, log[-3000:]
 
@@ -138,7 +120,7 @@ def test_weight_sync_mid_stream_gives_two_spans(
     assert PAUSE_AFTER_CHUNKS // 2 <= spans[0]["end"] < MAX_TOKENS - 10
 
     # The text the client saw is vLLM's text of the stitched ids ...
-    assert "".join(pieces) == row["completion_text"]
+    assert "".join(seen.pieces) == row["completion_text"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(QWEN3))
