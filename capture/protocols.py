@@ -95,7 +95,7 @@ class OpenAIChat:
     def policy_error(self, exc: PolicyError) -> web.Response:
         if exc.status == 400:
             return self.error(400, str(exc))
-        if exc.status in (0, 429, 503):
+        if exc.unavailable:
             return self.error(503, f"the policy server is unavailable: {exc}")
         return self.error(502, str(exc))
 
@@ -186,7 +186,7 @@ class AnthropicMessages:
     def policy_error(self, exc: PolicyError) -> web.Response:
         if exc.status == 400:
             return self.error(400, str(exc))
-        if exc.status in (0, 429, 503):
+        if exc.unavailable:
             # Anthropic's "overloaded": clients back off and retry.
             return self.error(529, f"Overloaded: the policy server is unavailable ({exc})")
         return self.error(500, f"the policy server failed: {exc}")

@@ -53,6 +53,11 @@ class PolicyError(RuntimeError):
         super().__init__(message)
         self.status = status
 
+    @property
+    def unavailable(self) -> bool:
+        """Down, overloaded or refusing for now (no answer, 429, 503): worth a retry later."""
+        return self.status in (0, 429, 503)
+
 
 @dataclass
 class CompletionDelta:
@@ -111,34 +116,32 @@ def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
 
 
 def _choice_delta(choice: dict[str, Any]) -> CompletionDelta:
-    ids = list(choice.get("token_ids") or [])
+    """A choice of ``/v1/completions``."""
     lp = choice.get("logprobs") or {}
     logprobs = [float(x) if x is not None else 0.0 for x in (lp.get("token_logprobs") or [])]
-    if len(logprobs) != len(ids):
-        raise PolicyError(
-            f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
-            "is it a vLLM server with return_token_ids support?"
-        )
-    return CompletionDelta(
-        text=choice.get("text") or "",
-        token_ids=ids,
-        logprobs=logprobs,
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
-    )
+    return _delta(choice, logprobs, [])
 
 
 def _generate_delta(choice: dict[str, Any]) -> CompletionDelta:
     """A choice of ``/inference/v1/generate`` (``output_mode: text``); spans are the part's."""
-    ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(x.get("logprob", 0.0)) for x in content]
-    if len(logprobs) != len(ids):
-        raise PolicyError(f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs")
     spans = [
         (str(s["version"]), int(s["start"]), int(s["end"]))
         for s in choice.get("weight_versions") or []
     ]
+    return _delta(choice, [float(x.get("logprob", 0.0)) for x in content], spans)
+
+
+def _delta(
+    choice: dict[str, Any], logprobs: list[float], spans: list[WeightSpan]
+) -> CompletionDelta:
+    """The fields both endpoints spell alike, with the logprobs and spans each spells its way."""
+    ids = list(choice.get("token_ids") or [])
+    if len(logprobs) != len(ids):
+        raise PolicyError(
+            f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
+            "is it a vLLM server that returns token ids?"
+        )
     return CompletionDelta(
         text=choice.get("text") or "",
         token_ids=ids,
