@@ -269,9 +269,8 @@ class Gateway:
         return _TurnContext(
             session_id=session_id,
             request_id=protocol.new_response_id(),
-            protocol=protocol.name,
+            protocol=protocol,
             chat=chat,
-            prompt_ids=assembly.prompt_ids,
             client=client,
             assembly=assembly,
             policy_model=info.model,
@@ -287,7 +286,7 @@ class Gateway:
         tool_parser = "none" if turn.chat.tool_choice == "none" else self.config.tool_parser
         parser = OutputParser(tool_parser, self.config.reasoning_parser)
         if turn.chat.stream:
-            return await self._stream(request, protocol, turn, parser)
+            return await self._stream(request, turn, parser)
         try:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
@@ -302,12 +301,9 @@ class Gateway:
         return web.json_response(body)
 
     async def _stream(
-        self,
-        request: web.Request,
-        protocol: ProviderProtocol,
-        turn: _TurnContext,
-        parser: OutputParser,
+        self, request: web.Request, turn: _TurnContext, parser: OutputParser
     ) -> web.StreamResponse:
+        protocol = turn.protocol
         writer = protocol.stream_writer(turn.request_id, turn.chat, len(turn.prompt_ids))
         completion = Completion()
         deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
@@ -372,7 +368,7 @@ class Gateway:
             session_id=turn.session_id,
             request_id=turn.request_id,
             turn_index=self.store.next_turn_index(turn.session_id),
-            protocol=turn.protocol,
+            protocol=turn.protocol.name,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
             backend=turn.client.base_url,
@@ -399,11 +395,14 @@ class Gateway:
 class _TurnContext:
     session_id: str
     request_id: str
-    protocol: str
+    protocol: ProviderProtocol
     chat: ChatRequest
-    prompt_ids: list[int]
     client: VLLMClient
     assembly: Assembly
     policy_model: str
     user_agent: str
     started: float
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.assembly.prompt_ids

@@ -496,11 +496,10 @@ class EventWriter:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
-        self.index = -1
+        self.index = -1  # of the last block started; -1: none yet
         self.open_kind: str | None = None  # "text" / "thinking"
         self._held = ""  # whitespace not yet sent: it may end the block
         self._thinking: list[str] = []
-        self.blocks = 0
 
     def start(self) -> list[dict[str, Any]]:
         message: dict[str, Any] = {
@@ -541,7 +540,6 @@ class EventWriter:
                 return out
             out.extend(self._close())
             self.index += 1
-            self.blocks += 1
             self.open_kind = kind
             empty = (
                 {"type": "thinking", "thinking": "", "signature": ""}
@@ -574,7 +572,6 @@ class EventWriter:
             elif isinstance(event, ToolCallEvent):
                 out.extend(self._close())
                 self.index += 1
-                self.blocks += 1
                 call = event.call
                 start = {
                     "type": "tool_use",
@@ -598,10 +595,9 @@ class EventWriter:
 
     def finish(self, reason: tuple[str, str | None], output_tokens: int) -> list[dict[str, Any]]:
         out = self._close()
-        if self.blocks == 0:
+        if self.index < 0:  # no block was sent
             # A message always has a content block, as Anthropic's own empty replies do.
             self.index += 1
-            self.blocks += 1
             empty = {"type": "text", "text": ""}
             out.append({"type": "content_block_start", "index": self.index, "content_block": empty})
             out.append({"type": "content_block_stop", "index": self.index})
