@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ SHARED = Path(os.environ.get("AGENTTAP_SHARED", REPO.parent / "shared"))
 QWEN3 = SHARED / "tokenizers" / "qwen3"
 QWEN25 = SHARED / "tokenizers" / "qwen2.5-instruct"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
+CAPTURE = REPO / "addons" / "capture.py"
 
 from rewriter import policy_server  # noqa: E402
 from tests.stub_vllm import StubPolicy  # noqa: E402
@@ -127,25 +128,57 @@ class Proxy:
         self, session: str | None = None, expect: int = 1, timeout: float = 30.0
     ) -> list[dict]:
         """Rows of the per-call shards (waits for the session's idle flush)."""
+        return self._wait_rows(read_turns, session, expect, timeout)
+
+    def threads(
+        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
+    ) -> list[dict]:
+        """Rows of the thread shards (waits for the session's idle flush)."""
+        return self._wait_rows(read_threads, session, expect, timeout)
+
+    def _wait_rows(
+        self,
+        read: Callable[[Path, str | None], list[dict]],
+        session: str | None,
+        expect: int,
+        timeout: float,
+    ) -> list[dict]:
         deadline = time.monotonic() + timeout
         rows: list[dict] = []
         while time.monotonic() < deadline:
-            rows = read_turns(self.out, session)
+            rows = read(self.out, session)
             if len(rows) >= expect:
                 return rows
             time.sleep(0.3)
         return rows
 
 
-def read_turns(out: Path, session: str | None = None) -> list[dict]:
-    turns_dir = out / "turns"
-    if not turns_dir.exists() or not any(turns_dir.glob("*.parquet")):
+def _read_shards(folder: Path, session: str | None) -> list[dict]:
+    if not folder.exists() or not any(folder.glob("*.parquet")):
         return []
-    table = ds.dataset(str(turns_dir), format="parquet").to_table()
-    rows = table.to_pylist()
-    if session is not None:
-        rows = [r for r in rows if r["session_id"] == session]
-    return sorted(rows, key=lambda r: r["turn_index"])
+    rows = ds.dataset(str(folder), format="parquet").to_table().to_pylist()
+    return [r for r in rows if session is None or r["session_id"] == session]
+
+
+def read_turns(out: Path, session: str | None = None) -> list[dict]:
+    return sorted(_read_shards(out / "turns", session), key=lambda r: r["turn_index"])
+
+
+def read_threads(out: Path, session: str | None = None) -> list[dict]:
+    return _read_shards(out / "threads", session)
+
+
+def agenttap_options(
+    policy_url: str, out: Path, confdir: Path, tokenizer: Path, idle_timeout: int
+) -> list[str]:
+    """The mitmdump ``--set`` arguments every test proxy (live or replaying) runs with."""
+    return [
+        "--set", f"confdir={confdir}",
+        "--set", f"agenttap_policy_url={policy_url}",
+        "--set", f"agenttap_tokenizer={tokenizer}",
+        "--set", f"agenttap_out={out}",
+        "--set", f"agenttap_idle_timeout={idle_timeout}",
+    ]  # fmt: skip
 
 
 def start_proxy(
@@ -159,13 +192,9 @@ def start_proxy(
     port = policy_server.free_port()
     log = out.parent / f"{out.name}-mitmdump.log"
     cmd = [
-        str(MITMDUMP), "-s", str(REPO / "addons" / "capture.py"),
+        str(MITMDUMP), "-s", str(CAPTURE),
         "--listen-host", "127.0.0.1", "--listen-port", str(port),
-        "--set", f"confdir={confdir}",
-        "--set", f"agenttap_policy_url={policy_url}",
-        "--set", f"agenttap_tokenizer={tokenizer}",
-        "--set", f"agenttap_out={out}",
-        "--set", f"agenttap_idle_timeout={idle_timeout}",
+        *agenttap_options(policy_url, out, confdir, tokenizer, idle_timeout),
         *(extra or []),
     ]  # fmt: skip
     with open(log, "wb") as fh:

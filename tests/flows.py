@@ -22,12 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
-
-from tests.conftest import MITMDUMP, QWEN3, REPO, Proxy, read_turns, start_proxy
+from tests.conftest import (
+    CAPTURE,
+    MITMDUMP,
+    QWEN3,
+    REPO,
+    Proxy,
+    agenttap_options,
+    read_threads,
+    read_turns,
+    start_proxy,
+)
 
 DIAL_GUARD = REPO / "tests" / "dial_guard.py"
-CAPTURE = REPO / "addons" / "capture.py"
 # Shards are written once, when the proxy stops, so a thread is never split across flushes.
 NO_IDLE_FLUSH = 3600
 
@@ -95,11 +102,7 @@ def replay_flows(
     cmd = [
         str(MITMDUMP), "-n", "-C", str(flow_file),
         "-s", str(CAPTURE), "-s", str(DIAL_GUARD),
-        "--set", f"confdir={confdir}",
-        "--set", f"agenttap_policy_url={policy_url}",
-        "--set", f"agenttap_tokenizer={tokenizer}",
-        "--set", f"agenttap_out={out}",
-        "--set", f"agenttap_idle_timeout={NO_IDLE_FLUSH}",
+        *agenttap_options(policy_url, out, confdir, tokenizer, NO_IDLE_FLUSH),
         *(extra or []),
     ]  # fmt: skip
     start = time.monotonic()
@@ -123,14 +126,6 @@ def read_flows(flow_file: Path) -> list[Any]:
 def recorded_replies(out: Path, session: str | None = None) -> list[str]:
     """The policy's texts in call order: script a stub with these to answer a replay the same."""
     return [row["completion_text"] for row in read_turns(out, session)]
-
-
-def read_threads(out: Path, session: str | None = None) -> list[dict[str, Any]]:
-    threads_dir = out / "threads"
-    if not threads_dir.exists() or not any(threads_dir.glob("*.parquet")):
-        return []
-    rows = ds.dataset(str(threads_dir), format="parquet").to_table().to_pylist()
-    return [r for r in rows if session is None or r["session_id"] == session]
 
 
 def thread_signatures(

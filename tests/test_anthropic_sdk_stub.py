@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from capture.reader import load_threads
 from tests.conftest import Proxy, start_proxy
 from tests.stub_vllm import StubPolicy
 
@@ -52,18 +50,6 @@ def script(stub: StubPolicy, *texts: str) -> int:
 
 def hermes(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-def threads(proxy: Proxy, session: str, expect: int = 1, timeout: float = 30) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    rows: list[dict] = []
-    while time.monotonic() < deadline:
-        if (proxy.out / "threads").exists() and any((proxy.out / "threads").glob("*.parquet")):
-            rows = [r for r in load_threads(proxy.out / "threads") if r["session_id"] == session]
-            if len(rows) >= expect:
-                return rows
-        time.sleep(0.3)
-    return rows
 
 
 def raw_events(proxy: Proxy, session: str, body: dict[str, Any]) -> list[tuple[str, dict]]:
@@ -233,7 +219,7 @@ def test_tool_use_loop_extends_one_thread(
     rows = stub_proxy.turns("anth-tools", expect=2)
     assert [json.loads(r["metadata"])["assembly"] for r in rows] == ["new", "extend"]
     assert [r["response_finish_reason"] for r in rows] == ["tool_use", "end_turn"]
-    (thread,) = threads(stub_proxy, "anth-tools")
+    (thread,) = stub_proxy.threads("anth-tools")
     assert thread["num_turns"] == 2 and 2 not in thread["provenance"]
     assert thread["protocol"] == "anthropic.messages"
 

@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import REPO, Proxy, read_turns
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
-from tests.test_anthropic_sdk_stub import hermes, threads
+from tests.test_anthropic_sdk_stub import hermes
 from tests.test_trajectory_vllm import _assert_exact
 
 CLAUDE = REPO / ".cache" / "node" / "node_modules" / ".bin" / "claude"
@@ -100,7 +100,7 @@ def test_file_writing_task_with_scripted_policy(
 
     turns = stub_proxy.turns(session, expect=2)
     assert len(turns) == len(stub.requests) - n
-    rows = threads(stub_proxy, session)
+    rows = stub_proxy.threads(session)
     main = _main_thread(rows)
     assert main["num_turns"] == 2
     assert main["protocol"] == "anthropic.messages"
@@ -185,7 +185,7 @@ def test_sub_agent_is_its_own_thread(
         stub.default_reply = "OK."
     assert done.returncode == 0, done.stdout + done.stderr
     assert target.read_text() == "hello"
-    rows = threads(stub_proxy, session, expect=2)
+    rows = stub_proxy.threads(session, expect=2)
     by_id = {r["thread_id"]: r for r in rows}
     subs = [r for r in rows if r["parent_thread_id"] in by_id]
     assert len(subs) == 1, [(r["thread_id"], r["parent_thread_id"], r["num_turns"]) for r in rows]
@@ -213,7 +213,7 @@ def test_claude_code_against_the_real_policy(
     # and ends cleanly.
     assert done.returncode == 0, done.stdout + done.stderr
     turns = vllm_proxy.turns(session, expect=1, timeout=60)
-    rows = threads(vllm_proxy, session)
+    rows = vllm_proxy.threads(session)
     assert rows
     for row in rows:
         # Claude Code's prompt is ~11.5k tokens: see _assert_exact on fp32 at long context.
@@ -354,7 +354,7 @@ def test_interactive_session_keeps_the_title_call_apart(
     titles = [t for t in turns if t["completion_text"] == '{"title": "Hello file"}']
     assert titles, [(t["requested_model"], t["completion_text"][:40]) for t in turns]
     assert all("haiku" in t["requested_model"] for t in titles)
-    rows = threads(stub_proxy, session, expect=2)
+    rows = stub_proxy.threads(session, expect=2)
     main = _main_thread(rows)
     assert main["num_turns"] == 2
     assert 2 not in main["provenance"]

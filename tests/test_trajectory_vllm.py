@@ -7,10 +7,9 @@ import json
 import urllib.request
 
 import numpy as np
-import pyarrow.dataset as ds
 import pytest
 
-from tests.conftest import Proxy
+from tests.conftest import Proxy, read_threads
 
 pytestmark = pytest.mark.vllm
 
@@ -30,8 +29,7 @@ def _rescore(vllm_url: str, ids: list[int]) -> list[float | None]:
 def _threads(proxy: Proxy, session: str, expect_turns: int) -> list[dict]:
     rows = proxy.turns(session, expect=expect_turns, timeout=60)
     assert len(rows) == expect_turns
-    table = ds.dataset(str(proxy.out / "threads"), format="parquet").to_table()
-    return [r for r in table.to_pylist() if r["session_id"] == session]
+    return read_threads(proxy.out, session)
 
 
 def _chat(client, messages: list[dict], **kw) -> str:  # type: ignore[no-untyped-def]
