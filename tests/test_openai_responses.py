@@ -32,7 +32,7 @@ def body(**fields: Any) -> bytes:
 def test_string_input_and_instructions() -> None:
     req = parse_request(body(input="Hi", instructions="Be brief."))
     assert req.chat.messages == [Message("system", "Be brief."), Message("user", "Hi")]
-    assert req.conversation == [Message("user", "Hi")]
+    assert req.context.messages == (Message("user", "Hi"),)
     assert req.store is True and req.include_encrypted is False
 
 
@@ -141,13 +141,26 @@ def test_sampling_and_options() -> None:
 
 
 def test_previous_response_id() -> None:
-    earlier = [Message("user", "Q"), Message("assistant", "A")]
+    earlier = (Message("user", "Q"), Message("assistant", "A"))
+    first = parse_request(
+        body(
+            input=[
+                {"type": "additional_tools", "tools": [{"type": "namespace", "name": "ns", "tools": [EXEC_TOOL]}]},
+                {"role": "user", "content": "Q"},
+            ],
+            tools=[{"type": "function", "name": "top", "parameters": {}}],
+        )
+    )
+    stored = first.context.extended(Message("assistant", "A"))
     req = parse_request(
         body(input="More", previous_response_id="resp_1", instructions="I"),
-        lambda rid: earlier if rid == "resp_1" else None,
+        lambda rid: stored if rid == "resp_1" else None,
     )
     assert req.chat.messages == [Message("system", "I"), *earlier, Message("user", "More")]
-    assert req.conversation == [*earlier, Message("user", "More")]
+    assert req.context.messages == (*earlier, Message("user", "More"))
+    # Tools sent as input items are part of the context; top-level tools are not carried.
+    assert [t.name for t in req.chat.tools] == ["ns.exec"]
+    assert req.custom_tools == {"ns.exec"} and req.namespaces == {"ns.exec": ("ns", "exec")}
     with pytest.raises(RequestError) as err:
         parse_request(body(input="x", previous_response_id="resp_2"), lambda rid: None)
     assert err.value.param == "previous_response_id"
