@@ -81,8 +81,12 @@ def run_codex(
     }
     return subprocess.run(
         [
-            str(codex), "exec", "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox", "--json", prompt,
+            str(codex),
+            "exec",
+            "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox",
+            "--json",
+            prompt,
         ],  # fmt: skip
         cwd=workdir,
         env=env,
