@@ -86,7 +86,9 @@ class SessionStore:
     def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
         threads = self.session(session_id).threads
         assert threads is not None, "SessionStore needs a renderer to assemble prompts"
-        return threads.assemble(chat.messages, chat.tools, chat.enable_thinking)
+        return threads.assemble(
+            chat.messages, chat.tools, chat.enable_thinking, client_retry=chat.client_retry
+        )
 
     def record(
         self, turn: TurnRecord, assembly: Assembly | None = None, reply: Message | None = None
@@ -211,6 +213,8 @@ def call_entry(call: Call) -> dict[str, Any]:
         ),
         "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
         "prompt_digest": call.prompt_digest,
+        "started": call.started,
+        "client_retry": call.client_retry,
     }
 
 
@@ -251,6 +255,8 @@ def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Ca
         spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,
         compaction_of=calls.get(entry.get("compaction_of") or ""),
         parent_row=parent_row,
+        started=entry.get("started", len(calls) + 1),
+        client_retry=bool(entry.get("client_retry")),
     )
     if parent is not None:
         parent.children.append(call)

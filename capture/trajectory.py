@@ -29,9 +29,10 @@ renamed). The request is placed in the tree, strongest evidence first:
 Rows are derived, not accumulated (:func:`export_rows`): each leaf of the tree is one training row
 (its ``input_ids`` are exactly its last call's prompt + sampled ids), and every call is trained in
 exactly one row, the one reached from it by following *main* children (a continued child before one
-that was not, then the latest). Its other rows carry its tokens as context, masked. A leaf that is
-not its parent's main child, was not continued, and has a sibling with the same prompt is a *dead*
-branch (a superseded retry): trained in its own row, flagged ``dead``, never in the live row.
+that was not, then the latest). Its other rows carry its tokens as context, masked. A call never
+continued, for which the client sent the same request again (its SDK's retry marker, or the resend
+was continued), is a *dead* branch: trained in its own row, flagged ``dead``, never in the live
+row. Identical calls with no such evidence are parallel calls: all live.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def header_key(tools: list[ToolSpec], enable_thinking: bool | None) -> MessageKe
 class Call:
     """One completed policy call, as a node of its session's tree."""
 
-    uid: int  # creation order within the session
+    uid: int  # completion order within the session
     request_id: str
     turn_index: int
     finish_reason: str
@@ -159,6 +160,8 @@ class Call:
     tool_ids: frozenset[str] = frozenset()
     claims: dict[int, float] = field(default_factory=dict)  # in-flight requests extending it
     written_in: str | None = None  # thread id of the row it was trained in, once written
+    started: int = 0  # arrival order of its request (a retry arrives after what it retries)
+    client_retry: bool = False  # its client marked the request as a retry
     # Recovered from a journal whose earlier calls were written already: the row it continues.
     parent_row: str | None = None
 
@@ -199,6 +202,8 @@ class Assembly:
     spawned_by: tuple[Call, str] | None = None
     compaction_of: Call | None = None
     claim: int = 0
+    started: int = 0  # order in which the session's requests arrived
+    client_retry: bool = False
     # A retry: the earlier call with this very request (its prompt is reused as it is).
     sibling_of: Call | None = None
 
@@ -242,17 +247,6 @@ _DUMMY_USER = "\u0000AGENTTAP_DUMMY_USER\u0000"
 _DUMMY_REPLY = "\u0000AGENTTAP_DUMMY_REPLY\u0000"
 
 
-def _request_tool_ids(messages: list[Message]) -> list[tuple[int, frozenset[str]]]:
-    """(message index, tool-call ids) of each assistant message that carries ids."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.role == "assistant" and m.tool_calls:
-            ids = frozenset(c.id for c in m.tool_calls if c.id)
-            if ids:
-                out.append((i, ids))
-    return out
-
-
 class ThreadSet:
     """The calls of one session (a forest), the assembly of each prompt, and its rows."""
 
@@ -291,16 +285,31 @@ class ThreadSet:
         messages: list[Message],
         tools: list[ToolSpec],
         enable_thinking: bool | None,
+        client_retry: bool = False,
+    ) -> Assembly:
+        """Where a request goes in the tree, and its prompt ids. ``client_retry``: the client
+        says this request is a retry of one it sent before (its SDK's retry counter)."""
+        assembly = self._assemble(messages, tools, enable_thinking, client_retry)
+        assembly.client_retry = client_retry
+        return assembly
+
+    def _assemble(
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        enable_thinking: bool | None,
+        client_retry: bool,
     ) -> Assembly:
         keys = [message_key(m) for m in messages]
         header = header_key(tools, enable_thinking)
         id_calls = self._id_evidence(messages)
-        parent = self._extension_parent(keys, header, id_calls)
-        if parent is not None and self._holds_later_replies(parent, keys, id_calls):
-            parent = None  # the history goes on past `parent` with our replies, rewritten
-        if parent is not None and not self._busy(parent):
+        parent = self._extension_parent(keys, header, id_calls, client_retry)
+        # A request its client marks as a retry goes beside the call it repeats, if there is one.
+        sibling = self._answered(keys, header, id_calls) if client_retry else None
+        if sibling is None and parent is not None and not self._busy(parent):
             return self._claim(self._extend(parent, messages, keys, header, enable_thinking))
-        sibling = self._answered(keys, header, id_calls)
+        if sibling is None:
+            sibling = self._answered(keys, header, id_calls)
         if sibling is not None and sibling.parent is None and self._untaken_spawn(messages):
             sibling = None  # the same task given to another sub-agent, not a retry
         if sibling is not None:
@@ -313,19 +322,24 @@ class ThreadSet:
             return self._claim(
                 self._rewrite(call, aligned, messages, tools, keys, header, enable_thinking)
             )
-        return self._new_thread(messages, tools, keys, header, enable_thinking)
+        return self._claim(
+            self._new_thread(messages, tools, keys, header, enable_thinking, client_retry)
+        )
 
     def _id_evidence(self, messages: list[Message]) -> dict[int, Call]:
         """Message index -> the call whose minted tool-call ids that assistant message echoes."""
         found: dict[int, Call] = {}
-        if not self._by_tool_id:
+        by_id = self._by_tool_id
+        if not by_id:
             return found
-        for i, ids in _request_tool_ids(messages):
-            for tool_id in ids:
-                call = self._by_tool_id.get(tool_id)
-                if call is not None:
-                    found[i] = call
-                    break
+        # Every call resends the whole history: kept to one dict lookup per tool call.
+        for i, m in enumerate(messages):
+            if m.tool_calls:
+                for tool_call in m.tool_calls:
+                    call = by_id.get(tool_call.id)
+                    if call is not None:
+                        found[i] = call
+                        break
         return found
 
     def _holds_later_replies(
@@ -348,6 +362,8 @@ class ThreadSet:
         return any(now - t < CLAIM_TTL_S for t in call.claims.values())
 
     def _claim(self, assembly: Assembly) -> Assembly:
+        self._claims += 1
+        assembly.started = self._claims
         if assembly.parent is not None:
             self._claims += 1
             assembly.claim = self._claims
@@ -366,9 +382,16 @@ class ThreadSet:
         return sum(1 for c in id_calls.values() if id(c) in on_path)
 
     def _extension_parent(
-        self, keys: list[MessageKey], header: MessageKey, id_calls: dict[int, Call]
+        self,
+        keys: list[MessageKey],
+        header: MessageKey,
+        id_calls: dict[int, Call],
+        client_retry: bool = False,
     ) -> Call | None:
-        """The deepest call whose conversation the request extends exactly."""
+        """The deepest call whose conversation the request extends exactly. Among equals: the
+        one whose tool-call ids the request echoes; then one not yet continued (or, for a
+        client's retry, one already being continued: by the request it repeats); then the
+        latest."""
         for i in range(len(keys) - 2, -1, -1):
             key = keys[i]
             if key[0] != "assistant":
@@ -383,13 +406,13 @@ class ThreadSet:
                 and c.conv == keys[:n]
             ]
             if cands:
-                now = time.monotonic()
+                if any(self._holds_later_replies(c, keys, id_calls) for c in cands):
+                    return None  # the history goes on past them with our replies: a rewrite
                 return max(
                     cands,
                     key=lambda c: (
                         self._path_id_score(c, id_calls),
-                        not c.children
-                        and not any(now - t < CLAIM_TTL_S for t in c.claims.values()),
+                        self._busy(c) == client_retry,
                         c.uid,
                     ),
                 )
@@ -504,17 +527,15 @@ class ThreadSet:
             return (sum(1 for a in c.ancestors() if a.conv and a.conv[-1] in asst_keys), c.uid)
 
         ranked = sorted(cands.values(), key=prescore, reverse=True)[:MAX_REWRITE_CANDIDATES]
-        best: tuple[tuple[int, int, int, int, int], Call, dict[int, Call]] | None = None
+        best: tuple[tuple[int, ...], Call, dict[int, Call]] | None = None
         for c in ranked:
             path = c.ancestors()
             aligned, id_hits = _align_replies(asst, keys, id_calls, path)
             if not aligned:
                 continue
             holds_all = len(aligned) == len(path)
-            positional = sum(
-                1 for a, b in zip(keys, c.conv, strict=False) if a == b and a[0] != "assistant"
-            )
-            score = (id_hits, len(aligned), int(holds_all), positional, c.uid)
+            positional, similar = _positional_agreement(keys, c.conv)
+            score = (id_hits, len(aligned), int(holds_all), positional, similar, c.uid)
             if best is None or score > best[0]:
                 best = (score, c, aligned)
         return None if best is None else (best[1], best[2])
@@ -597,9 +618,10 @@ class ThreadSet:
         keys: list[MessageKey],
         header: MessageKey,
         enable_thinking: bool | None,
+        client_retry: bool = False,
     ) -> Assembly:
         first_user = next((m.content.strip() for m in messages if m.role == "user"), None)
-        spawn = self._spawned_by(first_user) if first_user else None
+        spawn = self._spawned_by(first_user, client_retry) if first_user else None
         if spawn is not None:
             # Taken now, not at commit: a parallel twin sub-agent takes the next spawning call.
             self._spawns_taken.add((spawn[0].uid, spawn[1]))
@@ -627,7 +649,7 @@ class ThreadSet:
         spawn = self._spawned_by(first_user) if first_user else None
         return spawn is not None and (spawn[0].uid, spawn[1]) not in self._spawns_taken
 
-    def _spawned_by(self, first_user: str) -> tuple[Call, str] | None:
+    def _spawned_by(self, first_user: str, retry: bool = False) -> tuple[Call, str] | None:
         """The (call, tool call) whose string argument opened this conversation.
 
         Exact match first; else the longest argument the first user message ends with, since
@@ -643,6 +665,9 @@ class ThreadSet:
             if best is None:
                 return None
             options = self._spawn_index[best]
+        taken = [o for o in options if (o[0].uid, o[1]) in self._spawns_taken]
+        if retry and taken:
+            return taken[-1]  # a retry repeats the sub-agent's own first request
         for call, tool_id in options:
             if (call.uid, tool_id) not in self._spawns_taken:
                 return call, tool_id
@@ -704,10 +729,19 @@ class ThreadSet:
             spawned_by=assembly.spawned_by,
             compaction_of=assembly.compaction_of,
             header=assembly.header,
+            started=assembly.started or len(self.calls) + 1,
+            client_retry=assembly.client_retry,
             tool_ids=frozenset(c.id for c in reply.tool_calls if c.id),
         )
         reply_key = message_key(reply)
-        call.conv = list(assembly.keys) + [reply_key]
+        keys = assembly.keys
+        if kind == "extend" and parent is not None:
+            # Share the parent's key tuples (and the text in them): a long conversation holds
+            # each message's text once, not once per call.
+            n = len(parent.conv)
+            call.conv = parent.conv + keys[n:] + [reply_key]
+        else:
+            call.conv = list(keys) + [reply_key]
         self.calls.append(call)
         if parent is not None:
             parent.children.append(call)
@@ -788,8 +822,8 @@ def seq_ids(call: Call) -> list[int]:
 
 def _main_child(call: Call) -> Call:
     # The continuation a trainer should see: a continued child before one that was not (a
-    # retry the client abandoned), then the latest (the retry whose answer the client used).
-    return max(call.children, key=lambda c: (bool(c.children), c.uid))
+    # retry the client abandoned), then the last sent (the retry whose answer the client used).
+    return max(call.children, key=lambda c: (bool(c.children), c.started, c.uid))
 
 
 def _root_group(call: Call) -> tuple[int, Any]:
@@ -812,7 +846,7 @@ def export_rows(calls: list[Call]) -> tuple[list[ThreadRow], dict[str, str]]:
     def main_of_siblings(call: Call) -> Call:
         if call.parent is not None:
             return _main_child(call.parent)
-        return max(groups[_root_group(call)], key=lambda c: (bool(c.children), c.uid))
+        return max(groups[_root_group(call)], key=lambda c: (bool(c.children), c.started, c.uid))
 
     leaf_cache: dict[int, Call] = {}
 
@@ -836,6 +870,7 @@ def export_rows(calls: list[Call]) -> tuple[list[ThreadRow], dict[str, str]]:
         if call.written_in is None:
             assigned.setdefault(leaf_of(call).uid, []).append(call)
     by_uid = {c.uid: c for c in calls}
+    superseded = _supersessions(calls, groups)
     rows: list[ThreadRow] = []
     thread_of: dict[str, str] = {}
     for leaf_uid in sorted(assigned):
@@ -844,7 +879,7 @@ def export_rows(calls: list[Call]) -> tuple[list[ThreadRow], dict[str, str]]:
         tid = "t-" + leaf.request_id
         row, removed = _compose(leaf, mine, tid, row_id)
         top = min(assigned[leaf_uid], key=lambda c: c.uid)
-        _link(row, top, main_of_siblings, row_id)
+        _link(row, top, main_of_siblings, row_id, superseded)
         rows.append(row)
         for c in assigned[leaf_uid]:
             thread_of[c.request_id] = tid
@@ -939,12 +974,48 @@ def _compose(
     return row, removed
 
 
-def _link(row: ThreadRow, top: Call, main_of_siblings: Any, row_id: Any) -> None:
+def _supersessions(calls: list[Call], groups: dict[tuple[int, Any], list[Call]]) -> dict[int, Call]:
+    """Calls abandoned for a resend of the same request: uid -> the resend the client used.
+
+    Among siblings sent the same prompt, each client retry marker says one earlier answer was
+    abandoned; so does, after a call (not the first of a conversation: parallel conversations
+    may open alike), a later sibling the client went on with while an earlier one was left.
+    The abandoned are the siblings never continued, earliest first; at least one sibling lives.
+    Which of two identical answers was the abandoned one cannot be known and does not matter."""
+    sets: list[list[Call]] = [list(g) for g in groups.values() if len(g) > 1]
+    for call in calls:
+        if len(call.children) > 1:
+            by_prompt: dict[int, list[Call]] = {}
+            for child in call.children:
+                by_prompt.setdefault(child.prompt_digest, []).append(child)
+            sets += [g for g in by_prompt.values() if len(g) > 1]
+    out: dict[int, Call] = {}
+    for siblings in sets:
+        siblings.sort(key=lambda c: c.started)
+        left = [c for c in siblings if not c.children]
+        abandoned = sum(1 for c in siblings if c.client_retry)
+        continued = [c for c in siblings if c.children]
+        if continued and siblings[0].parent is not None:
+            last = continued[-1].started
+            abandoned = max(abandoned, sum(1 for c in left if c.started < last))
+        abandoned = min(abandoned, len(left), len(siblings) - 1)
+        dead = left[:abandoned]
+        alive = [c for c in siblings if c not in dead]
+        survivor = max(alive, key=lambda c: (bool(c.children), c.started))
+        for c in dead:
+            out[c.uid] = survivor
+    return out
+
+
+def _link(
+    row: ThreadRow, top: Call, main_of_siblings: Any, row_id: Any, superseded: dict[int, Call]
+) -> None:
     """Parent link and dead flag of a row whose first trained call is ``top``."""
     parent = top.parent
     main = main_of_siblings(top)
-    if main is not top and not top.children and main.prompt_digest == top.prompt_digest:
-        row.dead, row.dead_reason, row.superseded_by = True, "superseded", row_id(main)
+    resend = superseded.get(top.uid)
+    if resend is not None and not top.children:
+        row.dead, row.dead_reason, row.superseded_by = True, "superseded", row_id(resend)
     if parent is not None:
         row.parent_thread_id = row_id(parent)
         row.parent_relation = "continued" if main is top else "branch"
@@ -957,6 +1028,24 @@ def _link(row: ThreadRow, top: Call, main_of_siblings: Any, row_id: Any) -> None
     elif top.compaction_of is not None:
         row.parent_thread_id = row_id(top.compaction_of)
         row.parent_relation = "compaction"
+
+
+def _positional_agreement(a: list[MessageKey], b: list[MessageKey]) -> tuple[int, int]:
+    """Non-assistant messages equal at the same position, and, for those that differ, how many
+    characters they still share at their start and end (an injected reminder keeps the rest)."""
+    equal = similar = 0
+    for x, y in zip(a, b, strict=False):
+        if x[0] == "assistant":
+            continue
+        if x == y:
+            equal += 1
+        elif x[0] == y[0] and isinstance(x[1], str) and isinstance(y[1], str):
+            u, v = x[1], y[1]
+            n = min(len(u), len(v))
+            head = next((i for i in range(n) if u[i] != v[i]), n)
+            tail = next((i for i in range(n - head) if u[-1 - i] != v[-1 - i]), n - head)
+            similar += head + tail
+    return equal, similar
 
 
 def _align_replies(
