@@ -163,6 +163,21 @@ def test_codex_writes_a_file_over_websocket(
     assert "101 Switching Protocols" in log
     assert "POST https://api.openai.com/v1/responses" not in log  # no fallback to HTTP
 
+    # A new Codex process resumes the conversation on a new connection: it sends the whole
+    # history, which still extends the exact ids of the written thread.
+    stub.script("Bye.")
+    resumed = run_codex(
+        codex, ws_proxy, "codex-ws", workdir, "Now say bye", extra=("resume", "--last")
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    turns = ws_proxy.turns("codex-ws", expect=3)
+    assert len(turns) == 3
+    assert json.loads(turns[2]["metadata"])["assembly"] == "extend"
+    second = turns[1]
+    assert turns[2]["prompt_ids"][: len(second["prompt_ids"]) + len(second["completion_ids"])] == (
+        second["prompt_ids"] + second["completion_ids"]
+    )
+
 
 def test_codex_writes_a_file_over_http(
     codex: Path, http_proxy: Proxy, stub: StubPolicy, tok: Any, tmp_path: Path
