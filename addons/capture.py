@@ -99,6 +99,8 @@ class AgentTap:
         loader.add_option(
             "agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted."
         )
+        loader.add_option("agenttap_policy_timeout", int, 300, "Seconds to wait for the policy.")
+        loader.add_option("agenttap_policy_connections", int, 1024, "Concurrent policy calls.")
         loader.add_option(
             "agenttap_model_map",
             str,
@@ -176,6 +178,8 @@ class AgentTap:
             reasoning_parser=opts.agenttap_reasoning_parser,
             idle_timeout_s=opts.agenttap_idle_timeout,
             max_body_bytes=opts.agenttap_max_body_bytes,
+            policy_timeout_s=opts.agenttap_policy_timeout,
+            policy_max_connections=opts.agenttap_policy_connections,
             model_map=parse_model_map(opts.agenttap_model_map),
             model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
             provider_options={

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import logging
 import os
+import re
 import secrets
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +101,11 @@ class GatewayConfig:
     provider_options: dict[str, Any] = field(default_factory=dict)
     # Registry names of the providers to serve, in the order they are asked; empty: all.
     providers: list[str] = field(default_factory=list)
+    # Longest wait for the policy's next byte; then the client gets its provider's retryable
+    # error (OpenAI 503, Anthropic 529) instead of hanging until its own timeout.
+    policy_timeout_s: float = 300.0
+    # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
+    policy_max_connections: int = 1024
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +120,8 @@ class Gateway:
         self.port = 0
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[str, VLLMClient] = {}
-        self._requested_models: set[str] = set()
+        # Model names each session asked for (GET /v1/models lists the asker's own), bounded.
+        self._session_models: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         available = registered()
         names = config.providers or list(available)
         unknown = [n for n in names if n not in available]
@@ -133,7 +142,10 @@ class Gateway:
         if recovered:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
         self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+            connector=aiohttp.TCPConnector(limit=self.config.policy_max_connections),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=10, sock_read=self.config.policy_timeout_s
+            ),
         )
         urls = list(self.config.policy_urls)
         for _, servers in self.config.model_map:
@@ -142,7 +154,12 @@ class Gateway:
         # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that leaves cancels its handler, so the policy request
+        # is dropped (vLLM aborts it) and the turn is not recorded as completed. We undo the
+        # Content-Encoding ourselves (decode_body): bounded, and a bad body is the client's 400.
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, auto_decompress=False
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -214,12 +231,27 @@ class Gateway:
                 f"agenttap: {call.method} {call.path} on {call.host} is not served by this "
                 f"proxy. It answers {self._served(call)} from the policy.",
             )
+        try:
+            return await self._serve(request, call, provider, route)
+        except web.HTTPException:
+            raise
+        except Exception:
+            # A defect of ours, never the client's: answer in its provider's format, keep the
+            # traceback for the operator.
+            logger.exception("agenttap: internal error on %s %s", call.method, call.path)
+            return provider.error(
+                500, "agenttap: internal error in the proxy; its log has the details."
+            )
+
+    async def _serve(
+        self, request: web.Request, call: Call, provider: Provider[Any], route: Route
+    ) -> web.StreamResponse:
         if route.kind is RouteKind.TURN:
             return await self._turn(request, call, provider)
         if route.kind is RouteKind.COUNT_TOKENS:
             return await self._count_tokens(request, call, provider)
         if route.kind is RouteKind.MODELS:
-            return await self._models(provider, route.model_id)
+            return await self._models(provider, route.model_id, self.session_id(request, provider))
         if route.kind is RouteKind.LOCAL:
             return web.json_response(route.body)
         if route.kind is RouteKind.WEBSOCKET:
@@ -230,9 +262,20 @@ class Gateway:
         if (request.content_length or 0) > self.config.max_body_bytes:
             raise RequestError(self._too_large_message(request.content_length or 0), status=413)
         try:
-            return await request.read()
+            body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(self._too_large_message(None), status=413) from None
+        body = decode_body(
+            body,
+            request.headers.get("Content-Encoding", ""),
+            self._too_large,
+            self.config.max_body_bytes,
+        )
+        check_text(body)
+        return body
+
+    def _too_large(self) -> RequestError:
+        return RequestError(self._too_large_message(None), status=413)
 
     def _too_large_message(self, size: int | None) -> str:
         limit = self.config.max_body_bytes
@@ -242,19 +285,33 @@ class Gateway:
             "(option agenttap_max_body_bytes)."
         )
 
-    async def _models(self, provider: Provider[Any], model_id: str) -> web.Response:
+    async def _models(
+        self, provider: Provider[Any], model_id: str, session_id: str = ""
+    ) -> web.Response:
         try:
             info = await self._pool_for("*")[0].info()
         except PolicyError as exc:
             return provider.policy_error(exc)
-        names = [model_id] if model_id else self.model_names(info.model)
+        names = [model_id] if model_id else self.model_names(info.model, session_id)
         return web.json_response(provider.models_body(names, model_id))
 
-    def model_names(self, served: str) -> list[str]:
-        """Names clients may ask for: every one maps to a policy (``model_map``)."""
-        names = [served, *self.config.model_names, *sorted(self._requested_models)]
+    def model_names(self, served: str, session_id: str = "") -> list[str]:
+        """Names clients may ask for: every one maps to a policy (``model_map``). Besides the
+        configured ones, only the asking session's own names: never another session's."""
+        own = list(self._session_models.get(session_id, ())) if session_id else []
+        names = [served, *self.config.model_names, *own]
         names += [p for p, _ in self.config.model_map if not any(c in p for c in "*?[")]
         return list(dict.fromkeys(n for n in names if n))
+
+    def _remember_model(self, session_id: str, model: str) -> None:
+        models = self._session_models.pop(session_id, None) or OrderedDict()
+        models.pop(model, None)
+        models[model] = None
+        while len(models) > MAX_MODELS_PER_SESSION:
+            models.popitem(last=False)
+        self._session_models[session_id] = models
+        while len(self._session_models) > MAX_SESSIONS_WITH_MODELS:
+            self._session_models.popitem(last=False)
 
     # -- one turn: assemble, generate, parse, answer, record ---------------------------------
     def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
@@ -276,6 +333,8 @@ class Gateway:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
+        except UNREADABLE as exc:
+            return provider.error(400, unreadable_message(exc))
         turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
@@ -316,9 +375,14 @@ class Gateway:
     ) -> _TurnContext | web.Response:
         chat = parsed.chat
         try:
-            self._requested_models.add(chat.model)
+            self._remember_model(parsed.session_id, chat.model)
             client = self.client_for(parsed.session_id, chat.model)
-            assembly = self.store.assemble(parsed.session_id, chat)
+            try:
+                assembly = self.store.assemble(parsed.session_id, chat)
+            except UNREADABLE as exc:
+                # A request the parser let through but the chat template cannot render.
+                logger.warning("agenttap: refused a request the template cannot render: %r", exc)
+                raise RequestError(unreadable_message(exc)) from exc
             info = await client.info()
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
@@ -349,6 +413,8 @@ class Gateway:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
             return provider.policy_error(exc)
+        except POLICY_FAILURES as exc:
+            return provider.policy_error(policy_failure(turn.client, exc))
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
@@ -370,6 +436,8 @@ class Gateway:
             first = await anext(deltas, None)
         except PolicyError as exc:
             return provider.policy_error(exc)
+        except POLICY_FAILURES as exc:
+            return provider.policy_error(policy_failure(turn.client, exc))
         await send(writer.start())
         try:
             delta = first
@@ -381,6 +449,9 @@ class Gateway:
                 delta = await anext(deltas, None)
         except PolicyError as exc:
             await send(writer.error(str(exc)))
+            return None
+        except POLICY_FAILURES as exc:
+            await send(writer.error(str(policy_failure(turn.client, exc))))
             return None
         tail = writer.events(parser.finish())
         reply = parser.reply()
@@ -401,6 +472,8 @@ class Gateway:
             assembly = self.store.assemble(session_id, chat)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
+        except UNREADABLE as exc:
+            return provider.error(400, unreadable_message(exc))
         return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
@@ -445,6 +518,103 @@ class Gateway:
         self.store.record(record, turn.assembly, turn.provider.recorded_reply(parsed, reply))
         turn.provider.finished(parsed, reply, completion)
         return record
+
+
+# What a malformed body makes JSON parsing or our parsers raise (wrong types where objects or
+# lists belong, nesting deeper than Python recurses): the client's error, answered 400.
+UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError)
+# The policy connection failing mid-call (a read timeout, a dropped connection).
+POLICY_FAILURES = (aiohttp.ClientError, TimeoutError)
+MAX_MODELS_PER_SESSION = 32
+MAX_SESSIONS_WITH_MODELS = 10_000
+# \ud800-\udfff escapes: a lone one decodes to text that cannot be written as UTF-8.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unreadable_message(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "Invalid request body: JSON nested too deeply."
+    return f"Invalid request body: {type(exc).__name__}: {exc}"[:500]
+
+
+def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
+    if isinstance(exc, TimeoutError):
+        return PolicyError(f"the policy server at {client.base_url} did not answer in time")
+    return PolicyError(f"the connection to the policy server at {client.base_url} failed: {exc}")
+
+
+def decode_body(
+    body: bytes, content_encoding: str, too_large: Callable[[], RequestError], limit: int = 0
+) -> bytes:
+    """The body with its Content-Encoding undone (gzip, deflate, br, zstd; several in order),
+    never growing past the body limit (a zip bomb is a 413, not a memory spike)."""
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        try:
+            body = _decompress(coding, body, limit)
+        except RequestError:
+            raise
+        except OverflowError:
+            raise too_large() from None
+        except Exception as exc:  # each codec raises its own error type on corrupt data
+            raise RequestError(
+                f"Invalid request body: it is not valid {coding} data ({exc})."
+            ) from exc
+    return body
+
+
+def _decompress(coding: str, body: bytes, limit: int) -> bytes:
+    limit = limit or DECODED_LIMIT
+    if coding in ("gzip", "x-gzip", "deflate"):
+        # wbits 47: gzip or zlib header; raw deflate (no header) is what some clients send.
+        wbits = 47 if coding != "deflate" or body[:1] == b"\x78" else -15
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(body, limit + 1)
+        if len(out) > limit:
+            raise OverflowError
+        if not d.eof:
+            raise ValueError("truncated data")
+        return out
+    if coding == "br":
+        import brotli
+
+        out = brotli.Decompressor().process(body)  # no output cap in this API; limit after
+        if len(out) > limit:
+            raise OverflowError
+        return bytes(out)
+    if coding == "zstd":
+        import zstandard
+
+        out = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+        if len(out) > limit:
+            raise OverflowError
+        return bytes(out)
+    raise RequestError(
+        f"Unsupported Content-Encoding {coding!r}: send gzip, deflate, br, zstd or none.",
+        status=415,
+    )
+
+
+DECODED_LIMIT = 64 * 1024 * 1024
+
+
+def check_text(body: bytes) -> None:
+    """Refuse JSON whose strings hold lone UTF-16 surrogates: such text can be neither journaled
+    nor written to Parquet. Paired escapes (emoji) are fine; the full check runs only when an
+    escape in the surrogate range appears at all."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            "Invalid request body: a JSON string holds a lone UTF-16 surrogate escape "
+            "(\\ud800-\\udfff without its pair), which is not text."
+        ) from None
+    except (ValueError, RecursionError):
+        return  # not JSON: the provider's parser words that error
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""Raw HTTPS through the real proxy for the hostile-input tests: exact bytes to a provider's host,
+and checks that an answer is in that provider's own error format."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from tests.conftest import Proxy
+
+# protocol -> (host, path)
+ENDPOINTS = {
+    "openai.chat": ("api.openai.com", "/v1/chat/completions"),
+    "anthropic": ("api.anthropic.com", "/v1/messages"),
+    "openai.responses": ("api.openai.com", "/v1/responses"),
+}
+
+
+@dataclass
+class Answer:
+    status: int
+    content_type: str
+    body: bytes
+
+
+def post(
+    proxy: Proxy,
+    session: str,
+    protocol: str,
+    body: bytes,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> Answer:
+    """POST exact bytes to the protocol's endpoint through the proxy (CONNECT, then TLS trusting
+    only the proxy's CA), as a client with its own HTTP stack would."""
+    host, path = ENDPOINTS[protocol]
+    ctx = ssl.create_default_context(cafile=str(proxy.ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", proxy.port, context=ctx, timeout=timeout)
+    auth = base64.b64encode(f"{session}:x".encode()).decode()
+    conn.set_tunnel(host, 443, headers={"Proxy-Authorization": f"Basic {auth}"})
+    sent = {"Content-Type": "application/json", "Authorization": "Bearer sk-hostile-test"}
+    if protocol == "anthropic":
+        sent.update({"x-api-key": "sk-ant-hostile-test", "anthropic-version": "2023-06-01"})
+    sent.update(headers or {})
+    try:
+        conn.request("POST", path, body=body, headers=sent)
+        resp = conn.getresponse()
+        return Answer(resp.status, resp.getheader("Content-Type") or "", resp.read())
+    finally:
+        conn.close()
+
+
+def assert_provider_error(protocol: str, answer: Answer) -> dict[str, Any]:
+    """The answer is an error in the provider's own JSON shape; its error object."""
+    assert answer.content_type.startswith("application/json"), (answer.status, answer.body[:300])
+    data = json.loads(answer.body)
+    if protocol == "anthropic":
+        assert data["type"] == "error", data
+        err = data["error"]
+        assert isinstance(err["type"], str) and isinstance(err["message"], str), data
+    else:
+        assert set(data) == {"error"}, data
+        err = data["error"]
+        assert isinstance(err["message"], str) and isinstance(err["type"], str), data
+    assert err["message"], data
+    return dict(err)
+
+
+def good_body(protocol: str, text: str = "Hi", stream: bool = False) -> dict[str, Any]:
+    if protocol == "openai.chat":
+        return {
+            "model": "gpt-4o",
+            "messages": [{"role": "user", "content": text}],
+            "stream": stream,
+        }
+    if protocol == "anthropic":
+        return {
+            "model": "claude-sonnet-4-5",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": text}],
+            "stream": stream,
+        }
+    return {"model": "gpt-5", "input": text, "stream": stream, "store": False}
