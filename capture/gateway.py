@@ -538,8 +538,11 @@ def unreadable_message(exc: BaseException) -> str:
 
 
 def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
-    if isinstance(exc, TimeoutError):
-        return PolicyError(f"the policy server at {client.base_url} did not answer in time")
+    if isinstance(exc, TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
+        return PolicyError(
+            f"the policy server at {client.base_url} did not answer in time; "
+            "option agenttap_policy_timeout"
+        )
     return PolicyError(f"the connection to the policy server at {client.base_url} failed: {exc}")
 
 

@@ -268,6 +268,11 @@ class VLLMClient:
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
             resp = await self._session.post(f"{self.base_url}{path}", json=body)
+        except aiohttp.ServerTimeoutError as exc:
+            raise PolicyError(
+                f"the policy server at {self.base_url} did not answer in time ({exc}); "
+                "option agenttap_policy_timeout"
+            ) from exc
         except aiohttp.ClientError as exc:
             raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
         if resp.status != 200:

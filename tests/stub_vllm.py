@@ -46,6 +46,10 @@ class StubPolicy:
         self.default_reply = "OK."
         self.requests: list[dict[str, Any]] = []
         self.chunk_delay_s = 0.0
+        # A hung policy: seconds before answering a completion at all; ``abandoned`` counts the
+        # delayed requests whose caller had hung up by the time the delay ended.
+        self.first_delay_s = 0.0
+        self.abandoned = 0
         self.chunk_tokens = 1
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -67,7 +71,9 @@ class StubPolicy:
     ) -> tuple[list[int], str, str | None]:
         """(ids, finish_reason, stop_reason) as vLLM would sample the scripted text."""
         # A re-score (prompt_logprobs) is not one of the scripted turns: it takes no reply.
-        text = self.default_reply if body.get("prompt_logprobs") is not None else self._next_text(body)
+        text = (
+            self.default_reply if body.get("prompt_logprobs") is not None else self._next_text(body)
+        )
         ids = list(self.tok.encode(text, add_special_tokens=False))
         stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
         for n in range(1, min(len(ids), max_tokens) + 1):
@@ -141,6 +147,11 @@ class StubPolicy:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        if self.first_delay_s:
+            await asyncio.sleep(self.first_delay_s)
+            if request.transport is None or request.transport.is_closing():
+                self.abandoned += 1
+                return web.Response(status=499)
         prompt = body["prompt"]
         if body.get("model") != self.model_name:
             return _error(
