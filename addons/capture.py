@@ -29,7 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import connection, ctx, exceptions, http  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http, optmanager  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
@@ -39,6 +39,12 @@ from capture.gateway import (  # noqa: E402
     Gateway,
     GatewayConfig,
     parse_model_map,
+)
+from capture.options import (  # noqa: E402
+    OptionValueError,
+    non_negative_int,
+    unknown_agenttap_names,
+    unknown_names_message,
 )
 from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization  # noqa: E402
 from rewriter.parsers import check_parser_names  # noqa: E402
@@ -75,6 +81,8 @@ class AgentTap:
         self.hosts: frozenset[str] = frozenset()
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
+        # Set when an option is unusable: every flow is refused and the proxy stops.
+        self.config_error: str | None = None
 
     def load(self, loader: Loader) -> None:
         loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
@@ -87,11 +95,15 @@ class AgentTap:
             "agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it."
         )
         loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
+        # Numbers are declared as str and checked in `configure` (see capture/options.py).
         loader.add_option(
-            "agenttap_idle_timeout", int, 300, "Seconds idle before a session is sharded."
+            "agenttap_idle_timeout", str, "300", "Seconds idle before a session is sharded."
         )
         loader.add_option(
-            "agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted."
+            "agenttap_max_body_bytes",
+            str,
+            str(8 * 1024 * 1024),
+            "Largest request body accepted, in bytes.",
         )
         loader.add_option(
             "agenttap_model_map",
@@ -117,8 +129,38 @@ class AgentTap:
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
+        self._take_bad_deferred(loader.master.options)
+
+    def _take_bad_deferred(self, options: optmanager.OptionManager) -> None:
+        """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; one it cannot
+        apply (given twice) raises there, which makes it skip this addon and run as an open
+        forwarding proxy. Take such values, and misspelled agenttap names, out first and fail
+        cleanly instead."""
+        known = [k for k in options.keys() if k.startswith("agenttap_")]
+        unknown = unknown_agenttap_names(options.deferred, known)
+        repeated = [
+            name
+            for name in known
+            if len(getattr(options.deferred.get(name), "val", None) or []) > 1
+        ]
+        for name in unknown + repeated:
+            options.deferred.pop(name, None)
+        if unknown:
+            self._fail(unknown_names_message(unknown, known))
+        if repeated:
+            self._fail(f"agenttap: {', '.join(repeated)} given more than once; set each once")
 
     def configure(self, updated: set[str]) -> None:
+        try:
+            self._check_numbers()
+        except OptionValueError as exc:
+            if self._ready.is_set():
+                # A live change (mitmproxy console, `set`): mitmproxy keeps the old value.
+                raise exceptions.OptionsError(f"agenttap: {exc}") from None
+            # At startup, raising would make mitmproxy skip this addon and run as a plain
+            # forwarding proxy; stay loaded, refuse every flow and stop from `running`.
+            self._fail(f"agenttap: {exc}")
+            return
         if "agenttap_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
@@ -149,7 +191,32 @@ class AgentTap:
         }:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
 
+    @staticmethod
+    def _check_numbers() -> tuple[int, int]:
+        opts = ctx.options
+        return (
+            non_negative_int("agenttap_idle_timeout", opts.agenttap_idle_timeout, minimum=1),
+            non_negative_int(
+                "agenttap_max_body_bytes",
+                opts.agenttap_max_body_bytes,
+                minimum=1,
+                example=8 * 1024 * 1024,
+            ),
+        )
+
+    def _fail(self, message: str) -> None:
+        """Refuse every flow from now on and stop the proxy: with the addon not working, mitmproxy
+        alone would be an open forwarding proxy. An error logged during startup also makes
+        mitmdump exit non-zero (its errorcheck addon)."""
+        if self.config_error is None:
+            self.config_error = message
+            logger.error("%s; stopping the proxy", message)
+
     async def running(self) -> None:
+        if self.config_error is not None:
+            self._ready.set()
+            ctx.master.shutdown()
+            return
         try:
             await self._start_gateway()
         finally:
@@ -163,14 +230,15 @@ class AgentTap:
                 "(or start through scripts/run_proxy.sh); API calls get 503 until then"
             )
             return
+        idle_timeout_s, max_body_bytes = self._check_numbers()
         config = GatewayConfig(
             policy_urls=[u.strip() for u in opts.agenttap_policy_url.split(",") if u.strip()],
             tokenizer_path=Path(opts.agenttap_tokenizer),
             out_dir=Path(opts.agenttap_out),
             tool_parser=opts.agenttap_tool_parser,
             reasoning_parser=opts.agenttap_reasoning_parser,
-            idle_timeout_s=opts.agenttap_idle_timeout,
-            max_body_bytes=opts.agenttap_max_body_bytes,
+            idle_timeout_s=idle_timeout_s,
+            max_body_bytes=max_body_bytes,
             model_map=parse_model_map(opts.agenttap_model_map),
             model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
             normalization=Normalization.from_option(opts.agenttap_drop_system_blocks),
@@ -199,9 +267,17 @@ class AgentTap:
             {"Content-Type": "text/plain"},
         )
 
+    def _refuse_unconfigured(self, flow: http.HTTPFlow) -> bool:
+        if self.config_error is None:
+            return False
+        flow.response = http.Response.make(
+            503, f"{self.config_error}\n", {"Content-Type": "text/plain"}
+        )
+        return True
+
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        if flow.response:
-            return  # proxyauth's 407
+        if flow.response or self._refuse_unconfigured(flow):
+            return  # proxyauth's 407, or a misconfigured proxy
         host = flow.request.host.lower()
         if host not in self.hosts:
             self._refuse(flow, host)
@@ -215,7 +291,7 @@ class AgentTap:
         self._tunnel_sessions.pop(client.id, None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response:
+        if flow.response or self._refuse_unconfigured(flow):
             return
         host = flow.request.pretty_host.lower()
         if host not in self.hosts:
