@@ -149,7 +149,7 @@ class SessionStore:
             self._dormant.move_to_end(session_id)
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
-        paths = self._write(sess.turns, threads)
+        paths = self._write(sess.turns, threads, sess.journal_path.stem)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
@@ -161,12 +161,16 @@ class SessionStore:
         )
         return paths
 
-    def _write(self, turns: list[TurnRecord], threads: list[Thread]) -> list[Path]:
+    def _write(self, turns: list[TurnRecord], threads: list[Thread], batch: str) -> list[Path]:
+        """Shards named after the journal (``batch``) they come from; the journal is removed only
+        after they are all in place. A crash in between leaves the journal, and recovery writes
+        the same names again: every row ends up exactly once."""
         by_request = {t.request_id: t for t in turns}
-        paths = write_rows(self.turns_dir, [_turn_row(t) for t in turns], TURN_SCHEMA, "turns")
+        turn_rows = [_turn_row(t) for t in turns]
+        paths = write_rows(self.turns_dir, turn_rows, TURN_SCHEMA, "turns", batch=batch)
         rows = [thread_row(th, by_request) for th in threads if th.turns]
         if rows:
-            paths += write_rows(self.threads_dir, rows, THREAD_SCHEMA, "threads")
+            paths += write_rows(self.threads_dir, rows, THREAD_SCHEMA, "threads", batch=batch)
         return paths
 
     def close(self) -> list[Path]:
@@ -177,23 +181,37 @@ class SessionStore:
         """Turn journals left by an earlier process into shards. Call before serving."""
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
-            turns: list[TurnRecord] = []
-            threads: dict[str, Thread] = {}
-            for line in journal.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                    turn = TurnRecord.from_row(entry["turn"])
-                except (json.JSONDecodeError, TypeError, KeyError):
-                    # A line cut short by the crash: that call had not completed.
-                    logger.warning("skipping a torn line in %s", journal)
-                    continue
-                turns.append(turn)
-                if entry.get("thread"):
-                    _replay(threads, turn, entry["thread"])
-            if turns:
-                written += self._write(turns, list(threads.values()))
-                logger.info("recovered %d calls from %s", len(turns), journal.name)
-            journal.unlink()
+            try:
+                written += self._recover_one(journal)
+            except Exception:
+                # One unreadable journal must not stop the proxy or the other journals.
+                quarantine = self.journal_dir / "quarantine"
+                quarantine.mkdir(exist_ok=True)
+                os.replace(journal, quarantine / journal.name)
+                logger.exception(
+                    "could not recover %s; moved it to %s for inspection", journal.name, quarantine
+                )
+        return written
+
+    def _recover_one(self, journal: Path) -> list[Path]:
+        written: list[Path] = []
+        turns: list[TurnRecord] = []
+        threads: dict[str, Thread] = {}
+        for line in journal.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+                turn = TurnRecord.from_row(entry["turn"])
+            except (json.JSONDecodeError, TypeError, KeyError):
+                # A line cut short by the crash: that call had not completed.
+                logger.warning("skipping a torn line in %s", journal)
+                continue
+            turns.append(turn)
+            if entry.get("thread"):
+                _replay(threads, turn, entry["thread"])
+        if turns:
+            written += self._write(turns, list(threads.values()), journal.stem)
+            logger.info("recovered %d calls from %s", len(turns), journal.name)
+        journal.unlink()
         return written
 
 

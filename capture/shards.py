@@ -50,10 +50,13 @@ TURN_SCHEMA = pa.schema(
 )
 
 
-def write_table(directory: Path, table: pa.Table, prefix: str = "part") -> Path:
-    """Write ``table`` as one new Parquet file in ``directory``; returns its final path."""
+def write_table(
+    directory: Path, table: pa.Table, prefix: str = "part", name: str | None = None
+) -> Path:
+    """Write ``table`` as one Parquet file in ``directory``; returns its final path. A given
+    ``name`` replaces any file of that name (rewriting a batch after a crash is idempotent)."""
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
+    name = name or f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
     final = directory / name
     tmp = directory / f".{name}.tmp"
     pq.write_table(table, tmp, compression="zstd")
@@ -114,8 +117,15 @@ def write_rows(
     schema: pa.Schema,
     prefix: str,
     target_bytes: int = SHARD_TARGET_BYTES,
+    batch: str | None = None,
 ) -> list[Path]:
-    """Write rows as one or more shards of about ``target_bytes`` each."""
+    """Write rows as one or more shards of about ``target_bytes`` each. With ``batch`` (a name
+    unique to these rows, such as their journal's), the files are named ``PREFIX-BATCH-N`` so
+    that writing the same rows again replaces them rather than adding duplicates."""
+
+    def name() -> str | None:
+        return f"{prefix}-{batch}-{len(paths):04d}.parquet" if batch else None
+
     paths: list[Path] = []
     chunk: list[dict[str, Any]] = []
     size = 0
@@ -124,8 +134,8 @@ def write_rows(
         size += 64 + sum(5 * len(v) for v in row.values() if isinstance(v, list))
         chunk.append(row)
         if size >= target_bytes:
-            paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+            paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name()))
             chunk, size = [], 0
     if chunk:
-        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name()))
     return paths
