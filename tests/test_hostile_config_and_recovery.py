@@ -293,3 +293,32 @@ def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_pat
     while vllm_running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not vllm_running(), "the vLLM server was left running"
+
+
+def test_a_tunnel_carrying_raw_bytes_is_closed_not_relayed(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    """CONNECT api.openai.com:443, then plain bytes instead of TLS: nothing is dialed out."""
+    from tests.conftest import start_proxy
+
+    proxy = start_proxy(stub.url, tmp_path / "out", confdir)
+    try:
+        import socket
+
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
+            assert b" 200 " in sock.recv(4096)
+            sock.sendall(b"\x00\x01RAW-NOT-TLS-" * 20 + b"\r\n\r\n")
+            sock.settimeout(10)
+            try:
+                while sock.recv(4096):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+        time.sleep(0.5)  # let mitmdump write its log lines
+    finally:
+        proxy.stop()
+    log = proxy.log.read_text(errors="replace")
+    assert "not TLS or HTTP" in log
+    assert "server connect api.openai.com" not in log, "a connection to the real host was opened"
+    assert "api.openai.com:443 is not dialed" in log
