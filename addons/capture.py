@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ipaddress
+import json
 import logging
 import os
 import sys
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
 # `capture` package; drop it, and make the repository importable when it is not installed.
@@ -29,8 +32,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import connection, ctx, exceptions, http, optmanager  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
+from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
     HOST_HEADER,
@@ -39,14 +43,9 @@ from capture.gateway import (  # noqa: E402
     Gateway,
     GatewayConfig,
     parse_model_map,
+    quote_session,
 )
-from capture.options import (  # noqa: E402
-    OptionValueError,
-    non_negative_int,
-    unknown_agenttap_names,
-    unknown_names_message,
-)
-from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization  # noqa: E402
+from capture.providers import registered  # noqa: E402
 from rewriter.parsers import check_parser_names  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -55,6 +54,11 @@ DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.
 DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
+# Plain-HTTP requests through the proxy to this name are answered by the addon itself, from
+# loopback clients only: `POST http://agenttap.local/flush[?session=ID]` writes sessions' shards
+# now (tests and scripts use it instead of waiting for the idle timeout).
+CONTROL_HOST = "agenttap.local"
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
 
@@ -81,8 +85,12 @@ class AgentTap:
         self.hosts: frozenset[str] = frozenset()
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
-        # Set when an option is unusable: every flow is refused and the proxy stops.
-        self.config_error: str | None = None
+        # Numeric options (declared as text, see _add_number): name -> int / float, and parsed.
+        self._numbers: dict[str, type] = {}
+        self._parsed: dict[str, Any] = {}
+        self._defaults: dict[str, Any] = {}
+        # Why the configuration cannot be used; while set, every flow is refused.
+        self.broken: str | None = None
 
     def load(self, loader: Loader) -> None:
         loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
@@ -95,15 +103,11 @@ class AgentTap:
             "agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it."
         )
         loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
-        # Numbers are declared as str and checked in `configure` (see capture/options.py).
-        loader.add_option(
-            "agenttap_idle_timeout", str, "300", "Seconds idle before a session is sharded."
+        self._add_number(
+            loader, "agenttap_idle_timeout", 300, "Seconds idle before a session is sharded."
         )
-        loader.add_option(
-            "agenttap_max_body_bytes",
-            str,
-            str(8 * 1024 * 1024),
-            "Largest request body accepted, in bytes.",
+        self._add_number(
+            loader, "agenttap_max_body_bytes", 8 * 1024 * 1024, "Largest request body accepted."
         )
         loader.add_option(
             "agenttap_model_map",
@@ -118,49 +122,83 @@ class AgentTap:
             DEFAULT_MODEL_NAMES,
             "Model names GET /v1/models lists, comma-separated (any name is served).",
         )
-        loader.add_option(
-            "agenttap_drop_system_blocks",
-            str,
-            BILLING_HEADER_RE,
-            "Regexes, separated by '||': system text blocks matching one are dropped before "
-            "rendering (scaffold noise such as Claude Code's per-call billing header).",
-        )
+        # Each provider's own options (its normalization of scaffold noise, ...).
+        for provider in registered().values():
+            for option in provider.options:
+                if option.type in (int, float):
+                    self._add_number(loader, option.name, option.default, option.help)
+                else:
+                    loader.add_option(option.name, option.type, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
-        self._take_bad_deferred(loader.master.options)
+        self._take_repeated(loader.master.options)
 
-    def _take_bad_deferred(self, options: optmanager.OptionManager) -> None:
-        """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; one it cannot
-        apply (given twice) raises there, which makes it skip this addon and run as an open
-        forwarding proxy. Take such values, and misspelled agenttap names, out first and fail
-        cleanly instead."""
-        known = [k for k in options.keys() if k.startswith("agenttap_")]
-        unknown = unknown_agenttap_names(options.deferred, known)
-        repeated = [
+    def _take_repeated(self, options: optmanager.OptionManager) -> None:
+        """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; a name given
+        twice raises there, which makes it skip this addon and run as an open forwarding proxy.
+        Take such values out first and refuse every flow instead (the error logged at startup
+        makes mitmdump exit non-zero)."""
+        repeated = sorted(
             name
-            for name in known
-            if len(getattr(options.deferred.get(name), "val", None) or []) > 1
-        ]
-        for name in unknown + repeated:
-            options.deferred.pop(name, None)
-        if unknown:
-            self._fail(unknown_names_message(unknown, known))
+            for name, value in options.deferred.items()
+            if name.startswith("agenttap_") and len(getattr(value, "val", None) or []) > 1
+        )
+        for name in repeated:
+            options.deferred.pop(name)
         if repeated:
-            self._fail(f"agenttap: {', '.join(repeated)} given more than once; set each once")
+            self.broken = f"agenttap: {', '.join(repeated)} given more than once; set each once"
+            logger.error("%s", self.broken)
+
+    def _add_number(self, loader: Loader, name: str, default: float, help: str) -> None:
+        """A numeric option, declared as text and parsed here: mitmproxy's own parsing of a
+        script's int option fails silently on a bad value (and leaves the default)."""
+        self._numbers[name] = type(default)
+        self._defaults[name] = default
+        loader.add_option(name, str, str(default), help)
+
+    def number(self, name: str) -> Any:
+        return self._parsed[name]
+
+    def _check_numbers(self, updated: set[str]) -> None:
+        for name, kind in self._numbers.items():
+            if name not in updated and name in self._parsed:
+                continue
+            text = str(getattr(ctx.options, name)).strip()
+            try:
+                value = kind(text) if kind is float else int(text, 10)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise exceptions.OptionsError(
+                    f"agenttap: --set {name}={text!r} is not {what} "
+                    f"(the default is --set {name}={self._defaults[name]})"
+                ) from None
+            if value < 0 or (kind is float and value != value):
+                raise exceptions.OptionsError(
+                    f"agenttap: --set {name}={text!r} must be zero or more"
+                )
+            self._parsed[name] = value
+
+    def _check_unknown(self) -> None:
+        """A misspelled agenttap option is an error, not an option quietly never read."""
+        unknown = sorted(k for k in ctx.options.deferred if k.startswith("agenttap"))
+        if unknown:
+            known = sorted(k for k in ctx.options.keys() if k.startswith("agenttap_"))
+            raise exceptions.OptionsError(
+                f"agenttap: unknown option(s) {', '.join(unknown)}; agenttap's options are: "
+                + ", ".join(known)
+            )
 
     def configure(self, updated: set[str]) -> None:
         try:
-            self._check_numbers()
-        except OptionValueError as exc:
-            if self._ready.is_set():
-                # A live change (mitmproxy console, `set`): mitmproxy keeps the old value.
-                raise exceptions.OptionsError(f"agenttap: {exc}") from None
-            # At startup, raising would make mitmproxy skip this addon and run as a plain
-            # forwarding proxy; stay loaded, refuse every flow and stop from `running`.
-            self._fail(f"agenttap: {exc}")
-            return
+            self._check_unknown()
+            self._check_numbers(updated)
+        except exceptions.OptionsError as exc:
+            # Never run as a plain forwarding proxy with a configuration we could not read:
+            # every flow is refused until mitmproxy stops (the error stops it at startup).
+            self.broken = str(exc)
+            raise
         if "agenttap_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
@@ -175,8 +213,12 @@ class AgentTap:
         try:
             if "agenttap_model_map" in updated:
                 parse_model_map(ctx.options.agenttap_model_map)
-            if "agenttap_drop_system_blocks" in updated:
-                Normalization.from_option(ctx.options.agenttap_drop_system_blocks)
+            for provider in registered().values():
+                names = {o.name for o in provider.options}
+                if names & updated:
+                    provider.check_options(
+                        {n: self._parsed.get(n, getattr(ctx.options, n)) for n in names}
+                    )
         except ValueError as exc:
             raise exceptions.OptionsError(f"agenttap: {exc}") from None
         if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
@@ -191,32 +233,7 @@ class AgentTap:
         }:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
 
-    @staticmethod
-    def _check_numbers() -> tuple[int, int]:
-        opts = ctx.options
-        return (
-            non_negative_int("agenttap_idle_timeout", opts.agenttap_idle_timeout, minimum=1),
-            non_negative_int(
-                "agenttap_max_body_bytes",
-                opts.agenttap_max_body_bytes,
-                minimum=1,
-                example=8 * 1024 * 1024,
-            ),
-        )
-
-    def _fail(self, message: str) -> None:
-        """Refuse every flow from now on and stop the proxy: with the addon not working, mitmproxy
-        alone would be an open forwarding proxy. An error logged during startup also makes
-        mitmdump exit non-zero (its errorcheck addon)."""
-        if self.config_error is None:
-            self.config_error = message
-            logger.error("%s; stopping the proxy", message)
-
     async def running(self) -> None:
-        if self.config_error is not None:
-            self._ready.set()
-            ctx.master.shutdown()
-            return
         try:
             await self._start_gateway()
         finally:
@@ -230,28 +247,43 @@ class AgentTap:
                 "(or start through scripts/run_proxy.sh); API calls get 503 until then"
             )
             return
-        idle_timeout_s, max_body_bytes = self._check_numbers()
         config = GatewayConfig(
             policy_urls=[u.strip() for u in opts.agenttap_policy_url.split(",") if u.strip()],
             tokenizer_path=Path(opts.agenttap_tokenizer),
             out_dir=Path(opts.agenttap_out),
             tool_parser=opts.agenttap_tool_parser,
             reasoning_parser=opts.agenttap_reasoning_parser,
-            idle_timeout_s=idle_timeout_s,
-            max_body_bytes=max_body_bytes,
+            idle_timeout_s=self.number("agenttap_idle_timeout"),
+            max_body_bytes=self.number("agenttap_max_body_bytes"),
             model_map=parse_model_map(opts.agenttap_model_map),
             model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
-            normalization=Normalization.from_option(opts.agenttap_drop_system_blocks),
+            provider_options={
+                o.name: self._parsed[o.name] if o.name in self._parsed else getattr(opts, o.name)
+                for p in registered().values()
+                for o in p.options
+            },
         )
         gateway = Gateway(config)
         await gateway.start()
         self.gateway = gateway
+        self._warn_if_open()
         logger.info(
             "agenttap: answering %s from %s; shards in %s",
             ", ".join(sorted(self.hosts)),
             ", ".join(config.policy_urls),
             os.path.abspath(config.out_dir),
         )
+
+    @staticmethod
+    def _warn_if_open() -> None:
+        host = ctx.options.listen_host
+        if host not in ("127.0.0.1", "localhost", "::1") and not ctx.options.proxyauth:
+            logger.warning(
+                "agenttap: listening on %s with no proxy authentication: anyone who can reach "
+                "this port can use the policy and write shards. Pass --listen-host 127.0.0.1 "
+                "(scripts/run_proxy.sh does), or --set proxyauth=USER:PASS.",
+                host or "all interfaces",
+            )
 
     async def done(self) -> None:
         if self.gateway is not None:
@@ -267,17 +299,21 @@ class AgentTap:
             {"Content-Type": "text/plain"},
         )
 
-    def _refuse_unconfigured(self, flow: http.HTTPFlow) -> bool:
-        if self.config_error is None:
+    def _refuse_broken(self, flow: http.HTTPFlow) -> bool:
+        """With a configuration that could not be read, nothing is forwarded, ever."""
+        if self.broken is None:
             return False
         flow.response = http.Response.make(
-            503, f"{self.config_error}\n", {"Content-Type": "text/plain"}
-        )
+            503,
+            json.dumps({"error": {"message": f"agenttap is not running: {self.broken}",
+                                  "type": "server_error"}}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
         return True
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        if flow.response or self._refuse_unconfigured(flow):
-            return  # proxyauth's 407, or a misconfigured proxy
+        if flow.response or self._refuse_broken(flow):
+            return  # proxyauth's 407
         host = flow.request.host.lower()
         if host not in self.hosts:
             self._refuse(flow, host)
@@ -287,19 +323,47 @@ class AgentTap:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = user
 
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # The only server mitmproxy may connect to is the gateway: whatever else would open a
+        # connection (a raw tunnel, a flow we did not route) never reaches the network.
+        address = data.server.address
+        if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
+            return
+        host, port = address or ("?", 0)
+        data.server.error = f"agenttap: {host}:{port} is not dialed; only the policy answers here"
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        # A tunnel to an API host that does not carry TLS (or HTTP) would be relayed as raw TCP
+        # to the real host: close it instead. Nothing but the policy answers here.
+        logger.warning(
+            "agenttap: closed a tunnel from %s that is not TLS or HTTP (raw bytes are never "
+            "relayed)",
+            flow.client_conn.peername[0] if flow.client_conn.peername else "?",
+        )
+        flow.kill()
+
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or self._refuse_unconfigured(flow):
+        if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
+        if host == CONTROL_HOST and flow.request.scheme == "http":
+            self._control(flow)
+            return
         if host not in self.hosts:
             self._refuse(flow, host)
             return
         plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
         for name in SECRET_HEADERS:
             flow.request.headers.pop(name, None)
+        # Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never
+        # needs them, and a saved flow keeps the query string.
+        query = flow.request.query
+        for name in list(query.keys()):
+            if name.lower() in SECRET_QUERY:
+                del query[name]
         if self.gateway is None and not self._ready.is_set():
             # A client replay (-C) sends its first request while the gateway is still starting.
             try:
@@ -334,12 +398,33 @@ class AgentTap:
         flow.metadata["agenttap_host"] = host
         flow.metadata["agenttap_session"] = session_id
         req.headers[TOKEN_HEADER] = self.gateway.token
-        req.headers[SESSION_HEADER] = session_id
+        req.headers[SESSION_HEADER] = quote_session(session_id)
         req.headers[HOST_HEADER] = host
         req.scheme = "http"
         req.host = "127.0.0.1"
         req.port = self.gateway.port
         req.headers["Host"] = host
+
+    def _control(self, flow: http.HTTPFlow) -> None:
+        def answer(status: int, body: dict[str, object]) -> None:
+            flow.response = http.Response.make(
+                status, json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+
+        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        if not ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
+            answer(403, {"error": f"{CONTROL_HOST} answers loopback clients only"})
+            return
+        if flow.request.method != "POST" or flow.request.path.split("?")[0] != "/flush":
+            answer(404, {"error": f"{CONTROL_HOST} answers POST /flush[?session=ID] only"})
+            return
+        if self.gateway is None:
+            answer(503, {"error": "agenttap is not running: no policy server configured"})
+            return
+        session = flow.request.query.get("session")
+        written = self.gateway.flush(session)
+        logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
+        answer(200, {"written": [str(p) for p in written]})
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if "agenttap_host" in flow.metadata and flow.response is not None:

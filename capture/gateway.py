@@ -2,9 +2,10 @@
 
 mitmproxy cannot stream a body an addon builds itself, so the addon points each intercepted flow
 at this server (running in mitmproxy's own event loop) and lets mitmproxy stream its answer back
-to the client. Here a provider request is translated to the canonical chat form, rendered to
-token ids, completed by vLLM token-in/token-out, parsed, answered in the provider's format as the
-tokens arrive, and recorded. Nothing here knows about mitmproxy.
+to the client. Here the registry's providers (``capture/providers``) say who answers a call; a
+model call is translated by its provider to the canonical chat form, rendered to token ids,
+completed by vLLM token-in/token-out, parsed, answered in the provider's format as the tokens
+arrive, and recorded. Nothing here knows about mitmproxy or any one provider.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import logging
 import os
 import secrets
 import time
+import urllib.parse
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +26,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from capture.offline import local_answer
-from capture.protocols import AnthropicMessages, OpenAIChat, ProviderProtocol
+from capture.providers import registered
+from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.records import TurnRecord
-from capture.sessions import SessionStore
+from capture.sessions import SessionStore, safe_text
 from capture.trajectory import Assembly
-from rewriter import anthropic_messages
-from rewriter.canonical import ChatRequest, Message, RequestError
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
@@ -39,8 +41,30 @@ logger = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Agenttap-Token"
 SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
-# A client's own session header names the session when the proxy URL has no username.
-CLIENT_SESSION_HEADERS = {"X-Claude-Code-Session-Id": "claude-code", "session-id": "codex"}
+# Answers calls on hosts no provider owns (its error format, its 404).
+DEFAULT_PROVIDER = "openai.chat"
+
+
+def quote_session(session_id: str) -> str:
+    """A proxy username as a header value: control characters (CR, LF, NUL) %-escaped, since a
+    header cannot carry them; ``unquote_session`` gives the name back."""
+    return "".join(
+        f"%{ord(c):02X}" if ord(c) < 32 or ord(c) == 127 or c == "%" else c for c in session_id
+    )
+
+
+def unquote_session(value: str) -> str:
+    return urllib.parse.unquote(value)
+
+
+# The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
+# of a request in this header; a retry's earlier answer, if never continued, is a dead branch.
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+def is_client_retry(headers: Any) -> bool:
+    value = headers.get(RETRY_HEADER, "0").strip()
+    return value.isdigit() and int(value) > 0
 
 
 def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
@@ -83,9 +107,10 @@ class GatewayConfig:
     model_map: list[tuple[str, list[str]]] = field(default_factory=list)
     # Extra names GET /v1/models lists (every name is served).
     model_names: list[str] = field(default_factory=list)
-    normalization: anthropic_messages.Normalization = field(
-        default_factory=anthropic_messages.Normalization
-    )
+    # Provider option values by option name (see ProviderOption); missing ones take defaults.
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    # Registry names of the providers to serve, in the order they are asked; empty: all.
+    providers: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,8 +126,17 @@ class Gateway:
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[str, VLLMClient] = {}
         self._requested_models: set[str] = set()
-        self.openai = OpenAIChat()
-        self.anthropic = AnthropicMessages(config.normalization)
+        available = registered()
+        names = config.providers or list(available)
+        unknown = [n for n in names if n not in available]
+        if unknown:
+            raise ValueError(
+                f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(available)}"
+            )
+        self.providers: list[Provider[Any]] = [available[n](config.provider_options) for n in names]
+        self.default_provider = next(
+            (p for p in self.providers if p.name == DEFAULT_PROVIDER), self.providers[0]
+        )
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -139,6 +173,13 @@ class Gateway:
             await self._http.close()
         self.store.close()
 
+    def flush(self, session_id: str | None = None) -> list[Path]:
+        """Write a session's shards now (all sessions: None). The session may go on: its next
+        call extends the written rows' exact ids, in a new row parented to them."""
+        store = self.store
+        sessions = [session_id] if session_id is not None else store.session_ids()
+        return [p for sid in sessions for p in store.end_session(sid, keep_threads=True)]
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(
@@ -161,42 +202,42 @@ class Gateway:
         return pool[zlib.crc32(session_id.encode()) % len(pool)]
 
     # -- dispatch --------------------------------------------------------------------------
-    def _protocol_for(self, request: web.Request) -> ProviderProtocol:
-        host = request.headers.get(HOST_HEADER, "")
-        if host == "anthropic.com" or host.endswith(".anthropic.com"):
-            return self.anthropic
-        if "anthropic-version" in request.headers:
-            return self.anthropic
-        return self.openai
+    def _route(self, call: Call) -> tuple[Provider[Any], Route | None]:
+        """The provider that answers ``call`` and its route; the route is None when nobody
+        serves it (the host's owner then answers 404 in its format)."""
+        owners = [p for p in self.providers if p.owns(call)]
+        for provider in owners + [p for p in self.providers if p not in owners]:
+            route = provider.match(call)
+            if route is not None:
+                return provider, route
+        return (owners[0] if owners else self.default_provider), None
+
+    def _served(self, call: Call) -> str:
+        owners = [p for p in self.providers if p.owns(call)] or [self.default_provider]
+        return "; ".join(p.served for p in owners)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
-        path = request.path.rstrip("/") or "/"
-        method = request.method
-        if method == "POST" and path.endswith("/chat/completions"):
-            return await self._turn(request, self.openai)
-        if method == "POST" and path == "/v1/messages":
-            return await self._turn(request, self.anthropic)
-        if method == "POST" and path == "/v1/messages/count_tokens":
-            return await self._count_tokens(request)
-        protocol = self._protocol_for(request)
-        if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
-            return await self._models(request, protocol, path[len("/v1/models/") :])
-        host = request.headers.get(HOST_HEADER, "")
-        answer = local_answer(host, method, path)
-        if answer is not None:
-            return web.json_response(answer)
-        served = (
-            "POST /v1/messages, POST /v1/messages/count_tokens and GET /v1/models"
-            if protocol is self.anthropic
-            else "POST /v1/chat/completions and GET /v1/models"
-        )
-        return protocol.error(
-            404,
-            f"agenttap: {method} {path} on {host} is not served by this proxy. It answers "
-            f"{served} from the policy.",
-        )
+        call = Call.of(request, request.headers.get(HOST_HEADER, ""))
+        provider, route = self._route(call)
+        if route is None:
+            return provider.error(
+                404,
+                f"agenttap: {call.method} {call.path} on {call.host} is not served by this "
+                f"proxy. It answers {self._served(call)} from the policy.",
+            )
+        if route.kind is RouteKind.TURN:
+            return await self._turn(request, call, provider)
+        if route.kind is RouteKind.COUNT_TOKENS:
+            return await self._count_tokens(request, call, provider)
+        if route.kind is RouteKind.MODELS:
+            return await self._models(provider, route.model_id)
+        if route.kind is RouteKind.LOCAL:
+            return web.json_response(route.body)
+        if route.kind is RouteKind.WEBSOCKET:
+            return await provider.serve_websocket(request, call, self)
+        return provider.error(route.status, route.message)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.config.max_body_bytes:
@@ -214,22 +255,13 @@ class Gateway:
             "(option agenttap_max_body_bytes)."
         )
 
-    async def _models(
-        self, request: web.Request, protocol: ProviderProtocol, model_id: str
-    ) -> web.Response:
+    async def _models(self, provider: Provider[Any], model_id: str) -> web.Response:
         try:
             info = await self._pool_for("*")[0].info()
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        if protocol is self.anthropic:
-            if model_id:
-                return web.json_response(anthropic_messages.model_object(model_id))
-            return web.json_response(anthropic_messages.models_list(self.model_names(info.model)))
+            return provider.policy_error(exc)
         names = [model_id] if model_id else self.model_names(info.model)
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "agenttap"} for n in names]
-        if model_id:
-            return web.json_response(data[0])
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(provider.models_body(names, model_id))
 
     def model_names(self, served: str) -> list[str]:
         """Names clients may ask for: every one maps to a policy (``model_map``)."""
@@ -238,116 +270,151 @@ class Gateway:
         return list(dict.fromkeys(n for n in names if n))
 
     # -- one turn: assemble, generate, parse, answer, record ---------------------------------
-    def _session_id(self, request: web.Request) -> str:
+    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
         session = request.headers.get(SESSION_HEADER) or "anonymous"
         if session == "anonymous":
             # No proxy username: a client's own session header still keeps runs apart.
-            for name, client in CLIENT_SESSION_HEADERS.items():
+            for name, client in provider.session_headers.items():
                 if request.headers.get(name):
-                    return f"{client}:{request.headers[name]}"
-        return session
+                    return safe_text(f"{client}:{request.headers[name]}")[:256]
+        return safe_text(unquote_session(session))
 
-    async def _prepare(
-        self, request: web.Request, protocol: ProviderProtocol
-    ) -> _TurnContext | web.Response:
-        session_id = self._session_id(request)
+    async def _turn(
+        self, request: web.Request, call: Call, provider: Provider[Any]
+    ) -> web.StreamResponse:
+        session_id = self.session_id(request, provider)
         started = time.time()
         try:
-            chat = protocol.parse(await self._read_body(request))
+            parsed = provider.parse(call, await self._read_body(request), session_id)
+            parsed.chat.client_retry = is_client_retry(request.headers)
+        except RequestError as exc:
+            return provider.error(exc.status, exc.message, exc.param)
+        turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
+        if isinstance(turn, web.Response):
+            return turn
+        parser = self._parser(turn)
+        if not turn.chat.stream:
+            return await self._whole(turn, parser)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+
+        async def send(chunk: bytes) -> None:
+            if not resp.prepared:
+                await resp.prepare(request)
+            if chunk:
+                await resp.write(chunk)
+
+        refused = await self._stream(turn, parser, send)
+        if refused is not None:
+            return refused
+        await resp.write_eof()
+        return resp
+
+    async def run_turn(
+        self,
+        provider: Provider[Any],
+        parsed: ProviderTurn,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str = "",
+    ) -> web.Response | None:
+        """A parsed turn streamed through ``send`` (a provider's WebSocket); see TurnRunner."""
+        turn = await self._prepare(provider, parsed, user_agent, time.time())
+        if isinstance(turn, web.Response):
+            return turn
+        return await self._stream(turn, self._parser(turn), send)
+
+    async def _prepare(
+        self, provider: Provider[Any], parsed: ProviderTurn, user_agent: str, started: float
+    ) -> _TurnContext | web.Response:
+        chat = parsed.chat
+        try:
             self._requested_models.add(chat.model)
-            client = self.client_for(session_id, chat.model)
-            assembly = self.store.assemble(session_id, chat)
+            client = self.client_for(parsed.session_id, chat.model)
+            assembly = self.store.assemble(parsed.session_id, chat)
             info = await client.info()
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
-                return protocol.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
+                return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
         except RequestError as exc:
-            return protocol.error(exc.status, exc.message, exc.param)
+            return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        self.store.touch(session_id)
+            return provider.policy_error(exc)
+        self.store.touch(parsed.session_id)
         return _TurnContext(
-            session_id=session_id,
-            request_id=protocol.new_response_id(),
-            protocol=protocol,
-            chat=chat,
+            parsed=parsed,
+            provider=provider,
             client=client,
             assembly=assembly,
             policy_model=info.model,
-            user_agent=request.headers.get("User-Agent", ""),
+            user_agent=user_agent,
             started=started,
         )
 
-    async def _turn(self, request: web.Request, protocol: ProviderProtocol) -> web.StreamResponse:
-        turn = await self._prepare(request, protocol)
-        if isinstance(turn, web.StreamResponse):
-            return turn
+    def _parser(self, turn: _TurnContext) -> OutputParser:
         # tool_choice "none": whatever the policy writes is text, never a call the client runs.
         tool_parser = "none" if turn.chat.tool_choice == "none" else self.config.tool_parser
-        parser = OutputParser(tool_parser, self.config.reasoning_parser)
-        if turn.chat.stream:
-            return await self._stream(request, turn, parser)
+        return OutputParser(tool_parser, self.config.reasoning_parser)
+
+    async def _whole(self, turn: _TurnContext, parser: OutputParser) -> web.Response:
+        provider = turn.provider
         try:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
+            return provider.policy_error(exc)
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
-        body, reason = protocol.response(
-            turn.request_id, turn.chat, len(turn.prompt_ids), completion, reply
-        )
-        self._record(turn, completion, reason, protocol.recorded_reply(reply))
+        body, reason = provider.response(turn.parsed, len(turn.prompt_ids), completion, reply)
+        self._record(turn, completion, reason, reply)
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, turn: _TurnContext, parser: OutputParser
-    ) -> web.StreamResponse:
-        protocol = turn.protocol
-        writer = protocol.stream_writer(turn.request_id, turn.chat, len(turn.prompt_ids))
+        self, turn: _TurnContext, parser: OutputParser, send: Callable[[bytes], Awaitable[None]]
+    ) -> web.Response | None:
+        """Stream one turn through ``send``; an error response when the policy refused it
+        before anything was sent, else None."""
+        provider = turn.provider
+        writer = provider.stream_writer(turn.parsed, len(turn.prompt_ids))
         completion = Completion()
         deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
         try:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        await resp.write(writer.start())
+            return provider.policy_error(exc)
+        await send(writer.start())
         try:
             delta = first
             while delta is not None:
                 completion.extend(delta)
                 chunk = writer.events(parser.feed(delta.text))
                 if chunk:
-                    await resp.write(chunk)
+                    await send(chunk)
                 delta = await anext(deltas, None)
         except PolicyError as exc:
-            await resp.write(writer.error(str(exc)))
-            await resp.write_eof()
-            return resp
+            await send(writer.error(str(exc)))
+            return None
         tail = writer.events(parser.finish())
         reply = parser.reply()
         closing, reason = writer.finish(completion, reply)
-        await resp.write(tail + closing)
+        await send(tail + closing)
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason, protocol.recorded_reply(reply))
-        await resp.write(writer.end())
-        await resp.write_eof()
-        return resp
+        self._record(turn, completion, reason, reply)
+        await send(writer.end())
+        return None
 
-    async def _count_tokens(self, request: web.Request) -> web.Response:
+    async def _count_tokens(
+        self, request: web.Request, call: Call, provider: Provider[Any]
+    ) -> web.Response:
         """Exactly as many tokens as the policy would be sent for this request now."""
-        protocol = self.anthropic
+        session_id = self.session_id(request, provider)
         try:
-            chat = protocol.parse_count_tokens(await self._read_body(request))
-            assembly = self.store.assemble(self._session_id(request), chat)
+            chat = provider.count_tokens(call, await self._read_body(request), session_id)
+            assembly = self.store.assemble(session_id, chat)
         except RequestError as exc:
-            return protocol.error(exc.status, exc.message, exc.param)
-        return web.json_response({"input_tokens": len(assembly.prompt_ids)})
+            return provider.error(exc.status, exc.message, exc.param)
+        return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
         """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
@@ -362,13 +429,14 @@ class Gateway:
         logger.info("recomputed %d logprobs after a history rewrite", len(positions))
 
     def _record(
-        self, turn: _TurnContext, completion: Completion, reason: str, reply: Message
+        self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
     ) -> TurnRecord:
+        parsed = turn.parsed
         record = TurnRecord(
-            session_id=turn.session_id,
-            request_id=turn.request_id,
-            turn_index=self.store.next_turn_index(turn.session_id),
-            protocol=turn.protocol.name,
+            session_id=parsed.session_id,
+            request_id=parsed.response_id,
+            turn_index=self.store.next_turn_index(parsed.session_id),
+            protocol=turn.provider.name,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
             backend=turn.client.base_url,
@@ -387,21 +455,24 @@ class Gateway:
                 for v, start, end in completion.weight_versions
             ],
         )
-        self.store.record(record, turn.assembly, reply)
+        self.store.record(record, turn.assembly, turn.provider.recorded_reply(parsed, reply))
+        turn.provider.finished(parsed, reply, completion)
         return record
 
 
 @dataclass
 class _TurnContext:
-    session_id: str
-    request_id: str
-    protocol: ProviderProtocol
-    chat: ChatRequest
+    parsed: ProviderTurn
+    provider: Provider[Any]
     client: VLLMClient
     assembly: Assembly
     policy_model: str
     user_agent: str
     started: float
+
+    @property
+    def chat(self) -> ChatRequest:
+        return self.parsed.chat
 
     @property
     def prompt_ids(self) -> list[int]:

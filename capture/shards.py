@@ -53,10 +53,13 @@ TURN_SCHEMA = pa.schema(
 def write_table(
     directory: Path, table: pa.Table, prefix: str = "part", name: str | None = None
 ) -> Path:
-    """Write ``table`` as one Parquet file in ``directory``; returns its final path. A given
-    ``name`` replaces any file of that name (rewriting a batch after a crash is idempotent)."""
+    """Write ``table`` as one Parquet file in ``directory``; returns its final path.
+
+    ``name``: a fixed file name, so writing the same rows again (recovery after a crash in the
+    middle of a session's writes) replaces the file instead of adding a second copy."""
     directory.mkdir(parents=True, exist_ok=True)
-    name = name or f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
+    if name is None:
+        name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
     final = directory / name
     tmp = directory / f".{name}.tmp"
     pq.write_table(table, tmp, compression="zstd")
@@ -77,7 +80,11 @@ THREAD_SCHEMA = pa.schema(
         ("session_id", pa.string()),
         ("thread_id", pa.string()),
         ("parent_thread_id", pa.string()),
+        ("parent_relation", pa.string()),
         ("parent_tool_call_id", pa.string()),
+        ("dead", pa.bool_()),
+        ("dead_reason", pa.string()),
+        ("superseded_by", pa.string()),
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
         ("logprobs", pa.list_(pa.float32())),
@@ -95,11 +102,14 @@ THREAD_SCHEMA = pa.schema(
                         ("latency_s", pa.float64()),
                         ("backend", pa.string()),
                         ("dropped", pa.bool_()),
+                        ("status", pa.string()),
+                        ("trained_in", pa.string()),
                     ]
                 )
             ),
         ),
         ("num_turns", pa.int32()),
+        ("trained_request_ids", pa.list_(pa.string())),
         ("protocol", pa.string()),
         ("user_agent", pa.string()),
         ("reward", pa.float64()),
@@ -117,25 +127,27 @@ def write_rows(
     schema: pa.Schema,
     prefix: str,
     target_bytes: int = SHARD_TARGET_BYTES,
-    batch: str | None = None,
+    stem: str | None = None,
 ) -> list[Path]:
-    """Write rows as one or more shards of about ``target_bytes`` each. With ``batch`` (a name
-    unique to these rows, such as their journal's), the files are named ``PREFIX-BATCH-N`` so
-    that writing the same rows again replaces them rather than adding duplicates."""
+    """Write rows as one or more shards of about ``target_bytes`` each.
 
-    def name() -> str | None:
-        return f"{prefix}-{batch}-{len(paths):04d}.parquet" if batch else None
-
+    ``stem``: name the files ``PREFIX-STEM-N.parquet`` (N from 0): the same rows written again
+    under the same stem replace those files, so a write repeated after a crash is idempotent."""
     paths: list[Path] = []
     chunk: list[dict[str, Any]] = []
     size = 0
+
+    def flush() -> None:
+        name = f"{prefix}-{stem}-{len(paths)}.parquet" if stem is not None else None
+        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name))
+
     for row in rows:
         # ~5 bytes a token per list column after encoding: a cheap, conservative estimate.
         size += 64 + sum(5 * len(v) for v in row.values() if isinstance(v, list))
         chunk.append(row)
         if size >= target_bytes:
-            paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name()))
+            flush()
             chunk, size = [], 0
     if chunk:
-        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name()))
+        flush()
     return paths

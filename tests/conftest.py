@@ -3,15 +3,19 @@ vLLM-shaped stub, and real ``mitmdump`` processes running the addon."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
@@ -124,33 +128,50 @@ class Proxy:
                 self.proc.kill()
                 self.proc.wait()
 
-    def turns(
-        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
-    ) -> list[dict]:
-        """Rows of the per-call shards (waits for the session's idle flush)."""
-        return self._wait_rows(read_turns, session, expect, timeout)
+    def flush(self, session: str | None = None) -> list[str]:
+        """Have the proxy write the session's shards now (all sessions: None); its paths. A
+        stopped proxy wrote everything when it stopped."""
+        if self.proc.poll() is not None:
+            return []
+        query = "?" + urllib.parse.urlencode({"session": session}) if session is not None else ""
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{self.port}"})
+        )
+        req = urllib.request.Request(f"http://agenttap.local/flush{query}", data=b"", method="POST")
+        with opener.open(req, timeout=60) as resp:
+            return list(json.load(resp)["written"])
 
-    def threads(
-        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
-    ) -> list[dict]:
-        """Rows of the thread shards (waits for the session's idle flush)."""
-        return self._wait_rows(read_threads, session, expect, timeout)
-
-    def _wait_rows(
-        self,
-        read: Callable[[Path, str | None], list[dict]],
-        session: str | None,
-        expect: int,
-        timeout: float,
-    ) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        rows: list[dict] = []
-        while time.monotonic() < deadline:
-            rows = read(self.out, session)
-            if len(rows) >= expect:
-                return rows
-            time.sleep(0.3)
+    def turns(self, session: str | None = None, expect: int = 1, **_: object) -> list[dict]:
+        """Rows of the per-call shards, after flushing the session (fails under ``expect``)."""
+        self.flush(session)
+        rows = read_turns(self.out, session)
+        assert len(rows) >= expect, f"expected {expect} turn rows for {session!r}, got {len(rows)}"
         return rows
+
+    def threads(self, session: str | None = None, expect: int = 1, **_: object) -> list[dict]:
+        """Rows of the thread shards, after flushing the session (fails under ``expect``)."""
+        self.flush(session)
+        rows = read_threads(self.out, session)
+        assert len(rows) >= expect, f"expected {expect} thread rows for {session!r}, got {len(rows)}"
+        return rows
+
+
+def record_turn(
+    store: Any, session: str, chat: Any, ids: list[int], i: int, text: str | None = None
+) -> None:
+    """Assemble ``chat`` in ``store`` and record call ``r{i}`` answering ``ids`` (text
+    ``answer {i}`` unless given), as the gateway would after vLLM answered."""
+    from capture.records import TurnRecord
+    from rewriter.canonical import Message
+
+    assembly = store.assemble(session, chat)
+    record = TurnRecord(
+        session_id=session, request_id=f"r{i}", turn_index=i, protocol="openai.chat",
+        requested_model="m", policy_model="p", backend="b", user_agent="ua",
+        prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
+        finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+    )  # fmt: skip
+    store.record(record, assembly, Message("assistant", text if text is not None else f"answer {i}"))
 
 
 def _read_shards(folder: Path, session: str | None) -> list[dict]:
@@ -187,7 +208,7 @@ def start_proxy(
     confdir: Path,
     tokenizer: Path = QWEN3,
     extra: list[str] | None = None,
-    idle_timeout: int = 1,
+    idle_timeout: int = 3600,
 ) -> Proxy:
     port = policy_server.free_port()
     log = out.parent / f"{out.name}-mitmdump.log"
