@@ -40,6 +40,7 @@ from capture.gateway import (  # noqa: E402
     HOST_HEADER,
     SESSION_HEADER,
     TOKEN_HEADER,
+    UNSUPPORTED_ENCODING_HEADER,
     Gateway,
     GatewayConfig,
     parse_model_map,
@@ -400,6 +401,10 @@ class AgentTap:
         req.headers[TOKEN_HEADER] = self.gateway.token
         req.headers[SESSION_HEADER] = quote_session(session_id)
         req.headers[HOST_HEADER] = host
+        if "Content-Encoding" in req.headers:
+            # The gateway decodes the body itself (bounded, errors in the provider's format);
+            # aiohttp would answer a bad one with a text/plain 400.
+            req.headers[UNSUPPORTED_ENCODING_HEADER] = req.headers.pop("Content-Encoding")
         req.scheme = "http"
         req.host = "127.0.0.1"
         req.port = self.gateway.port
@@ -443,6 +448,8 @@ class AgentTap:
         req = flow.request
         for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER):
             req.headers.pop(name, None)
+        if UNSUPPORTED_ENCODING_HEADER in req.headers:
+            req.headers["Content-Encoding"] = req.headers.pop(UNSUPPORTED_ENCODING_HEADER)
         req.scheme = scheme
         req.host = host
         req.port = port

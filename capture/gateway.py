@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from capture.providers import registered
 from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
@@ -43,6 +44,25 @@ SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
+
+
+# The client's Content-Encoding, moved here by the addon so that the gateway decodes the body.
+UNSUPPORTED_ENCODING_HEADER = "X-Agenttap-Content-Encoding"
+# What a request of an unexpected shape raises where a parser or the chat template meets it
+# (a string where an object belongs, a lone surrogate, nesting past Python's recursion limit).
+MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError)
+
+
+def _malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
+    """A request no check refused but that could not be read: the client's error (400 in the
+    provider's shape), never a text/plain 500. Logged with its traceback for a maintainer."""
+    logger.warning("refused a request that could not be read: %r", exc, exc_info=exc)
+    return provider.error(
+        400,
+        f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
+        "check it against the API reference.",
+        None,
+    )
 
 
 def quote_session(session_id: str) -> str:
@@ -242,10 +262,39 @@ class Gateway:
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.config.max_body_bytes:
             raise RequestError(self._too_large_message(request.content_length or 0), status=413)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        encoding = request.headers.get(UNSUPPORTED_ENCODING_HEADER, encoding).strip().lower()
+        if encoding not in ("", "identity", "gzip", "deflate"):
+            raise RequestError(
+                f"Unsupported Content-Encoding {encoding[:40]!r}; send the body as identity, "
+                "gzip or deflate.",
+                status=415,
+            )
         try:
-            return await request.read()
+            raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(self._too_large_message(None), status=413) from None
+        except RequestPayloadError as exc:
+            raise RequestError(f"The request body could not be read: {exc}", status=400) from None
+        if encoding in ("", "identity"):
+            return raw
+        # gzip (wbits 16+) or zlib/raw deflate (wbits 32+ detects a header); bounded output.
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else 47)
+        try:
+            body = inflater.decompress(raw, self.config.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise RequestError(
+                f"The request body is not valid {encoding} ({exc}); send it uncompressed or "
+                "compressed whole.",
+                status=400,
+            ) from None
+        if len(body) > self.config.max_body_bytes or inflater.unconsumed_tail:
+            raise RequestError(self._too_large_message(None), status=413)
+        if not inflater.eof:
+            raise RequestError(
+                f"The request body is a truncated {encoding} stream; send it whole.", status=400
+            )
+        return body
 
     def _too_large_message(self, size: int | None) -> str:
         limit = self.config.max_body_bytes
@@ -289,6 +338,8 @@ class Gateway:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
+        except MALFORMED as exc:
+            return _malformed(provider, exc)
         turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
@@ -340,6 +391,8 @@ class Gateway:
             return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
             return provider.policy_error(exc)
+        except MALFORMED as exc:
+            return _malformed(provider, exc)
         self.store.touch(parsed.session_id)
         return _TurnContext(
             parsed=parsed,
