@@ -24,11 +24,11 @@ import aiohttp
 from aiohttp import web
 
 from capture.offline import local_answer
-from capture.protocols import AnthropicMessages, OpenAIChat, ProviderProtocol
+from capture.protocols import AnthropicMessages, GeminiAPI, OpenAIChat, ProviderProtocol
 from capture.records import TurnRecord
 from capture.sessions import SessionStore
 from capture.trajectory import Assembly
-from rewriter import anthropic_messages
+from rewriter import anthropic_messages, gemini
 from rewriter.canonical import ChatRequest, Message, RequestError
 from rewriter.parsers import OutputParser
 from rewriter.template import ChatTemplate
@@ -174,6 +174,8 @@ class Gateway:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
         path = request.path.rstrip("/") or "/"
         method = request.method
+        if _is_google(request.headers.get(HOST_HEADER, "")):
+            return await self._gemini(request, method, path)
         if method == "POST" and path.endswith("/chat/completions"):
             return await self._turn(request, self.openai)
         if method == "POST" and path == "/v1/messages":
@@ -339,15 +341,49 @@ class Gateway:
         await resp.write_eof()
         return resp
 
-    async def _count_tokens(self, request: web.Request) -> web.Response:
+    async def _count_tokens(
+        self, request: web.Request, protocol: AnthropicMessages | GeminiAPI | None = None
+    ) -> web.Response:
         """Exactly as many tokens as the policy would be sent for this request now."""
-        protocol = self.anthropic
+        protocol = protocol or self.anthropic
         try:
             chat = protocol.parse_count_tokens(await self._read_body(request))
             assembly = self.store.assemble(self._session_id(request), chat)
         except RequestError as exc:
             return protocol.error(exc.status, exc.message, exc.param)
+        if isinstance(protocol, GeminiAPI):
+            return web.json_response(gemini.count_tokens_response(len(assembly.prompt_ids)))
         return web.json_response({"input_tokens": len(assembly.prompt_ids)})
+
+    async def _gemini(self, request: web.Request, method: str, path: str) -> web.StreamResponse:
+        """The Gemini API: the model and the method are in the path."""
+        route = gemini.parse_route(method, path)
+        protocol = GeminiAPI(route)
+        if route is None or route.kind == "other":
+            return protocol.error(
+                404,
+                f"agenttap: {method} {path} is not served by this proxy. It answers POST "
+                "/v1beta/models/MODEL:generateContent, :streamGenerateContent?alt=sse and "
+                ":countTokens, and GET /v1beta/models[/MODEL], from the policy.",
+            )
+        if route.kind in ("generate", "stream"):
+            if route.kind == "stream" and request.query.get("alt") != "sse":
+                return protocol.error(
+                    400,
+                    "streamGenerateContent is served as server-sent events only: add ?alt=sse "
+                    "to the URL (every Google SDK does).",
+                )
+            return await self._turn(request, protocol)
+        if route.kind == "count_tokens":
+            return await self._count_tokens(request, protocol)
+        try:
+            info = await self._pool_for("*")[0].info()
+        except PolicyError as exc:
+            return protocol.policy_error(exc)
+        if route.kind == "get_model":
+            return web.json_response(gemini.model_object(route.model, info.max_model_len))
+        names = self.model_names(info.model)
+        return web.json_response(gemini.models_list(names, info.max_model_len))
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
         """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
@@ -389,6 +425,10 @@ class Gateway:
         )
         self.store.record(record, turn.assembly, reply)
         return record
+
+
+def _is_google(host: str) -> bool:
+    return host == "googleapis.com" or host.endswith(".googleapis.com")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from rewriter import anthropic_messages, openai_chat
+from rewriter import anthropic_messages, gemini, openai_chat
 from rewriter.canonical import AssistantReply, ChatRequest, Message
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 from rewriter.vllm_client import Completion, PolicyError
@@ -248,3 +248,100 @@ class _AnthropicStream:
 
     def error(self, message: str) -> bytes:
         return anthropic_messages.sse(anthropic_messages.error_body(message, 500))
+
+
+# -- Gemini API ------------------------------------------------------------------------------
+
+
+class GeminiAPI:
+    """``generateContent`` / ``streamGenerateContent`` on one model: Gemini names the model and
+    whether to stream in the URL, so one instance serves one request's route."""
+
+    name = "gemini.generate_content"
+
+    def __init__(self, route: gemini.Route | None = None) -> None:
+        self.route = route or gemini.Route("other", "v1beta")
+
+    def parse(self, body: bytes) -> ChatRequest:
+        return gemini.parse_request(body, self.route.model, stream=self.route.kind == "stream")
+
+    def parse_count_tokens(self, body: bytes) -> ChatRequest:
+        return gemini.parse_count_tokens(body, self.route.model)
+
+    def error(self, status: int, message: str, param: str | None = None) -> web.Response:
+        return web.json_response(gemini.error_body(status, message), status=status)
+
+    def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
+        return self.error(400, gemini.prompt_too_long_message(prompt_tokens, max_model_len))
+
+    def policy_error(self, exc: PolicyError) -> web.Response:
+        if exc.status == 400:
+            return self.error(400, str(exc))
+        if exc.unavailable:
+            # UNAVAILABLE: Google's clients back off and retry.
+            return self.error(
+                503, f"The policy server is unavailable ({exc}); try again in a moment."
+            )
+        return self.error(500, f"The policy server failed: {exc}")
+
+    def new_response_id(self) -> str:
+        return gemini.new_response_id()
+
+    def recorded_reply(self, reply: AssistantReply) -> Message:
+        # Function calls carry the parser's ids, which the client is given as functionCall.id.
+        return reply.as_message()
+
+    def response(
+        self,
+        response_id: str,
+        chat: ChatRequest,
+        prompt_tokens: int,
+        completion: Completion,
+        reply: AssistantReply,
+    ) -> tuple[dict[str, Any], str]:
+        reason = gemini.finish_reason(completion.finish_reason)
+        body = gemini.generate_response(
+            response_id,
+            chat.model,
+            reply,
+            reason,
+            prompt_tokens,
+            len(completion.token_ids),
+            include_thoughts=_include_thoughts(chat),
+        )
+        return body, reason
+
+    def stream_writer(
+        self, response_id: str, chat: ChatRequest, prompt_tokens: int
+    ) -> StreamWriter:
+        return _GeminiStream(response_id, chat, prompt_tokens)
+
+
+def _include_thoughts(chat: ChatRequest) -> bool:
+    return isinstance(chat, gemini.GeminiChatRequest) and chat.include_thoughts
+
+
+class _GeminiStream:
+    def __init__(self, response_id: str, chat: ChatRequest, prompt_tokens: int) -> None:
+        self.writer = gemini.ChunkWriter(
+            response_id, chat.model, prompt_tokens, _include_thoughts(chat)
+        )
+        self._final = b""
+
+    def start(self) -> bytes:
+        return b""  # Gemini's stream has no opening event: its first chunk carries content
+
+    def events(self, events: list[ParseEvent]) -> bytes:
+        return b"".join(gemini.sse(c) for c in self.writer.chunks(events))
+
+    def finish(self, completion: Completion, reply: AssistantReply) -> tuple[bytes, str]:
+        reason = gemini.finish_reason(completion.finish_reason)
+        # The chunk with finishReason goes out only once the turn is durable.
+        self._final = gemini.sse(self.writer.finish(reason, len(completion.token_ids)))
+        return b"", reason
+
+    def end(self) -> bytes:
+        return self._final
+
+    def error(self, message: str) -> bytes:
+        return gemini.sse(gemini.error_body(500, f"The policy server failed: {message}"))
