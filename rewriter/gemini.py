@@ -389,6 +389,30 @@ def openapi_to_json_schema(schema: Any, where: str = "schema") -> dict[str, Any]
     return out
 
 
+_GEMINI_TYPES = frozenset(("STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"))
+
+
+def lower_case_types(schema: Any) -> Any:
+    """A JSON schema with Gemini's upper-case type names (``"OBJECT"``) lower-cased.
+
+    Gemini accepts them in ``responseJsonSchema`` and ``parametersJsonSchema``, and Gemini CLI's
+    router sends them there; JSON Schema (and so vLLM's structured outputs) knows only the
+    lower-case names. Anything else is left exactly as it is."""
+    if isinstance(schema, list):
+        return [lower_case_types(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "type" and isinstance(value, str) and value in _GEMINI_TYPES:
+            out[key] = value.lower()
+        elif key == "type" and isinstance(value, list):
+            out[key] = [v.lower() if v in _GEMINI_TYPES else v for v in value]
+        else:
+            out[key] = lower_case_types(value)
+    return out
+
+
 def _tools(tools: list[Any]) -> list[ToolSpec]:
     out: list[ToolSpec] = []
     for i, raw in enumerate(tools):
@@ -406,7 +430,9 @@ def _tools(tools: list[Any]) -> list[ToolSpec]:
                 )
             json_schema = _get(decl, "parametersJsonSchema")
             if json_schema is not None:
-                parameters = _object(json_schema, f"{where}.parameters_json_schema")
+                parameters = lower_case_types(
+                    _object(json_schema, f"{where}.parameters_json_schema")
+                )
             elif decl.get("parameters") is not None:
                 parameters = openapi_to_json_schema(decl["parameters"], f"{where}.parameters")
             else:
@@ -459,7 +485,10 @@ def _json_schema(config: dict[str, Any]) -> dict[str, Any] | None:
             param="generation_config.response_mime_type",
         )
     if json_schema is not None:
-        return _object(json_schema, "generation_config.response_json_schema")
+        schema_object: dict[str, Any] = lower_case_types(
+            _object(json_schema, "generation_config.response_json_schema")
+        )
+        return schema_object
     if schema is not None:
         return openapi_to_json_schema(schema, "generation_config.response_schema")
     return {"type": "object"}

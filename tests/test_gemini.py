@@ -376,6 +376,34 @@ def test_response_json_schema_passes_through() -> None:
     assert chat.sampling.json_schema == {"type": "object"}
 
 
+def test_response_json_schema_with_gemini_type_names_is_lower_cased() -> None:
+    # What Gemini CLI's router sends: a JSON schema spelled with OpenAPI's upper-case types.
+    router = {
+        "type": "OBJECT",
+        "properties": {
+            "complexity_reasoning": {"type": "STRING", "description": "Why."},
+            "complexity_score": {"type": "INTEGER"},
+            "type": {"type": ["STRING", "NULL"], "enum": ["OBJECT", None]},
+        },
+        "required": ["complexity_reasoning", "complexity_score"],
+    }
+    chat = parse_request(
+        body(
+            generationConfig={"responseMimeType": "application/json", "responseJsonSchema": router}
+        ),
+        MODEL,
+    )
+    assert chat.sampling.json_schema == {
+        "type": "object",
+        "properties": {
+            "complexity_reasoning": {"type": "string", "description": "Why."},
+            "complexity_score": {"type": "integer"},
+            "type": {"type": ["string", "null"], "enum": ["OBJECT", None]},
+        },
+        "required": ["complexity_reasoning", "complexity_score"],
+    }
+
+
 def test_openapi_schema_nullable_any_of_and_lower_case() -> None:
     assert openapi_to_json_schema(
         {"anyOf": [{"type": "STRING"}, {"type": "integer"}], "nullable": True}
