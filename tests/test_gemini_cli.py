@@ -15,13 +15,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO, Proxy
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
 from tests.test_anthropic_sdk_stub import hermes
-from tests.test_trajectory_vllm import _assert_exact
+from tests.test_trajectory_vllm import _assert_exact, _rescore
 
 GEMINI = REPO / ".cache" / "node" / "node_modules" / ".bin" / "gemini"
 IM_END = 151645
@@ -201,10 +202,24 @@ def test_gemini_cli_against_the_real_policy(
     for t in router:
         json.loads(t["completion_text"])
     rows = vllm_proxy.threads(session, expect=2)
-    assert rows
-    trained = 0
-    for row in rows:
+    router_threads = {t["thread_id"] for t in router}
+    free = [r for r in rows if r["thread_id"] not in router_threads]
+    assert free and len(free) + len(router_threads) == len(rows)
+    for row in free:
         # Gemini CLI's prompt is ~8.5k tokens: see _assert_exact on fp32 at long context.
         assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
-        trained += sum(row["loss_mask"])
-    print(f"gemini cli vs vLLM: {len(rows)} threads, {trained} trained tokens re-scored")
+    # The router call was sampled under a JSON-schema grammar: vLLM's logprobs are those of the
+    # grammar-masked distribution (the model's, renormalized over the allowed tokens), so they
+    # are never below an unconstrained re-score, and above it where the grammar cut choices.
+    # Whether a trainer wants these or the unconstrained ones is the trajectory core's call.
+    for row in rows:
+        if row["thread_id"] not in router_threads:
+            continue
+        rescored = _rescore(vllm_url, row["input_ids"])
+        gaps = [
+            float(np.float32(lp) - np.float32(r))
+            for lp, r, m in zip(row["logprobs"], rescored, row["loss_mask"], strict=True)
+            if m == 1
+        ]
+        assert gaps and min(gaps) >= -1e-5, min(gaps)
+        print(f"router thread: {len(gaps)} constrained tokens, max gap {max(gaps):.3f} nats")
