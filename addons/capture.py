@@ -40,7 +40,7 @@ from capture.gateway import (  # noqa: E402
     GatewayConfig,
     parse_model_map,
 )
-from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization  # noqa: E402
+from capture.providers import registered  # noqa: E402
 from rewriter.parsers import check_parser_names  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -106,13 +106,10 @@ class AgentTap:
             DEFAULT_MODEL_NAMES,
             "Model names GET /v1/models lists, comma-separated (any name is served).",
         )
-        loader.add_option(
-            "agenttap_drop_system_blocks",
-            str,
-            BILLING_HEADER_RE,
-            "Regexes, separated by '||': system text blocks matching one are dropped before "
-            "rendering (scaffold noise such as Claude Code's per-call billing header).",
-        )
+        # Each provider's own options (its normalization of scaffold noise, ...).
+        for provider in registered().values():
+            for option in provider.options:
+                loader.add_option(option.name, option.type, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
@@ -133,8 +130,10 @@ class AgentTap:
         try:
             if "agenttap_model_map" in updated:
                 parse_model_map(ctx.options.agenttap_model_map)
-            if "agenttap_drop_system_blocks" in updated:
-                Normalization.from_option(ctx.options.agenttap_drop_system_blocks)
+            for provider in registered().values():
+                names = {o.name for o in provider.options}
+                if names & updated:
+                    provider.check_options({n: getattr(ctx.options, n) for n in names})
         except ValueError as exc:
             raise exceptions.OptionsError(f"agenttap: {exc}") from None
         if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
@@ -173,7 +172,9 @@ class AgentTap:
             max_body_bytes=opts.agenttap_max_body_bytes,
             model_map=parse_model_map(opts.agenttap_model_map),
             model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
-            normalization=Normalization.from_option(opts.agenttap_drop_system_blocks),
+            provider_options={
+                o.name: getattr(opts, o.name) for p in registered().values() for o in p.options
+            },
         )
         gateway = Gateway(config)
         await gateway.start()

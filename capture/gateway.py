@@ -16,6 +16,7 @@ import os
 import secrets
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from capture.offline import local_answer
-from capture.protocols import AnthropicMessages, GeminiAPI, OpenAIChat, ProviderProtocol
+from capture.providers import registered
+from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.records import TurnRecord
 from capture.sessions import SessionStore
 from capture.trajectory import Assembly
-from rewriter import anthropic_messages, gemini
-from rewriter.canonical import ChatRequest, Message, RequestError
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Agenttap-Token"
 SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
-# A client's own session header names the session when the proxy URL has no username.
-CLIENT_SESSION_HEADERS = {"X-Claude-Code-Session-Id": "claude-code", "session-id": "codex"}
+# Answers calls on hosts no provider owns (its error format, its 404).
+DEFAULT_PROVIDER = "openai.chat"
 
 
 def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
@@ -83,9 +83,10 @@ class GatewayConfig:
     model_map: list[tuple[str, list[str]]] = field(default_factory=list)
     # Extra names GET /v1/models lists (every name is served).
     model_names: list[str] = field(default_factory=list)
-    normalization: anthropic_messages.Normalization = field(
-        default_factory=anthropic_messages.Normalization
-    )
+    # Provider option values by option name (see ProviderOption); missing ones take defaults.
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    # Registry names of the providers to serve, in the order they are asked; empty: all.
+    providers: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,8 +102,17 @@ class Gateway:
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[str, VLLMClient] = {}
         self._requested_models: set[str] = set()
-        self.openai = OpenAIChat()
-        self.anthropic = AnthropicMessages(config.normalization)
+        available = registered()
+        names = config.providers or list(available)
+        unknown = [n for n in names if n not in available]
+        if unknown:
+            raise ValueError(
+                f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(available)}"
+            )
+        self.providers: list[Provider[Any]] = [available[n](config.provider_options) for n in names]
+        self.default_provider = next(
+            (p for p in self.providers if p.name == DEFAULT_PROVIDER), self.providers[0]
+        )
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -161,44 +171,38 @@ class Gateway:
         return pool[zlib.crc32(session_id.encode()) % len(pool)]
 
     # -- dispatch --------------------------------------------------------------------------
-    def _protocol_for(self, request: web.Request) -> ProviderProtocol:
-        host = request.headers.get(HOST_HEADER, "")
-        if host == "anthropic.com" or host.endswith(".anthropic.com"):
-            return self.anthropic
-        if "anthropic-version" in request.headers:
-            return self.anthropic
-        return self.openai
+    def _route(self, call: Call) -> tuple[Provider[Any], Route | None]:
+        """The provider that answers ``call`` and its route; the route is None when nobody
+        serves it (the host's owner then answers 404 in its format)."""
+        owners = [p for p in self.providers if p.owns(call)]
+        for provider in owners + [p for p in self.providers if p not in owners]:
+            route = provider.match(call)
+            if route is not None:
+                return provider, route
+        return (owners[0] if owners else self.default_provider), None
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
-        path = request.path.rstrip("/") or "/"
-        method = request.method
-        if _is_google(request.headers.get(HOST_HEADER, "")):
-            return await self._gemini(request, method, path)
-        if method == "POST" and path.endswith("/chat/completions"):
-            return await self._turn(request, self.openai)
-        if method == "POST" and path == "/v1/messages":
-            return await self._turn(request, self.anthropic)
-        if method == "POST" and path == "/v1/messages/count_tokens":
-            return await self._count_tokens(request)
-        protocol = self._protocol_for(request)
-        if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
-            return await self._models(request, protocol, path[len("/v1/models/") :])
-        host = request.headers.get(HOST_HEADER, "")
-        answer = local_answer(host, method, path)
-        if answer is not None:
-            return web.json_response(answer)
-        served = (
-            "POST /v1/messages, POST /v1/messages/count_tokens and GET /v1/models"
-            if protocol is self.anthropic
-            else "POST /v1/chat/completions and GET /v1/models"
-        )
-        return protocol.error(
-            404,
-            f"agenttap: {method} {path} on {host} is not served by this proxy. It answers "
-            f"{served} from the policy.",
-        )
+        call = Call.of(request, request.headers.get(HOST_HEADER, ""))
+        provider, route = self._route(call)
+        if route is None:
+            return provider.error(
+                404,
+                f"agenttap: {call.method} {call.path} on {call.host} is not served by this "
+                f"proxy. It answers {provider.served} from the policy.",
+            )
+        if route.kind is RouteKind.TURN:
+            return await self._turn(request, call, provider)
+        if route.kind is RouteKind.COUNT_TOKENS:
+            return await self._count_tokens(request, call, provider)
+        if route.kind is RouteKind.MODELS:
+            return await self._models(provider, route.model_id)
+        if route.kind is RouteKind.LOCAL:
+            return web.json_response(route.body)
+        if route.kind is RouteKind.WEBSOCKET:
+            return await provider.serve_websocket(request, call, self)
+        return provider.error(route.status, route.message)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.config.max_body_bytes:
@@ -216,22 +220,13 @@ class Gateway:
             "(option agenttap_max_body_bytes)."
         )
 
-    async def _models(
-        self, request: web.Request, protocol: ProviderProtocol, model_id: str
-    ) -> web.Response:
+    async def _models(self, provider: Provider[Any], model_id: str) -> web.Response:
         try:
             info = await self._pool_for("*")[0].info()
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        if protocol is self.anthropic:
-            if model_id:
-                return web.json_response(anthropic_messages.model_object(model_id))
-            return web.json_response(anthropic_messages.models_list(self.model_names(info.model)))
+            return provider.policy_error(exc)
         names = [model_id] if model_id else self.model_names(info.model)
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "agenttap"} for n in names]
-        if model_id:
-            return web.json_response(data[0])
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(provider.models_body(names, model_id))
 
     def model_names(self, served: str) -> list[str]:
         """Names clients may ask for: every one maps to a policy (``model_map``)."""
@@ -240,150 +235,146 @@ class Gateway:
         return list(dict.fromkeys(n for n in names if n))
 
     # -- one turn: assemble, generate, parse, answer, record ---------------------------------
-    def _session_id(self, request: web.Request) -> str:
+    def _session_id(self, request: web.Request, provider: Provider[Any]) -> str:
         session = request.headers.get(SESSION_HEADER) or "anonymous"
         if session == "anonymous":
             # No proxy username: a client's own session header still keeps runs apart.
-            for name, client in CLIENT_SESSION_HEADERS.items():
+            for name, client in provider.session_headers.items():
                 if request.headers.get(name):
                     return f"{client}:{request.headers[name]}"
         return session
 
-    async def _prepare(
-        self, request: web.Request, protocol: ProviderProtocol
-    ) -> _TurnContext | web.Response:
-        session_id = self._session_id(request)
+    async def _turn(
+        self, request: web.Request, call: Call, provider: Provider[Any]
+    ) -> web.StreamResponse:
+        session_id = self._session_id(request, provider)
         started = time.time()
         try:
-            chat = protocol.parse(await self._read_body(request))
+            parsed = provider.parse(call, await self._read_body(request), session_id)
+        except RequestError as exc:
+            return provider.error(exc.status, exc.message, exc.param)
+        turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
+        if isinstance(turn, web.Response):
+            return turn
+        parser = self._parser(turn)
+        if not turn.chat.stream:
+            return await self._whole(turn, parser)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+
+        async def send(chunk: bytes) -> None:
+            if not resp.prepared:
+                await resp.prepare(request)
+            if chunk:
+                await resp.write(chunk)
+
+        refused = await self._stream(turn, parser, send)
+        if refused is not None:
+            return refused
+        await resp.write_eof()
+        return resp
+
+    async def run_turn(
+        self, provider: Provider[Any], parsed: ProviderTurn, send: Callable[[bytes], Any]
+    ) -> web.Response | None:
+        """A parsed turn streamed through ``send`` (a provider's WebSocket); see TurnRunner."""
+        turn = await self._prepare(provider, parsed, parsed.chat.model, time.time())
+        if isinstance(turn, web.Response):
+            return turn
+        return await self._stream(turn, self._parser(turn), send)
+
+    async def _prepare(
+        self, provider: Provider[Any], parsed: ProviderTurn, user_agent: str, started: float
+    ) -> _TurnContext | web.Response:
+        chat = parsed.chat
+        try:
             self._requested_models.add(chat.model)
-            client = self.client_for(session_id, chat.model)
-            assembly = self.store.assemble(session_id, chat)
+            client = self.client_for(parsed.session_id, chat.model)
+            assembly = self.store.assemble(parsed.session_id, chat)
             info = await client.info()
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
-                return protocol.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
+                return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
         except RequestError as exc:
-            return protocol.error(exc.status, exc.message, exc.param)
+            return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        self.store.touch(session_id)
+            return provider.policy_error(exc)
+        self.store.touch(parsed.session_id)
         return _TurnContext(
-            session_id=session_id,
-            request_id=protocol.new_response_id(),
-            protocol=protocol,
-            chat=chat,
+            parsed=parsed,
+            provider=provider,
             client=client,
             assembly=assembly,
             policy_model=info.model,
-            user_agent=request.headers.get("User-Agent", ""),
+            user_agent=user_agent,
             started=started,
         )
 
-    async def _turn(self, request: web.Request, protocol: ProviderProtocol) -> web.StreamResponse:
-        turn = await self._prepare(request, protocol)
-        if isinstance(turn, web.StreamResponse):
-            return turn
+    def _parser(self, turn: _TurnContext) -> OutputParser:
         # tool_choice "none": whatever the policy writes is text, never a call the client runs.
         tool_parser = "none" if turn.chat.tool_choice == "none" else self.config.tool_parser
-        parser = OutputParser(tool_parser, self.config.reasoning_parser)
-        if turn.chat.stream:
-            return await self._stream(request, turn, parser)
+        return OutputParser(tool_parser, self.config.reasoning_parser)
+
+    async def _whole(self, turn: _TurnContext, parser: OutputParser) -> web.Response:
+        provider = turn.provider
         try:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
+            return provider.policy_error(exc)
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
-        body, reason = protocol.response(
-            turn.request_id, turn.chat, len(turn.prompt_ids), completion, reply
-        )
-        self._record(turn, completion, reason, protocol.recorded_reply(reply))
+        body, reason = provider.response(turn.parsed, len(turn.prompt_ids), completion, reply)
+        self._record(turn, completion, reason, reply)
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, turn: _TurnContext, parser: OutputParser
-    ) -> web.StreamResponse:
-        protocol = turn.protocol
-        writer = protocol.stream_writer(turn.request_id, turn.chat, len(turn.prompt_ids))
+        self, turn: _TurnContext, parser: OutputParser, send: Callable[[bytes], Any]
+    ) -> web.Response | None:
+        """Stream one turn through ``send``; an error response when the policy refused it
+        before anything was sent, else None."""
+        provider = turn.provider
+        writer = provider.stream_writer(turn.parsed, len(turn.prompt_ids))
         completion = Completion()
         deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
         try:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
         except PolicyError as exc:
-            return protocol.policy_error(exc)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        await resp.write(writer.start())
+            return provider.policy_error(exc)
+        await send(writer.start())
         try:
             delta = first
             while delta is not None:
                 completion.extend(delta)
                 chunk = writer.events(parser.feed(delta.text))
                 if chunk:
-                    await resp.write(chunk)
+                    await send(chunk)
                 delta = await anext(deltas, None)
         except PolicyError as exc:
-            await resp.write(writer.error(str(exc)))
-            await resp.write_eof()
-            return resp
+            await send(writer.error(str(exc)))
+            return None
         tail = writer.events(parser.finish())
         reply = parser.reply()
         closing, reason = writer.finish(completion, reply)
-        await resp.write(tail + closing)
+        await send(tail + closing)
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason, protocol.recorded_reply(reply))
-        await resp.write(writer.end())
-        await resp.write_eof()
-        return resp
+        self._record(turn, completion, reason, reply)
+        await send(writer.end())
+        return None
 
     async def _count_tokens(
-        self, request: web.Request, protocol: AnthropicMessages | GeminiAPI | None = None
+        self, request: web.Request, call: Call, provider: Provider[Any]
     ) -> web.Response:
         """Exactly as many tokens as the policy would be sent for this request now."""
-        protocol = protocol or self.anthropic
+        session_id = self._session_id(request, provider)
         try:
-            chat = protocol.parse_count_tokens(await self._read_body(request))
-            assembly = self.store.assemble(self._session_id(request), chat)
+            chat = provider.count_tokens(call, await self._read_body(request), session_id)
+            assembly = self.store.assemble(session_id, chat)
         except RequestError as exc:
-            return protocol.error(exc.status, exc.message, exc.param)
-        if isinstance(protocol, GeminiAPI):
-            return web.json_response(gemini.count_tokens_response(len(assembly.prompt_ids)))
-        return web.json_response({"input_tokens": len(assembly.prompt_ids)})
-
-    async def _gemini(self, request: web.Request, method: str, path: str) -> web.StreamResponse:
-        """The Gemini API: the model and the method are in the path."""
-        route = gemini.parse_route(method, path)
-        protocol = GeminiAPI(route)
-        if route is None or route.kind == "other":
-            return protocol.error(
-                404,
-                f"agenttap: {method} {path} is not served by this proxy. It answers POST "
-                "/v1beta/models/MODEL:generateContent, :streamGenerateContent?alt=sse and "
-                ":countTokens, and GET /v1beta/models[/MODEL], from the policy.",
-            )
-        if route.kind in ("generate", "stream"):
-            if route.kind == "stream" and request.query.get("alt") != "sse":
-                return protocol.error(
-                    400,
-                    "streamGenerateContent is served as server-sent events only: add ?alt=sse "
-                    "to the URL (every Google SDK does).",
-                )
-            return await self._turn(request, protocol)
-        if route.kind == "count_tokens":
-            return await self._count_tokens(request, protocol)
-        try:
-            info = await self._pool_for("*")[0].info()
-        except PolicyError as exc:
-            return protocol.policy_error(exc)
-        if route.kind == "get_model":
-            return web.json_response(gemini.model_object(route.model, info.max_model_len))
-        names = self.model_names(info.model)
-        return web.json_response(gemini.models_list(names, info.max_model_len))
+            return provider.error(exc.status, exc.message, exc.param)
+        return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
         """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
@@ -398,13 +389,14 @@ class Gateway:
         logger.info("recomputed %d logprobs after a history rewrite", len(positions))
 
     def _record(
-        self, turn: _TurnContext, completion: Completion, reason: str, reply: Message
+        self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
     ) -> TurnRecord:
+        parsed = turn.parsed
         record = TurnRecord(
-            session_id=turn.session_id,
-            request_id=turn.request_id,
-            turn_index=self.store.next_turn_index(turn.session_id),
-            protocol=turn.protocol.name,
+            session_id=parsed.session_id,
+            request_id=parsed.response_id,
+            turn_index=self.store.next_turn_index(parsed.session_id),
+            protocol=turn.provider.name,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
             backend=turn.client.base_url,
@@ -423,25 +415,24 @@ class Gateway:
                 for v, start, end in completion.weight_versions
             ],
         )
-        self.store.record(record, turn.assembly, reply)
+        self.store.record(record, turn.assembly, turn.provider.recorded_reply(parsed, reply))
+        turn.provider.finished(parsed, reply, completion)
         return record
-
-
-def _is_google(host: str) -> bool:
-    return host == "googleapis.com" or host.endswith(".googleapis.com")
 
 
 @dataclass
 class _TurnContext:
-    session_id: str
-    request_id: str
-    protocol: ProviderProtocol
-    chat: ChatRequest
+    parsed: ProviderTurn
+    provider: Provider[Any]
     client: VLLMClient
     assembly: Assembly
     policy_model: str
     user_agent: str
     started: float
+
+    @property
+    def chat(self) -> ChatRequest:
+        return self.parsed.chat
 
     @property
     def prompt_ids(self) -> list[int]:

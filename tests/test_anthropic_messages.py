@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from capture.gateway import parse_model_map
-from capture.offline import local_answer
+from capture.providers.anthropic import local_answer
 from rewriter.anthropic_messages import (
     EventWriter,
     Normalization,
