@@ -66,11 +66,11 @@ def run(
         text = f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "cat file_{turn}.py"}}}}\n</tool_call>'
         sampled = template.encode(text) + [template.eos_token_id]
         reply = Message("assistant", "", tool_calls=(ToolCall(f"c{turn}", "bash", f'{{"cmd": "cat file_{turn}.py"}}'),))
-        thread = threads.commit(
+        call = threads.commit(
             assembly, reply, sampled, [-0.1] * len(sampled), request_id=str(turn), turn_index=turn,
             finish_reason="stop", latency_s=0.0, backend="bench",
         )  # fmt: skip
-        tokens = len(thread.ids)
+        tokens = call.seq_len
         # The scaffold re-serializes the arguments and renames the id before sending them back.
         echoed = Message("assistant", "", tool_calls=(ToolCall(f"toolu_{turn}", "bash", f'{{"cmd":"cat file_{turn}.py"}}'),))
         msgs += [echoed, Message("tool", tool_output, tool_call_id=f"toolu_{turn}")]

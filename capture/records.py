@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = 1
+# 2: thread rows say which calls they train (loss_mask), and which rows are dead branches.
+SCHEMA_VERSION = 2
 
 
 @dataclass

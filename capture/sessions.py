@@ -23,7 +23,7 @@ from typing import Any
 
 from capture.records import SCHEMA_VERSION, TurnRecord
 from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
-from capture.trajectory import Assembly, Renderer, Thread, ThreadSet, TurnSpan
+from capture.trajectory import Assembly, Call, Renderer, ThreadRow, ThreadSet, export_rows
 from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class SessionStore:
     def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
         threads = self.session(session_id).threads
         assert threads is not None, "SessionStore needs a renderer to assemble prompts"
-        return threads.assemble(chat.messages, chat.tools, chat.enable_thinking)
+        return threads.assemble(
+            chat.messages, chat.tools, chat.enable_thinking, client_retry=chat.client_retry
+        )
 
     def record(
         self, turn: TurnRecord, assembly: Assembly | None = None, reply: Message | None = None
@@ -95,7 +97,7 @@ class SessionStore:
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
         if assembly is not None and reply is not None and sess.threads is not None:
-            thread = sess.threads.commit(
+            call = sess.threads.commit(
                 assembly,
                 reply,
                 turn.completion_ids,
@@ -106,21 +108,10 @@ class SessionStore:
                 latency_s=turn.latency_s,
                 backend=turn.backend,
             )
-            turn.thread_id = thread.thread_id
             turn.metadata["assembly"] = assembly.kind
-            forked = thread is not assembly.thread
-            entry = {
-                "thread_id": thread.thread_id,
-                "parent_thread_id": thread.parent_thread_id,
-                "parent_tool_call_id": thread.parent_tool_call_id,
-                # A fork starts from the prompt's kept prefix, all prompt tokens.
-                "forked_prefix_logprobs": thread.logprobs[: assembly.base] if forked else None,
-                "suffix_logprobs": assembly.suffix_logprobs,
-                "suffix_provenance": [int(p) for p in assembly.suffix_provenance],
-                "base": assembly.base,
-                "spans": [[t.start, t.end, t.dropped] for t in thread.turns],
-            }
-        line = json.dumps({"turn": turn.to_row(), "thread": entry}, separators=(",", ":")) + "\n"
+            # Enough to rebuild the call's place in the tree from the journal alone.
+            entry = call_entry(call)
+        line = json.dumps({"turn": turn.to_row(), "call": entry}, separators=(",", ":")) + "\n"
         with open(sess.journal_path, "a", encoding="utf-8") as fh:
             fh.write(line)
             fh.flush()
@@ -143,30 +134,35 @@ class SessionStore:
         sess = self._sessions.pop(session_id, None)
         if sess is None or not sess.turns:
             return []
-        threads = sess.threads.seal() if sess.threads else []
+        rows, thread_of = sess.threads.export() if sess.threads else ([], {})
         if keep_threads and sess.threads is not None:
             self._dormant[session_id] = sess.threads
             self._dormant.move_to_end(session_id)
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
-        paths = self._write(sess.turns, threads)
+        paths = self._write(sess.turns, rows, thread_of)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
-            "session %r ended: %d calls in %d threads written to %s",
+            "session %r ended: %d calls in %d thread rows written to %s",
             session_id,
             len(sess.turns),
-            len(threads),
+            len(rows),
             self.out_dir,
         )
         return paths
 
-    def _write(self, turns: list[TurnRecord], threads: list[Thread]) -> list[Path]:
+    def _write(
+        self, turns: list[TurnRecord], rows: list[ThreadRow], thread_of: dict[str, str]
+    ) -> list[Path]:
+        for turn in turns:
+            turn.thread_id = thread_of.get(turn.request_id, turn.thread_id)
         by_request = {t.request_id: t for t in turns}
         paths = write_rows(self.turns_dir, [_turn_row(t) for t in turns], TURN_SCHEMA, "turns")
-        rows = [thread_row(th, by_request) for th in threads if th.turns]
-        if rows:
-            paths += write_rows(self.threads_dir, rows, THREAD_SCHEMA, "threads")
+        if turns and rows:
+            session_id = turns[0].session_id
+            shard_rows = [thread_row(session_id, row, by_request) for row in rows]
+            paths += write_rows(self.threads_dir, shard_rows, THREAD_SCHEMA, "threads")
         return paths
 
     def close(self) -> list[Path]:
@@ -178,7 +174,7 @@ class SessionStore:
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
             turns: list[TurnRecord] = []
-            threads: dict[str, Thread] = {}
+            calls: dict[str, Call] = {}
             for line in journal.read_text(encoding="utf-8").splitlines():
                 try:
                     entry = json.loads(line)
@@ -188,61 +184,108 @@ class SessionStore:
                     logger.warning("skipping a torn line in %s", journal)
                     continue
                 turns.append(turn)
-                if entry.get("thread"):
-                    _replay(threads, turn, entry["thread"])
+                if entry.get("call"):
+                    calls[turn.request_id] = call_from_entry(turn, entry["call"], calls)
             if turns:
-                written += self._write(turns, list(threads.values()))
+                rows, thread_of = export_rows(list(calls.values()))
+                written += self._write(turns, rows, thread_of)
                 logger.info("recovered %d calls from %s", len(turns), journal.name)
             journal.unlink()
         return written
 
 
-def _replay(threads: dict[str, Thread], turn: TurnRecord, delta: dict[str, Any]) -> None:
-    """Apply one journaled call to its thread, as ``ThreadSet.commit`` did live."""
-    thread = threads.get(delta["thread_id"])
-    if thread is None:
-        thread = Thread(
-            thread_id=delta["thread_id"],
-            session_id=turn.session_id,
-            header=(),
-            parent_thread_id=delta.get("parent_thread_id"),
-            parent_tool_call_id=delta.get("parent_tool_call_id"),
-        )
-        threads[thread.thread_id] = thread
-    base = delta["base"]
-    if delta.get("forked_prefix_logprobs") is not None:  # forked from its parent
-        thread.ids = list(turn.prompt_ids[:base])
-        thread.logprobs = list(delta["forked_prefix_logprobs"])
-        thread.provenance = [0] * base
-    thread.ids[base:] = turn.prompt_ids[base:]
-    thread.logprobs[base:] = delta["suffix_logprobs"]
-    thread.provenance[base:] = delta["suffix_provenance"]
-    thread.ids.extend(turn.completion_ids)
-    thread.logprobs.extend(turn.completion_logprobs)
-    thread.provenance.extend([1] * len(turn.completion_ids))
-    thread.turns.append(
-        TurnSpan(
-            turn.request_id, turn.turn_index, 0, 0, turn.finish_reason, turn.latency_s, turn.backend
-        )
+def call_entry(call: Call) -> dict[str, Any]:
+    """A call's place in its session's tree, as a journal line holds it."""
+    parent = call.parent
+    return {
+        "parent": parent.request_id if parent else None,
+        # Calls written before the session went idle are not in this journal: their row.
+        "parent_row": parent.written_in if parent else None,
+        "kind": call.kind,
+        "base": call.base,
+        "suffix_logprobs": call.suffix_logprobs,
+        "suffix_provenance": call.suffix_provenance,
+        "spliced": [[c.request_id, start, end] for c, start, end in call.spliced],
+        "spawned_by": (
+            [call.spawned_by[0].request_id, call.spawned_by[1], call.spawned_by[0].written_in]
+            if call.spawned_by
+            else None
+        ),
+        "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
+        "prompt_digest": call.prompt_digest,
+        "started": call.started,
+        "client_retry": call.client_retry,
+    }
+
+
+def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Call]) -> Call:
+    """Rebuild a journaled call; its parent is an earlier call of the same journal."""
+    parent = calls.get(entry["parent"]) if entry["parent"] else None
+    base = entry["base"]
+    suffix_lp = entry["suffix_logprobs"]
+    suffix_prov = entry["suffix_provenance"]
+    spliced = [(calls[r], s, e) for r, s, e in entry["spliced"] if r in calls]
+    parent_row = None
+    if entry["parent"] and parent is None:
+        # Its parent was written before the session idled: that part of the prompt is context.
+        n = len(turn.prompt_ids) - base
+        suffix_lp = [0.0] * base + (suffix_lp if suffix_lp is not None else [0.0] * n)
+        suffix_prov = [0] * base + (suffix_prov if suffix_prov is not None else [0] * n)
+        base = 0
+        parent_row = entry.get("parent_row")
+    spawn = entry.get("spawned_by")
+    call = Call(
+        uid=len(calls),
+        request_id=turn.request_id,
+        turn_index=turn.turn_index,
+        finish_reason=turn.finish_reason,
+        latency_s=turn.latency_s,
+        backend=turn.backend,
+        parent=parent,
+        kind=entry["kind"],
+        prompt_len=len(turn.prompt_ids),
+        sampled_ids=turn.completion_ids,
+        sampled_logprobs=turn.completion_logprobs,
+        prompt_ids=turn.prompt_ids,
+        base=base,
+        suffix_logprobs=suffix_lp,
+        suffix_provenance=suffix_prov,
+        spliced=spliced,
+        prompt_digest=entry.get("prompt_digest", 0),
+        spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,
+        compaction_of=calls.get(entry.get("compaction_of") or ""),
+        parent_row=parent_row,
+        started=entry.get("started", len(calls) + 1),
+        client_retry=bool(entry.get("client_retry")),
     )
-    for span, (start, end, dropped) in zip(thread.turns, delta["spans"], strict=True):
-        span.start, span.end, span.dropped = start, end, dropped
+    if parent is not None:
+        parent.children.append(call)
+    return call
 
 
-def thread_row(thread: Thread, by_request: dict[str, TurnRecord]) -> dict[str, Any]:
-    first = by_request.get(thread.turns[0].request_id)
+def thread_row(
+    session_id: str, row: ThreadRow, by_request: dict[str, TurnRecord]
+) -> dict[str, Any]:
+    first = by_request.get(row.turns[0]["request_id"]) if row.turns else None
+    if first is None:
+        first = next((by_request[r] for r in row.trained_request_ids if r in by_request), None)
     return {
         "schema_version": SCHEMA_VERSION,
-        "session_id": thread.session_id,
-        "thread_id": thread.thread_id,
-        "parent_thread_id": thread.parent_thread_id,
-        "parent_tool_call_id": thread.parent_tool_call_id,
-        "input_ids": thread.ids,
-        "loss_mask": thread.loss_mask(),
-        "logprobs": thread.logprobs,
-        "provenance": thread.provenance,
-        "turns": [t.to_row() for t in thread.turns],
-        "num_turns": len(thread.turns),
+        "session_id": session_id,
+        "thread_id": row.thread_id,
+        "parent_thread_id": row.parent_thread_id,
+        "parent_relation": row.parent_relation,
+        "parent_tool_call_id": row.parent_tool_call_id,
+        "dead": row.dead,
+        "dead_reason": row.dead_reason,
+        "superseded_by": row.superseded_by,
+        "input_ids": row.input_ids,
+        "loss_mask": row.loss_mask,
+        "logprobs": row.logprobs,
+        "provenance": row.provenance,
+        "turns": row.turns,
+        "num_turns": len(row.trained_request_ids),
+        "trained_request_ids": row.trained_request_ids,
         "protocol": first.protocol if first else None,
         "user_agent": first.user_agent if first else None,
         "reward": None,

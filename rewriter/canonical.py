@@ -71,6 +71,9 @@ class ChatRequest:
     include_usage: bool = False
     # None: the template's default.
     enable_thinking: bool | None = None
+    # The client marked this request as a retry of one it sent before (e.g. the SDKs'
+    # x-stainless-retry-count header): the earlier answer, if never continued, is a dead branch.
+    client_retry: bool = False
 
 
 @dataclass

@@ -86,7 +86,10 @@ def test_session_going_on_after_an_idle_flush_keeps_exact_ids(qwen3_dir: Path, t
     assert '"extend"' in turns[2]["metadata"]
     assert turns[2]["prompt_ids"][:n] == first["input_ids"]
     # Only the new call's tokens are trained in the second row.
-    (span,) = second["turns"]
+    (span,) = [t for t in second["turns"] if t["status"] == "trained"]
+    assert [t["status"] for t in second["turns"]] == ["context", "context", "trained"]
+    assert {t["trained_in"] for t in second["turns"][:2]} == {first["thread_id"]}
+    assert second["parent_relation"] == "continued" and not second["dead"]
     trained = [i for i, m in enumerate(second["loss_mask"]) if m]
     assert trained == list(range(span["start"], span["end"]))
     assert second["input_ids"][span["start"] : span["end"]] == sampled[2]

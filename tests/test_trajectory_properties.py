@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture.trajectory import Provenance, ThreadSet
+from capture.trajectory import Call, Provenance, ThreadSet, seq_ids
 from rewriter.canonical import Message, ToolCall, ToolSpec
 from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
@@ -79,8 +79,7 @@ def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: 
     convs: list[list[Message]] = [[Message("system", "Main agent."), Message("user", "Start the task.")]]
     sampled_by_request: dict[str, list[int]] = {}
     seen_by_request: dict[str, list[int]] = {}
-    thread_of: dict[str, str] = {}
-    expected_parent: dict[int, tuple[str, str]] = {}
+    expected_parent: dict[int, tuple[Call, str]] = {}
     for step in range(steps):
         c = rng.randrange(len(convs))
         msgs = convs[c]
@@ -94,47 +93,49 @@ def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: 
         ids, lps, text = policy.reply(spawn)
         rid = f"r{step}"
         parsed = parse_completion(text)
-        thread = threads.commit(
+        call = threads.commit(
             assembly, parsed.as_message(), ids, lps, request_id=rid, turn_index=step,
             finish_reason="stop", latency_s=0.0, backend="b",
         )  # fmt: skip
         sampled_by_request[rid] = ids
         seen_by_request[rid] = assembly.prompt_ids
-        thread_of[rid] = thread.thread_id
-        # What vLLM saw plus what it sampled is exactly the thread's sequence now.
-        assert thread.ids == assembly.prompt_ids + ids
+        # What vLLM saw plus what it sampled is exactly the call's sequence.
+        assert seq_ids(call) == assembly.prompt_ids + ids
         if c in expected_parent:
-            assert (thread.parent_thread_id, thread.parent_tool_call_id) == expected_parent.pop(c)
+            assert call.spawned_by == expected_parent.pop(c)
         reply = echo(text, rng)
         msgs.append(reply)
+        call_obj = call
         if parsed.tool_calls:
             for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
                 msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
                 if call.name == "agent":
                     prompt = json.loads(call.arguments)["prompt"]
                     convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
-                    expected_parent[len(convs) - 1] = (thread.thread_id, call.id)
+                    expected_parent[len(convs) - 1] = (call_obj, call.id)
         else:
             msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
 
-    all_turns = [t for th in threads.threads.values() for t in th.turns]
-    # No call lost or duplicated.
-    assert sorted(t.request_id for t in all_turns) == sorted(sampled_by_request)
-    for th in threads.threads.values():
-        th.check()
-        mask = th.loss_mask()
-        for p, m in zip(th.provenance, mask, strict=True):
-            assert (m == 1) == (p in (Provenance.SAMPLED, Provenance.RECOMPUTED))
-        live = [t for t in th.turns if not t.dropped]
-        for t in live:
-            assert th.ids[t.start : t.end] == sampled_by_request[t.request_id]
-            assert thread_of[t.request_id] == th.thread_id
-        # Trained tokens are exactly the live replies' sampled tokens.
-        trained = {i for i, m in enumerate(mask) if m}
-        assert trained == {i for t in live for i in range(t.start, t.end)}
-        # The latest call on the thread saw the whole sequence before its reply.
-        last = th.turns[-1]
-        assert seen_by_request[last.request_id] == th.ids[: last.start]
+    rows, thread_of = threads.export()
+    # No call lost or duplicated: each is trained in exactly one row.
+    trained = [rid for row in rows for rid in row.trained_request_ids]
+    assert sorted(trained) == sorted(sampled_by_request)
+    for row in rows:
+        assert len(row.input_ids) == len(row.loss_mask) == len(row.logprobs) == len(row.provenance)
+        for i, m in enumerate(row.loss_mask):
+            if m:
+                assert row.provenance[i] in (Provenance.SAMPLED, Provenance.RECOMPUTED)
+        mine = [t for t in row.turns if t["status"] == "trained"]
+        for t in row.turns:
+            if not t["dropped"]:
+                assert row.input_ids[t["start"] : t["end"]] == sampled_by_request[t["request_id"]]
+        for t in mine:
+            assert thread_of[t["request_id"]] == row.thread_id
+        # Trained tokens are exactly this row's own calls' sampled tokens.
+        assert {i for i, m in enumerate(row.loss_mask) if m} == {i for t in mine for i in range(t["start"], t["end"])}
+        # The row is what its last call saw, plus what it sampled.
+        last = row.turns[-1]
+        assert seen_by_request[last["request_id"]] == row.input_ids[: last["start"]]
 
 
 def test_extension_cost_does_not_depend_on_history(template: ChatTemplate) -> None:
