@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 import pytest
 from google import genai
 from google.genai import errors, types
@@ -192,6 +192,69 @@ def test_function_call_loop_extends_one_thread(
     (thread,) = stub_proxy.threads("gem-tools")
     assert thread["num_turns"] == 2 and 2 not in thread["provenance"]
     assert thread["protocol"] == "gemini.generate_content"
+
+
+def test_streamed_thoughts_when_asked(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script(stub, "<think>\nThe user wants a greeting.\n</think>\n\nHello!")
+    gem = client(stub_proxy, "gem-thoughts", monkeypatch)
+    chunks = list(
+        gem.models.generate_content_stream(
+            model=MODEL,
+            contents="Greet me.",
+            config=types.GenerateContentConfig(
+                thinking_config=types.ThinkingConfig(include_thoughts=True, thinking_budget=-1)
+            ),
+        )
+    )
+    contents = [c.candidates[0].content for c in chunks if c.candidates]
+    parts = [p for content in contents if content for p in content.parts or []]
+    thoughts = "".join(p.text or "" for p in parts if p.thought)
+    text = "".join(p.text or "" for p in parts if not p.thought)
+    assert thoughts == "The user wants a greeting."
+    assert text == "Hello!"
+    # Thoughts come first, as they were sampled.
+    assert parts[0].thought and not parts[-1].thought
+
+
+def test_function_calls_sent_back_without_ids_still_extend(
+    stub_proxy: Proxy, stub: StubPolicy, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that drops the ids (older SDK code, hand-built history) is matched by content."""
+    call = hermes("get_weather", {"city": "Oslo"})
+    n = script(stub, call, "Cold in Oslo.")
+    gem = client(stub_proxy, "gem-noids", monkeypatch)
+    config = types.GenerateContentConfig(
+        tools=[types.Tool(function_declarations=[WEATHER])],
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+    )
+    first = gem.models.generate_content(model=MODEL, contents="Weather in Oslo?", config=config)
+    (fc,) = first.function_calls or []
+    history = [
+        types.Content(role="user", parts=[types.Part(text="Weather in Oslo?")]),
+        types.Content(
+            role="model",
+            parts=[types.Part(function_call=types.FunctionCall(name=fc.name, args=fc.args))],
+        ),
+        types.Content(
+            role="user",
+            parts=[
+                types.Part(
+                    function_response=types.FunctionResponse(
+                        name=fc.name, response={"output": "-5C"}
+                    )
+                )
+            ],
+        ),
+    ]
+    second = gem.models.generate_content(model=MODEL, contents=history, config=config)
+    assert second.text == "Cold in Oslo."
+    prompt1, prompt2 = stub.requests[n]["prompt"], stub.requests[n + 1]["prompt"]
+    sampled = list(tok.encode(call, add_special_tokens=False)) + [IM_END]
+    assert prompt2[: len(prompt1) + len(sampled)] == prompt1 + sampled
+    got = rows(stub_proxy, "gem-noids", 2)
+    assert [json.loads(r["metadata"])["assembly"] for r in got] == ["new", "extend"]
 
 
 class Route(BaseModel):
