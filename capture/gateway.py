@@ -16,7 +16,7 @@ import os
 import secrets
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,10 @@ class Gateway:
                 return provider, route
         return (owners[0] if owners else self.default_provider), None
 
+    def _served(self, call: Call) -> str:
+        owners = [p for p in self.providers if p.owns(call)] or [self.default_provider]
+        return "; ".join(p.served for p in owners)
+
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
@@ -190,7 +194,7 @@ class Gateway:
             return provider.error(
                 404,
                 f"agenttap: {call.method} {call.path} on {call.host} is not served by this "
-                f"proxy. It answers {provider.served} from the policy.",
+                f"proxy. It answers {self._served(call)} from the policy.",
             )
         if route.kind is RouteKind.TURN:
             return await self._turn(request, call, provider)
@@ -235,7 +239,7 @@ class Gateway:
         return list(dict.fromkeys(n for n in names if n))
 
     # -- one turn: assemble, generate, parse, answer, record ---------------------------------
-    def _session_id(self, request: web.Request, provider: Provider[Any]) -> str:
+    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
         session = request.headers.get(SESSION_HEADER) or "anonymous"
         if session == "anonymous":
             # No proxy username: a client's own session header still keeps runs apart.
@@ -247,7 +251,7 @@ class Gateway:
     async def _turn(
         self, request: web.Request, call: Call, provider: Provider[Any]
     ) -> web.StreamResponse:
-        session_id = self._session_id(request, provider)
+        session_id = self.session_id(request, provider)
         started = time.time()
         try:
             parsed = provider.parse(call, await self._read_body(request), session_id)
@@ -276,10 +280,14 @@ class Gateway:
         return resp
 
     async def run_turn(
-        self, provider: Provider[Any], parsed: ProviderTurn, send: Callable[[bytes], Any]
+        self,
+        provider: Provider[Any],
+        parsed: ProviderTurn,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str = "",
     ) -> web.Response | None:
         """A parsed turn streamed through ``send`` (a provider's WebSocket); see TurnRunner."""
-        turn = await self._prepare(provider, parsed, parsed.chat.model, time.time())
+        turn = await self._prepare(provider, parsed, user_agent, time.time())
         if isinstance(turn, web.Response):
             return turn
         return await self._stream(turn, self._parser(turn), send)
@@ -330,7 +338,7 @@ class Gateway:
         return web.json_response(body)
 
     async def _stream(
-        self, turn: _TurnContext, parser: OutputParser, send: Callable[[bytes], Any]
+        self, turn: _TurnContext, parser: OutputParser, send: Callable[[bytes], Awaitable[None]]
     ) -> web.Response | None:
         """Stream one turn through ``send``; an error response when the policy refused it
         before anything was sent, else None."""
@@ -368,7 +376,7 @@ class Gateway:
         self, request: web.Request, call: Call, provider: Provider[Any]
     ) -> web.Response:
         """Exactly as many tokens as the policy would be sent for this request now."""
-        session_id = self._session_id(request, provider)
+        session_id = self.session_id(request, provider)
         try:
             chat = provider.count_tokens(call, await self._read_body(request), session_id)
             assembly = self.store.assemble(session_id, chat)

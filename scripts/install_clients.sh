@@ -52,3 +52,24 @@ if [ ! -f "$GEMINI_MARKER" ]; then
   touch "$GEMINI_MARKER"
 fi
 echo "$CLAUDE_BIN"
+echo "$GEMINI_BIN"
+
+#   @openai/codex  -> .cache/node/node_modules/.bin/codex
+# The npm package is a node launcher; the native binary comes in its platform optional
+# dependency (linux x64 here), so node is needed to start it.
+CODEX_VERSION=0.169.0
+CODEX_MARKER="$PREFIX/.agenttap-codex-$CODEX_VERSION"
+CODEX_BIN="$PREFIX/node_modules/.bin/codex"
+if [ ! -f "$CODEX_MARKER" ]; then
+  echo "[install_clients] installing @openai/codex@$CODEX_VERSION into $PREFIX" >&2
+  rm -f "$PREFIX"/.agenttap-codex-*
+  npm install --prefix "$PREFIX" --no-audit --no-fund --save-exact --loglevel=error \
+    "@openai/codex@$CODEX_VERSION" >&2
+  got=$("$CODEX_BIN" --version)
+  case "$got" in
+    *" $CODEX_VERSION") ;;
+    *) echo "[install_clients] unexpected 'codex --version': $got" >&2; exit 1 ;;
+  esac
+  touch "$CODEX_MARKER"
+fi
+echo "$CODEX_BIN"

@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Protocol
@@ -223,8 +223,16 @@ class Provider[T: ProviderTurn](ABC):
 class TurnRunner(Protocol):
     """What the gateway lends a provider that drives turns itself (a WebSocket session)."""
 
+    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
+        """The session a request belongs to (proxy username, else the client's header)."""
+        ...
+
     async def run_turn(
-        self, provider: Provider[Any], turn: ProviderTurn, send: Callable[[bytes], Any]
+        self,
+        provider: Provider[Any],
+        turn: ProviderTurn,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str = "",
     ) -> web.Response | None:
         """Run one parsed turn streamed through ``send``; an error response if it was refused
         before any event was sent, else None."""

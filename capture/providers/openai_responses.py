@@ -1,0 +1,250 @@
+"""OpenAI Responses API: ``POST /v1/responses`` (whole and SSE), its WebSocket mode
+(``GET wss://api.openai.com/v1/responses``, ``response.create`` messages, as Codex uses),
+``POST /v1/responses/input_tokens``, and the side calls of Responses clients.
+
+Translation lives in ``rewriter/openai_responses.py``. This provider keeps the conversations of
+stored responses (``store: true``) per session, bounded, so ``previous_response_id`` works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from capture.providers.base import (
+    Call,
+    Provider,
+    ProviderOption,
+    ProviderTurn,
+    Route,
+    RouteKind,
+    StreamWriter,
+    TurnRunner,
+    register,
+    sse,
+)
+from capture.providers.openai_chat import OpenAIErrors, openai_models_body
+from rewriter import openai_responses
+from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
+from rewriter.openai_responses import EventWriter, ResponsesRequest
+from rewriter.parsers import ParseEvent
+from rewriter.vllm_client import Completion
+
+logger = logging.getLogger(__name__)
+
+STORED_RESPONSES = "agenttap_responses_stored"
+
+# Non-model calls of Responses clients on api.openai.com: (method, path prefix) -> JSON body.
+# The Agents SDK uploads its traces; accepted and dropped.
+_SIDE_CALLS: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/traces/ingest", {}),
+]
+
+
+@dataclass
+class ResponsesTurn(ProviderTurn):
+    request: ResponsesRequest
+    # WebSocket mode: events are sent as bare JSON messages, not SSE.
+    websocket: bool = False
+
+
+@register
+class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
+    name = "openai.responses"
+    hosts = ("api.openai.com",)
+    # Codex names its conversation in this header.
+    session_headers = {"session-id": "codex"}
+    served = "POST /v1/responses (HTTP and WebSocket) and POST /v1/responses/input_tokens"
+    options = (
+        ProviderOption(
+            STORED_RESPONSES,
+            int,
+            4096,
+            "Responses API: how many stored responses (store: true) are kept for "
+            "previous_response_id, over all sessions; the oldest are forgotten first.",
+        ),
+    )
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options)
+        self.capacity = int(self.option_values[STORED_RESPONSES])
+        # (session id, response id) -> the conversation that response ended, instructions aside.
+        self._stored: OrderedDict[tuple[str, str], list[Message]] = OrderedDict()
+
+    @classmethod
+    def check_options(cls, values: Mapping[str, Any]) -> None:
+        if int(values[STORED_RESPONSES]) < 0:
+            raise ValueError(f"{STORED_RESPONSES} must be 0 or more")
+
+    def match(self, call: Call) -> Route | None:
+        if call.path == "/v1/responses":
+            if call.method == "POST":
+                return Route(RouteKind.TURN)
+            if call.method == "GET" and call.websocket:
+                return Route(RouteKind.WEBSOCKET)
+        if call.method == "POST" and call.path == "/v1/responses/input_tokens":
+            return Route(RouteKind.COUNT_TOKENS)
+        if not self.owns(call):
+            return None
+        for method, prefix, body in _SIDE_CALLS:
+            if call.method == method and call.path.startswith(prefix):
+                return Route(RouteKind.LOCAL, body=body)
+        return None
+
+    # -- per-session state -------------------------------------------------------------------
+    def _history(self, session_id: str) -> Any:
+        def lookup(response_id: str) -> list[Message] | None:
+            found = self._stored.get((session_id, response_id))
+            if found is not None:
+                self._stored.move_to_end((session_id, response_id))
+            return found
+
+        return lookup
+
+    def finished(self, turn: ResponsesTurn, reply: AssistantReply, completion: Completion) -> None:
+        if not turn.request.store or self.capacity == 0:
+            return
+        conversation = [*turn.request.conversation, self.recorded_reply(turn, reply)]
+        self._stored[(turn.session_id, turn.response_id)] = conversation
+        while len(self._stored) > self.capacity:
+            self._stored.popitem(last=False)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _parse(
+        self, body: bytes | dict[str, Any], session_id: str, websocket: bool = False
+    ) -> ResponsesTurn:
+        request = openai_responses.parse_request(body, self._history(session_id))
+        if websocket:
+            request.chat.stream = True
+        return ResponsesTurn(
+            chat=request.chat,
+            response_id=openai_responses.new_response_id(),
+            session_id=session_id,
+            request=request,
+            websocket=websocket,
+        )
+
+    def parse(self, call: Call, body: bytes, session_id: str) -> ResponsesTurn:
+        return self._parse(body, session_id)
+
+    def count_tokens(self, call: Call, body: bytes, session_id: str) -> ChatRequest:
+        return openai_responses.parse_request(body, self._history(session_id)).chat
+
+    def count_tokens_body(self, tokens: int) -> dict[str, Any]:
+        return {"object": "response.input_tokens", "input_tokens": tokens}
+
+    def models_body(self, names: list[str], model_id: str) -> dict[str, Any]:
+        return openai_models_body(names, model_id)
+
+    def error(self, status: int, message: str, param: str | None = None) -> web.Response:
+        body = openai_responses.error_body(message, status, param)
+        return web.json_response(body, status=status)
+
+    # -- answers -----------------------------------------------------------------------------
+    def response(
+        self,
+        turn: ResponsesTurn,
+        prompt_tokens: int,
+        completion: Completion,
+        reply: AssistantReply,
+    ) -> tuple[dict[str, Any], str]:
+        body = openai_responses.whole_response(
+            turn.response_id,
+            turn.request,
+            reply,
+            completion.finish_reason,
+            prompt_tokens,
+            len(completion.token_ids),
+        )
+        return body, body["status"]
+
+    def stream_writer(self, turn: ResponsesTurn, prompt_tokens: int) -> StreamWriter:
+        return _ResponseEvents(turn, prompt_tokens)
+
+    async def serve_websocket(
+        self, request: web.Request, call: Call, runner: TurnRunner
+    ) -> web.StreamResponse:
+        """Codex's WebSocket mode: each ``response.create`` message is one turn, answered with
+        the same events as the SSE stream, one JSON message each."""
+        ws = web.WebSocketResponse(heartbeat=None, max_msg_size=0)
+        await ws.prepare(request)
+        session_id = runner.session_id(request, self)
+        user_agent = request.headers.get("User-Agent", "")
+
+        async def send(chunk: bytes) -> None:
+            for line in chunk.decode().splitlines():
+                if line:
+                    await ws.send_str(line)
+
+        async for msg in ws:
+            if msg.type != WSMsgType.TEXT:
+                if msg.type == WSMsgType.BINARY:
+                    await ws.send_str(json.dumps(_ws_error(400, "send JSON text messages")))
+                continue
+            try:
+                message = json.loads(msg.data)
+                if not isinstance(message, dict) or message.get("type") != "response.create":
+                    raise RequestError(
+                        "Each WebSocket message must be a JSON object of type 'response.create'.",
+                        param="type",
+                    )
+                fields = {k: v for k, v in message.items() if k != "type"}
+                # Some clients nest the request under "response".
+                if isinstance(fields.get("response"), dict) and "model" not in fields:
+                    fields = fields["response"]
+                turn = self._parse(fields, session_id, websocket=True)
+            except json.JSONDecodeError as exc:
+                await ws.send_str(json.dumps(_ws_error(400, f"message is not JSON ({exc})")))
+                continue
+            except RequestError as exc:
+                await ws.send_str(json.dumps(_ws_error(exc.status, exc.message, exc.param)))
+                continue
+            refused = await runner.run_turn(self, turn, send, user_agent)
+            if refused is not None:
+                body = json.loads(refused.body) if isinstance(refused.body, bytes) else {}
+                await ws.send_str(json.dumps({"type": "error", "status": refused.status, **body}))
+        return ws
+
+
+def _ws_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "status": status,
+        **openai_responses.error_body(message, status, param),
+    }
+
+
+class _ResponseEvents:
+    def __init__(self, turn: ResponsesTurn, prompt_tokens: int) -> None:
+        self.writer = EventWriter(turn.response_id, turn.request, prompt_tokens)
+        self.websocket = turn.websocket
+        self._final: list[dict[str, Any]] = []
+
+    def _frame(self, events: list[dict[str, Any]]) -> bytes:
+        if self.websocket:
+            return b"".join(json.dumps(e, ensure_ascii=False).encode() + b"\n" for e in events)
+        return b"".join(sse(e, e["type"]) for e in events)
+
+    def start(self) -> bytes:
+        return self._frame(self.writer.start())
+
+    def events(self, events: list[ParseEvent]) -> bytes:
+        return self._frame(self.writer.events(events))
+
+    def finish(self, completion: Completion, reply: AssistantReply) -> tuple[bytes, str]:
+        events = self.writer.finish(completion.finish_reason, len(completion.token_ids))
+        # response.completed goes out only once the turn is durable.
+        self._final = events[-1:]
+        return self._frame(events[:-1]), self._final[0]["response"]["status"]
+
+    def end(self) -> bytes:
+        return self._frame(self._final)
+
+    def error(self, message: str) -> bytes:
+        return self._frame([self.writer.failed(message)])

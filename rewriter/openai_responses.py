@@ -1,0 +1,773 @@
+"""OpenAI Responses API (``POST /v1/responses``) <-> the canonical chat form.
+
+Plain functions and dataclasses, no HTTP. A request's ``instructions`` and ``input`` items become
+canonical messages; the items of one model turn (``reasoning``, an assistant ``message``,
+``function_call`` / ``custom_tool_call``) become one assistant message, as the policy wrote them.
+Answers are built as a whole ``response`` object or as the event sequence of a streamed one
+(:class:`EventWriter`), each event with its ``sequence_number``.
+
+Custom (freeform) tools take one string. The policy's template only expresses JSON-argument
+functions, so a custom tool is rendered as a function with one string parameter ``input`` (its
+grammar in the description) and the policy's call is answered as a ``custom_tool_call`` carrying
+that string; the client's echo is turned back into the same ``{"input": ...}`` arguments.
+
+Reasoning is returned in the item's ``content`` and, when the client asks for
+``reasoning.encrypted_content`` in ``include``, also as an opaque token of this proxy
+(:func:`encrypt_reasoning`) so a stateless client (``store: false``) that sends only that token
+back still gets its own reasoning recognised.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rewriter.canonical import (
+    AssistantReply,
+    ChatRequest,
+    Message,
+    RequestError,
+    SamplingParams,
+    ToolCall,
+    ToolSpec,
+)
+from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+
+logger = logging.getLogger(__name__)
+
+# Tools the provider runs itself on OpenAI's side: a policy cannot call them, so they are left out.
+HOSTED_TOOL_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "mcp",
+        "local_shell",
+    }
+)
+ENCRYPTED_PREFIX = "agenttap-reasoning-v1:"
+INCLUDE_ENCRYPTED = "reasoning.encrypted_content"
+
+
+class _Lenient(BaseModel):
+    # Unknown fields are accepted and ignored: clients send many the policy has no use for.
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponsesRequestIn(_Lenient):
+    model: str
+    input: str | list[dict[str, Any]] = []
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+
+
+@dataclass
+class ResponsesRequest:
+    """A parsed request: the canonical chat plus what the answer must echo or decide."""
+
+    chat: ChatRequest
+    # The conversation without instructions: what a later previous_response_id continues.
+    conversation: list[Message]
+    # Names of the custom (freeform) tools: their calls are answered as custom_tool_call.
+    custom_tools: frozenset[str]
+    include_encrypted: bool
+    store: bool
+    previous_response_id: str | None
+    # Request fields a response object repeats back.
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+# -- request ---------------------------------------------------------------------------------
+
+
+def encrypt_reasoning(text: str) -> str:
+    """The ``encrypted_content`` this proxy gives a reasoning item (opaque to the client)."""
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def decrypt_reasoning(token: str) -> str | None:
+    """The reasoning text of one of this proxy's tokens; None for anyone else's."""
+    if not token.startswith(ENCRYPTED_PREFIX):
+        return None
+    try:
+        return base64.b64decode(token[len(ENCRYPTED_PREFIX) :], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(
+            f"Invalid type for '{where}': expected a string or an array.", param=where
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            texts.append(str(part.get("text") or ""))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal") or ""))
+        else:
+            raise RequestError(
+                f"Content part type {kind!r} at '{where}[{j}]' is not supported by this proxy: "
+                "its policy reads text only (input_text / output_text).",
+                param=f"{where}[{j}].type",
+            )
+    return "".join(texts)
+
+
+def custom_tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A custom tool as a one-string-parameter function schema the template can render."""
+    fmt = tool.get("format") or {}
+    about = "The tool's whole input, as free text."
+    if fmt.get("type") == "grammar":
+        about = (
+            f"The tool's whole input, as free text in this {fmt.get('syntax', '')} grammar:\n"
+            f"{fmt.get('definition', '')}"
+        )
+    return {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": about}},
+        "required": ["input"],
+    }
+
+
+def _tools(raw: list[dict[str, Any]], where: str) -> tuple[list[ToolSpec], set[str]]:
+    specs: list[ToolSpec] = []
+    custom: set[str] = set()
+    for i, tool in enumerate(raw):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOL_TYPES:
+            logger.info(
+                "%s[%d]: hosted tool %r left out: the policy cannot call it", where, i, kind
+            )
+            continue
+        if kind not in ("function", "custom") or not isinstance(name, str) or not name:
+            raise RequestError(
+                f"Invalid tool at '{where}[{i}]': this proxy accepts tools of type 'function' "
+                f"(name, parameters) and 'custom' (name, format); got type {kind!r}.",
+                param=f"{where}[{i}]",
+            )
+        if kind == "function":
+            specs.append(
+                ToolSpec(name, str(tool.get("description") or ""), tool.get("parameters") or {})
+            )
+        else:
+            custom.add(name)
+            specs.append(
+                ToolSpec(name, str(tool.get("description") or ""), custom_tool_parameters(tool))
+            )
+    return specs, custom
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") in ("function", "custom") and choice.get("name"):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return "auto"
+
+
+class _Assistant:
+    """The output items of one model turn, gathered into one canonical assistant message."""
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.open = False
+
+    def message(self) -> Message:
+        return Message(
+            role="assistant",
+            content="".join(self.content),
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+            tool_calls=tuple(self.calls),
+        )
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    token = item.get("encrypted_content")
+    if isinstance(token, str):
+        mine = decrypt_reasoning(token)
+        if mine is not None:
+            return mine
+    if item.get("content"):
+        return _parts_text(item["content"], f"{where}.content")
+    return _parts_text(item.get("summary") or [], f"{where}.summary")
+
+
+def parse_input(
+    items: str | list[dict[str, Any]], where: str = "input"
+) -> tuple[list[Message], list[ToolSpec], set[str]]:
+    """Input items -> canonical messages, plus tools that arrived as items (Codex's
+    ``additional_tools``). Fields a client adds to echoed items are ignored."""
+    if isinstance(items, str):
+        return [Message(role="user", content=items)], [], set()
+    messages: list[Message] = []
+    tools: list[ToolSpec] = []
+    custom: set[str] = set()
+    turn = _Assistant()
+
+    def flush() -> None:
+        nonlocal turn
+        if turn.open:
+            messages.append(turn.message())
+        turn = _Assistant()
+
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"Invalid type for '{at}': expected an object.", param=at)
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            text = _parts_text(item.get("content"), f"{at}.content")
+            if role == "assistant":
+                turn.open = True
+                turn.content.append(text)
+                continue
+            if role not in ("user", "system", "developer"):
+                raise RequestError(
+                    f"Invalid value for '{at}.role': {role!r}; expected 'user', 'assistant', "
+                    "'system' or 'developer'.",
+                    param=f"{at}.role",
+                )
+            flush()
+            messages.append(Message(role="user" if role == "user" else "system", content=text))
+        elif kind == "reasoning":
+            if turn.open and (turn.content or turn.calls):
+                flush()  # reasoning starts a new model turn
+            turn.open = True
+            turn.reasoning.append(_reasoning_text(item, at))
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise RequestError(
+                    f"Missing 'call_id' or 'name' in '{at}' ({kind}).", param=f"{at}.call_id"
+                )
+            if kind == "function_call":
+                arguments = item.get("arguments")
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments or {}, ensure_ascii=False)
+            else:
+                arguments = json.dumps({"input": str(item.get("input") or "")}, ensure_ascii=False)
+            turn.open = True
+            turn.calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise RequestError(f"Missing 'call_id' in '{at}' ({kind}).", param=f"{at}.call_id")
+            flush()
+            output = _parts_text(item.get("output"), f"{at}.output")
+            messages.append(Message(role="tool", content=output, tool_call_id=call_id))
+        elif kind == "additional_tools":
+            more, more_custom = _tools(item.get("tools") or [], f"{at}.tools")
+            tools += more
+            custom |= more_custom
+        elif kind == "item_reference":
+            raise RequestError(
+                f"'{at}' is an item_reference: this proxy keeps whole stored responses only; send "
+                "previous_response_id or the items themselves.",
+                param=f"{at}.type",
+            )
+        else:
+            raise RequestError(
+                f"Input item type {kind!r} at '{at}' is not supported by this proxy (it serves "
+                "message, reasoning, function_call(_output), custom_tool_call(_output) and "
+                "additional_tools).",
+                param=f"{at}.type",
+            )
+    flush()
+    return messages, tools, custom
+
+
+def _format_validation_error(exc: ValidationError) -> RequestError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "missing":
+        return RequestError(f"Missing required parameter: '{where}'.", param=where)
+    return RequestError(f"Invalid value for '{where}': {first['msg']}.", param=where)
+
+
+def _json_schema(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format") or {}
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise RequestError(
+                "Missing required parameter: 'text.format.schema'.", param="text.format.schema"
+            )
+        return schema
+    if kind == "json_object":
+        return {"type": "object"}
+    return None
+
+
+def parse_request(
+    body: bytes | dict[str, Any],
+    history: Callable[[str], list[Message] | None] | None = None,
+) -> ResponsesRequest:
+    """A ``/v1/responses`` body (or a WebSocket ``response.create`` message) -> canonical.
+
+    ``history(previous_response_id)`` gives the conversation of a stored response (None when
+    unknown)."""
+    if isinstance(body, dict):
+        raw: Any = body
+    else:
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(
+                f"We could not parse the JSON body of your request ({exc}). The body must be a "
+                "JSON object."
+            ) from None
+    if not isinstance(raw, dict):
+        raise RequestError("The request body must be a JSON object.")
+    try:
+        req = ResponsesRequestIn.model_validate(raw)
+    except ValidationError as exc:
+        raise _format_validation_error(exc) from None
+
+    earlier: list[Message] = []
+    if req.previous_response_id:
+        found = history(req.previous_response_id) if history else None
+        if found is None:
+            raise RequestError(
+                f"Previous response with id '{req.previous_response_id}' not found. This proxy "
+                "keeps responses created with store: true, per session, for a while.",
+                param="previous_response_id",
+            )
+        earlier = found
+    new_messages, item_tools, item_custom = parse_input(req.input)
+    tools, custom = _tools(req.tools or [], "tools")
+    tools += item_tools
+    custom |= item_custom
+    conversation = earlier + new_messages
+    messages = list(conversation)
+    if req.instructions:
+        messages.insert(0, Message(role="system", content=req.instructions))
+    if not messages:
+        raise RequestError("'input' is empty: there is nothing to answer.", param="input")
+    effort = (req.reasoning or {}).get("effort")
+    sampling = SamplingParams(
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        json_schema=_json_schema(req.text),
+    )
+    chat = ChatRequest(
+        messages=messages,
+        model=req.model,
+        tools=tools,
+        tool_choice=_tool_choice(req.tool_choice),
+        sampling=sampling,
+        stream=bool(req.stream),
+        # reasoning.effort "none" turns the policy's thinking off; others keep its default.
+        enable_thinking=False if effort == "none" else None,
+    )
+    echo = {
+        "instructions": req.instructions,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": req.parallel_tool_calls
+        if req.parallel_tool_calls is not None
+        else True,
+        "reasoning": req.reasoning or {"effort": None, "summary": None},
+        "text": req.text or {"format": {"type": "text"}},
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "previous_response_id": req.previous_response_id,
+        "metadata": req.metadata or {},
+        "prompt_cache_key": req.prompt_cache_key,
+        "store": req.store if req.store is not None else True,
+    }
+    return ResponsesRequest(
+        chat=chat,
+        conversation=conversation,
+        custom_tools=frozenset(custom),
+        include_encrypted=INCLUDE_ENCRYPTED in (req.include or []),
+        store=req.store if req.store is not None else True,
+        previous_response_id=req.previous_response_id,
+        echo=echo,
+    )
+
+
+# -- response --------------------------------------------------------------------------------
+
+
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(24)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_" + secrets.token_hex(24)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = {404: "not_found_error", 401: "authentication_error", 429: "rate_limit_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def status_of(vllm_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The response status and incomplete_details for vLLM's finish reason."""
+    if vllm_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def custom_input(call: ToolCall) -> str:
+    """The string a custom tool's call carries (see :func:`custom_tool_parameters`)."""
+    value = call.arguments_object()
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return call.arguments
+
+
+def reasoning_item(item_id: str, text: str, include_encrypted: bool) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+    if include_encrypted:
+        item["encrypted_content"] = encrypt_reasoning(text)
+    return item
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        if status == "completed"
+        else [],
+    }
+
+
+def call_item(
+    item_id: str, call: ToolCall, custom: frozenset[str], status: str = "completed"
+) -> dict[str, Any]:
+    done = status == "completed"
+    if call.name in custom:
+        return {
+            "type": "custom_tool_call",
+            "id": item_id,
+            "call_id": call.id,
+            "name": call.name,
+            "input": custom_input(call) if done else "",
+            "status": status,
+        }
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if done else "",
+        "status": status,
+    }
+
+
+def output_items(reply: AssistantReply, req: ResponsesRequest) -> list[dict[str, Any]]:
+    items = []
+    if reply.reasoning is not None:
+        items.append(reasoning_item(_item_id("rs"), reply.reasoning, req.include_encrypted))
+    if reply.content or not reply.tool_calls:
+        items.append(message_item(_item_id("msg"), reply.content))
+    items += [call_item(_item_id("fc"), c, req.custom_tools) for c in reply.tool_calls]
+    return items
+
+
+def response_object(
+    response_id: str,
+    req: ResponsesRequest,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage_body: dict[str, Any] | None = None,
+    incomplete_details: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": error,
+        "incomplete_details": incomplete_details,
+        "model": req.chat.model,
+        "output": output,
+        "usage": usage_body,
+        "truncation": "disabled",
+        "user": None,
+        **req.echo,
+    }
+
+
+def whole_response(
+    response_id: str,
+    req: ResponsesRequest,
+    reply: AssistantReply,
+    vllm_reason: str | None,
+    input_tokens: int,
+    output_tokens: int,
+) -> dict[str, Any]:
+    status, details = status_of(vllm_reason)
+    return response_object(
+        response_id,
+        req,
+        int(time.time()),
+        status,
+        output_items(reply, req),
+        usage(input_tokens, output_tokens),
+        details,
+    )
+
+
+class EventWriter:
+    """The events of one streamed response, as the policy's output is parsed.
+
+    Items open and close as the output moves from reasoning to text to tool calls; every event
+    carries the next ``sequence_number``."""
+
+    def __init__(self, response_id: str, req: ResponsesRequest, input_tokens: int) -> None:
+        self.response_id = response_id
+        self.req = req
+        self.input_tokens = input_tokens
+        self.created_at = int(time.time())
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        # The open item: its kind ("reasoning" / "message"), id and text so far.
+        self._open: tuple[str, str] | None = None
+        self._text: list[str] = []
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def _response(self, status: str, **extra: Any) -> dict[str, Any]:
+        return response_object(
+            self.response_id, self.req, self.created_at, status, list(self.output), **extra
+        )
+
+    def start(self) -> list[dict[str, Any]]:
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.in_progress", response=self._response("in_progress")),
+        ]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        kind, item_id = self._open
+        text = "".join(self._text)
+        index = len(self.output)
+        self._open, self._text = None, []
+        if kind == "reasoning":
+            item = reasoning_item(item_id, text, self.req.include_encrypted)
+            events = [
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            ]
+        else:
+            item = message_item(item_id, text)
+            part = item["content"][0]
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return events
+
+    def _text_delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is not None and self._open[0] != kind:
+            events += self._close()
+        index = len(self.output)
+        if self._open is None:
+            item_id = _item_id("rs" if kind == "reasoning" else "msg")
+            self._open = (kind, item_id)
+            if kind == "reasoning":
+                added = {"type": "reasoning", "id": item_id, "summary": [], "content": []}
+                events.append(
+                    self._event("response.output_item.added", output_index=index, item=added)
+                )
+            else:
+                events.append(
+                    self._event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item=message_item(item_id, "", status="in_progress"),
+                    )
+                )
+                events.append(
+                    self._event(
+                        "response.content_part.added",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                    )
+                )
+        item_id = self._open[1]
+        self._text.append(text)
+        name = (
+            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        )
+        fields: dict[str, Any] = {"item_id": item_id, "output_index": index, "content_index": 0}
+        if kind == "message":
+            fields["logprobs"] = []
+        events.append(self._event(name, delta=text, **fields))
+        return events
+
+    def _tool_call(self, call: ToolCall) -> list[dict[str, Any]]:
+        events = self._close()
+        index = len(self.output)
+        item_id = _item_id("ctc" if call.name in self.req.custom_tools else "fc")
+        custom = self.req.custom_tools
+        events.append(
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=call_item(item_id, call, custom, status="in_progress"),
+            )
+        )
+        item = call_item(item_id, call, custom)
+        if call.name in custom:
+            text = item["input"]
+            events.append(
+                self._event(
+                    "response.custom_tool_call_input.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    delta=text,
+                )
+            )
+            events.append(
+                self._event(
+                    "response.custom_tool_call_input.done",
+                    item_id=item_id,
+                    output_index=index,
+                    input=text,
+                )
+            )
+        else:
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    delta=call.arguments,
+                )
+            )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item_id,
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+            )
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return events
+
+    def events(self, parsed: list[ParseEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in parsed:
+            if isinstance(event, ReasoningDelta):
+                out += self._text_delta("reasoning", event.text)
+            elif isinstance(event, ContentDelta):
+                out += self._text_delta("message", event.text)
+            elif isinstance(event, ToolCallEvent):
+                out += self._tool_call(event.call)
+        return out
+
+    def finish(self, vllm_reason: str | None, output_tokens: int) -> list[dict[str, Any]]:
+        """Closing events; the last one is ``response.completed`` or ``.incomplete``."""
+        out = self._close()
+        if not self.output:
+            # An empty answer is still one (empty) assistant message.
+            out += self._text_delta("message", "")
+            out += self._close()
+        status, details = status_of(vllm_reason)
+        final = self._response(
+            status,
+            usage_body=usage(self.input_tokens, output_tokens),
+            incomplete_details=details,
+        )
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        out.append(self._event(kind, response=final))
+        return out
+
+    def failed(self, message: str) -> dict[str, Any]:
+        error = {"code": "server_error", "message": message}
+        return self._event("response.failed", response=self._response("failed", error=error))
