@@ -338,6 +338,13 @@ def test_errors_in_googles_shape(
         )
     assert bad.value.code == 400 and bad.value.status == "INVALID_ARGUMENT"
     assert "one candidate" in (bad.value.message or "")
+    # Longer than the policy's context: Google's own wording, before anything is generated.
+    n = len(stub.requests)
+    with pytest.raises(errors.ClientError) as too_long:
+        gem.models.generate_content(model=MODEL, contents="word " * (stub.max_model_len + 10))
+    assert too_long.value.code == 400 and too_long.value.status == "INVALID_ARGUMENT"
+    assert "exceeds the maximum number of tokens allowed" in (too_long.value.message or "")
+    assert len(stub.requests) == n
     with pytest.raises(errors.ClientError) as missing:
         gem.models.embed_content(model="text-embedding-004", contents="hi")
     assert missing.value.code == 404 and missing.value.status == "NOT_FOUND"
