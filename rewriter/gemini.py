@@ -79,9 +79,10 @@ def parse_route(http_method: str, path: str) -> Route | None:
 
 
 @dataclass
-class GeminiChatRequest(ChatRequest):
-    """A :class:`ChatRequest` plus what only the Gemini answer needs."""
+class GeminiRequest:
+    """A parsed ``generateContent`` call: the canonical chat plus what only its answer needs."""
 
+    chat: ChatRequest
     # generationConfig.thinkingConfig.includeThoughts: answer reasoning as `thought` parts.
     include_thoughts: bool = False
 
@@ -525,7 +526,7 @@ def _model_name(name: str) -> str:
 
 def _from_generate_request(
     raw: dict[str, Any], model: str, *, stream: bool, count_tokens: bool
-) -> GeminiChatRequest:
+) -> GeminiRequest:
     contents = _list(raw.get("contents"), "contents")
     if not contents and not count_tokens:
         raise RequestError("* GenerateContentRequest.contents: contents is not specified")
@@ -560,7 +561,7 @@ def _from_generate_request(
         stop=[str(s) for s in stop],
         json_schema=schema,
     )
-    return GeminiChatRequest(
+    chat = ChatRequest(
         messages=messages,
         model=_model_name(model),
         tools=_tools(_list(raw.get("tools"), "tools")),
@@ -569,16 +570,17 @@ def _from_generate_request(
         stream=stream,
         include_usage=True,
         enable_thinking=enable_thinking,
-        include_thoughts=bool(_get(thinking, "includeThoughts")) and enable_thinking is not False,
     )
+    include_thoughts = bool(_get(thinking, "includeThoughts")) and enable_thinking is not False
+    return GeminiRequest(chat, include_thoughts)
 
 
-def parse_request(body: bytes, model: str, *, stream: bool = False) -> GeminiChatRequest:
+def parse_request(body: bytes, model: str, *, stream: bool = False) -> GeminiRequest:
     """A ``generateContent`` / ``streamGenerateContent`` body; ``model`` comes from the URL."""
     return _from_generate_request(_load(body), model, stream=stream, count_tokens=False)
 
 
-def parse_count_tokens(body: bytes, model: str) -> GeminiChatRequest:
+def parse_count_tokens(body: bytes, model: str) -> ChatRequest:
     """A ``countTokens`` body: ``{contents}`` or ``{generateContentRequest: {...}}``."""
     raw = _load(body)
     inner = _get(raw, "generateContentRequest")
@@ -586,8 +588,8 @@ def parse_count_tokens(body: bytes, model: str) -> GeminiChatRequest:
         inner = _object(inner, "generate_content_request")
         return _from_generate_request(
             inner, str(inner.get("model") or model), stream=False, count_tokens=True
-        )
-    return _from_generate_request(raw, model, stream=False, count_tokens=True)
+        ).chat
+    return _from_generate_request(raw, model, stream=False, count_tokens=True).chat
 
 
 # -- response --------------------------------------------------------------------------------

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
+from rewriter.canonical import (
+    AssistantReply,
+    ChatRequest,
+    Message,
+    RequestError,
+    ToolCall,
+    ToolSpec,
+)
 from rewriter.gemini import (
     ChunkWriter,
     Route,
@@ -44,6 +51,10 @@ def user(*texts: str) -> dict[str, Any]:
 
 def model_turn(*parts: dict[str, Any]) -> dict[str, Any]:
     return {"role": "model", "parts": list(parts)}
+
+
+def parse(raw: bytes, model: str = MODEL, *, stream: bool = False) -> ChatRequest:
+    return parse_request(raw, model, stream=stream).chat
 
 
 def refused(raw: bytes, model: str = MODEL) -> RequestError:
@@ -82,7 +93,7 @@ def test_routes_name_model_and_method_in_the_path() -> None:
 
 
 def test_text_conversation_with_system_instruction() -> None:
-    chat = parse_request(
+    chat = parse(
         body(
             systemInstruction={"parts": [{"text": "You are "}, {"text": "terse."}]},
             contents=[user("a", "b"), model_turn({"text": "c"}), user("d")],
@@ -101,9 +112,7 @@ def test_text_conversation_with_system_instruction() -> None:
     assert chat.tools == [] and chat.tool_choice is None
     assert chat.enable_thinking is None  # the template's default
     # A bare string is accepted as a system instruction too, and a missing role means user.
-    chat = parse_request(
-        body(systemInstruction="sys", contents=[{"parts": [{"text": "x"}]}]), MODEL
-    )
+    chat = parse(body(systemInstruction="sys", contents=[{"parts": [{"text": "x"}]}]), MODEL)
     assert chat.messages == [Message("system", "sys"), Message("user", "x")]
 
 
@@ -115,14 +124,14 @@ def test_function_call_loop_and_thought_signature_does_not_change_messages() -> 
         model_turn({"text": "Listing."}, call),
         {"role": "user", "parts": [result]},
     ]
-    plain = parse_request(body(contents=contents), MODEL)
+    plain = parse(body(contents=contents), MODEL)
     signed_call = {**call, "thoughtSignature": "c2tpcF90aG91Z2h0X3NpZ25hdHVyZV92YWxpZGF0b3I="}
     signed = [
         contents[0],
         model_turn({"text": "Listing.", "thoughtSignature": "abc"}, signed_call),
         contents[2],
     ]
-    with_signature = parse_request(body(contents=signed), MODEL)
+    with_signature = parse(body(contents=signed), MODEL)
     assert plain.messages == with_signature.messages
     assert plain.messages == [
         Message("user", "list"),
@@ -139,7 +148,7 @@ def test_function_call_loop_and_thought_signature_does_not_change_messages() -> 
         model_turn({"thoughtSignature": "zz"}, {"text": "Listing."}, call),
         contents[2],
     ]
-    assert parse_request(body(contents=only_sig), MODEL).messages == plain.messages
+    assert parse(body(contents=only_sig), MODEL).messages == plain.messages
 
 
 def test_function_calls_without_ids_get_stable_ids_matched_by_results() -> None:
@@ -160,8 +169,8 @@ def test_function_calls_without_ids_get_stable_ids_matched_by_results() -> None:
             ],
         },
     ]
-    first = parse_request(body(contents=contents), MODEL).messages
-    again = parse_request(body(contents=contents), MODEL).messages
+    first = parse(body(contents=contents), MODEL).messages
+    again = parse(body(contents=contents), MODEL).messages
     assert first == again  # stable across calls: same conversation, same ids
     calls = first[1].tool_calls
     assert [c.id for c in calls] == [call_id(1, 0), call_id(1, 1), call_id(1, 2)]
@@ -175,7 +184,7 @@ def test_function_calls_without_ids_get_stable_ids_matched_by_results() -> None:
 
 
 def test_thought_parts_are_reasoning() -> None:
-    chat = parse_request(
+    chat = parse(
         body(
             contents=[
                 user("q"),
@@ -189,7 +198,7 @@ def test_thought_parts_are_reasoning() -> None:
 
 
 def test_tools_openapi_parameters_and_json_schema() -> None:
-    chat = parse_request(
+    chat = parse(
         body(
             tools=[
                 {
@@ -270,12 +279,12 @@ def test_tools_openapi_parameters_and_json_schema() -> None:
     ],
 )
 def test_tool_config_modes(config: dict[str, Any], expected: Any) -> None:
-    chat = parse_request(body(toolConfig={"functionCallingConfig": config}), MODEL)
+    chat = parse(body(toolConfig={"functionCallingConfig": config}), MODEL)
     assert chat.tool_choice == expected
 
 
 def test_generation_config_to_sampling() -> None:
-    chat = parse_request(
+    request = parse_request(
         body(
             generationConfig={
                 "temperature": 0.3,
@@ -290,6 +299,7 @@ def test_generation_config_to_sampling() -> None:
         ),
         MODEL,
     )
+    chat = request.chat
     s = chat.sampling
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.seed) == (
         0.3,
@@ -301,15 +311,20 @@ def test_generation_config_to_sampling() -> None:
     )
     assert s.json_schema is None
     assert chat.enable_thinking is True
-    assert chat.include_thoughts is True
+    assert request.include_thoughts is True
     # snake_case (proto field names) is accepted as Google's own parser accepts it.
     snake = parse_request(
-        body(generation_config={"max_output_tokens": 9, "thinking_config": {"thinking_budget": 0}}),
+        body(
+            generation_config={
+                "max_output_tokens": 9,
+                "thinking_config": {"thinking_budget": 0, "include_thoughts": True},
+            }
+        ),
         MODEL,
     )
-    assert snake.sampling.max_tokens == 9
-    assert snake.enable_thinking is False
-    assert snake.include_thoughts is False
+    assert snake.chat.sampling.max_tokens == 9
+    assert snake.chat.enable_thinking is False
+    assert snake.include_thoughts is False  # no thinking, nothing to include
 
 
 @pytest.mark.parametrize(
@@ -324,7 +339,7 @@ def test_generation_config_to_sampling() -> None:
     ],
 )
 def test_thinking_config(thinking: dict[str, Any], enabled: bool | None) -> None:
-    chat = parse_request(body(generationConfig={"thinkingConfig": thinking}), MODEL)
+    chat = parse(body(generationConfig={"thinkingConfig": thinking}), MODEL)
     assert chat.enable_thinking is enabled
 
 
@@ -339,7 +354,7 @@ def test_response_schema_openapi_becomes_json_schema_and_turns_thinking_off() ->
         "required": ["reasoning", "model_choice"],
         "propertyOrdering": ["reasoning", "model_choice"],
     }
-    chat = parse_request(
+    chat = parse(
         body(
             generationConfig={
                 "responseMimeType": "application/json",
@@ -368,11 +383,11 @@ def test_response_json_schema_passes_through() -> None:
         "additionalProperties": False,
     }
     for key in ("responseJsonSchema", "_responseJsonSchema"):
-        chat = parse_request(
+        chat = parse(
             body(generationConfig={"responseMimeType": "application/json", key: schema}), MODEL
         )
         assert chat.sampling.json_schema == schema
-    chat = parse_request(body(generationConfig={"responseMimeType": "application/json"}), MODEL)
+    chat = parse(body(generationConfig={"responseMimeType": "application/json"}), MODEL)
     assert chat.sampling.json_schema == {"type": "object"}
 
 
@@ -387,7 +402,7 @@ def test_response_json_schema_with_gemini_type_names_is_lower_cased() -> None:
         },
         "required": ["complexity_reasoning", "complexity_score"],
     }
-    chat = parse_request(
+    chat = parse(
         body(
             generationConfig={"responseMimeType": "application/json", "responseJsonSchema": router}
         ),

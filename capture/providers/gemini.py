@@ -11,6 +11,7 @@ which the proxy refuses unless it is made an intercepted host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -30,12 +31,14 @@ from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion, PolicyError
 
 
-def _include_thoughts(chat: ChatRequest) -> bool:
-    return isinstance(chat, gemini.GeminiChatRequest) and chat.include_thoughts
+@dataclass
+class GeminiTurn(ProviderTurn):
+    # The client asked for reasoning as `thought` parts (thinkingConfig.includeThoughts).
+    include_thoughts: bool = False
 
 
 @register
-class GeminiAPI(Provider[ProviderTurn]):
+class GeminiAPI(Provider[GeminiTurn]):
     name = "gemini.generate_content"
     hosts = ("generativelanguage.googleapis.com",)
     served = (
@@ -79,10 +82,12 @@ class GeminiAPI(Provider[ProviderTurn]):
             raise RequestError(f"{call.path} is not a Gemini API route", status=404)
         return route
 
-    def parse(self, call: Call, body: bytes, session_id: str) -> ProviderTurn:
+    def parse(self, call: Call, body: bytes, session_id: str) -> GeminiTurn:
         route = self._route(call)
-        chat = gemini.parse_request(body, route.model, stream=route.kind == "stream")
-        return ProviderTurn(chat, gemini.new_response_id(), session_id)
+        request = gemini.parse_request(body, route.model, stream=route.kind == "stream")
+        return GeminiTurn(
+            request.chat, gemini.new_response_id(), session_id, request.include_thoughts
+        )
 
     def count_tokens(self, call: Call, body: bytes, session_id: str) -> ChatRequest:
         return gemini.parse_count_tokens(body, self._route(call).model)
@@ -115,7 +120,7 @@ class GeminiAPI(Provider[ProviderTurn]):
     # given as functionCall.id and sends back on the call and its functionResponse.
 
     def response(
-        self, turn: ProviderTurn, prompt_tokens: int, completion: Completion, reply: AssistantReply
+        self, turn: GeminiTurn, prompt_tokens: int, completion: Completion, reply: AssistantReply
     ) -> tuple[dict[str, Any], str]:
         reason = gemini.finish_reason(completion.finish_reason)
         body = gemini.generate_response(
@@ -125,18 +130,18 @@ class GeminiAPI(Provider[ProviderTurn]):
             reason,
             prompt_tokens,
             len(completion.token_ids),
-            include_thoughts=_include_thoughts(turn.chat),
+            include_thoughts=turn.include_thoughts,
         )
         return body, reason
 
-    def stream_writer(self, turn: ProviderTurn, prompt_tokens: int) -> StreamWriter:
+    def stream_writer(self, turn: GeminiTurn, prompt_tokens: int) -> StreamWriter:
         return _ChunkStream(turn, prompt_tokens)
 
 
 class _ChunkStream:
-    def __init__(self, turn: ProviderTurn, prompt_tokens: int) -> None:
+    def __init__(self, turn: GeminiTurn, prompt_tokens: int) -> None:
         self.writer = gemini.ChunkWriter(
-            turn.response_id, turn.chat.model, prompt_tokens, _include_thoughts(turn.chat)
+            turn.response_id, turn.chat.model, prompt_tokens, turn.include_thoughts
         )
         self._final = b""
 
