@@ -68,7 +68,7 @@ class _Lenient(BaseModel):
 
 class ResponsesRequestIn(_Lenient):
     model: str
-    input: str | list[dict[str, Any]] = []
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -84,6 +84,21 @@ class ResponsesRequestIn(_Lenient):
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    generate: bool | None = None
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a later call with ``previous_response_id`` continues: the conversation without
+    instructions, and the tools that arrived as input items (top-level tools are not carried)."""
+
+    messages: tuple[Message, ...] = ()
+    tools: tuple[ToolSpec, ...] = ()
+    custom_tools: frozenset[str] = frozenset()
+    namespaces: tuple[tuple[str, tuple[str, str]], ...] = ()
+
+    def extended(self, reply: Message) -> Context:
+        return Context((*self.messages, reply), self.tools, self.custom_tools, self.namespaces)
 
 
 @dataclass
@@ -91,8 +106,8 @@ class ResponsesRequest:
     """A parsed request: the canonical chat plus what the answer must echo or decide."""
 
     chat: ChatRequest
-    # The conversation without instructions: what a later previous_response_id continues.
-    conversation: list[Message]
+    # What a later previous_response_id continues (add the reply with Context.extended).
+    context: Context
     # Names of the custom (freeform) tools: their calls are answered as custom_tool_call.
     custom_tools: frozenset[str]
     include_encrypted: bool
@@ -100,6 +115,10 @@ class ResponsesRequest:
     previous_response_id: str | None
     # Request fields a response object repeats back.
     echo: dict[str, Any] = field(default_factory=dict)
+    # Qualified tool name ("collaboration.spawn_agent") -> (namespace, name) for answers.
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # False: a warm-up (Codex's WebSocket prewarm); answered without calling the policy.
+    generate: bool = True
 
 
 # -- request ---------------------------------------------------------------------------------
@@ -161,7 +180,23 @@ def custom_tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _tools(raw: list[dict[str, Any]], where: str) -> tuple[list[ToolSpec], set[str]]:
+# Tools of the default namespace keep their own name; others are offered as "namespace.name".
+DEFAULT_NAMESPACE = "functions"
+
+
+def qualified_name(name: str, namespace: str | None) -> str:
+    return name if not namespace or namespace == DEFAULT_NAMESPACE else f"{namespace}.{name}"
+
+
+def _tools(
+    raw: list[dict[str, Any]],
+    where: str,
+    namespace: str | None = None,
+    namespaced: dict[str, tuple[str, str]] | None = None,
+) -> tuple[list[ToolSpec], set[str]]:
+    """Tool specs -> canonical; ``namespaced`` collects qualified name -> (namespace, name)."""
+    if namespaced is None:
+        namespaced = {}
     specs: list[ToolSpec] = []
     custom: set[str] = set()
     for i, tool in enumerate(raw):
@@ -172,12 +207,23 @@ def _tools(raw: list[dict[str, Any]], where: str) -> tuple[list[ToolSpec], set[s
                 "%s[%d]: hosted tool %r left out: the policy cannot call it", where, i, kind
             )
             continue
+        if kind == "namespace" and isinstance(name, str) and isinstance(tool.get("tools"), list):
+            # Codex groups its tools in namespaces; the template sees them flat.
+            more, more_custom = _tools(tool["tools"], f"{where}[{i}].tools", name, namespaced)
+            specs += more
+            custom |= more_custom
+            continue
         if kind not in ("function", "custom") or not isinstance(name, str) or not name:
             raise RequestError(
                 f"Invalid tool at '{where}[{i}]': this proxy accepts tools of type 'function' "
-                f"(name, parameters) and 'custom' (name, format); got type {kind!r}.",
+                f"(name, parameters), 'custom' (name, format) and 'namespace' (name, tools); got "
+                f"type {kind!r}.",
                 param=f"{where}[{i}]",
             )
+        qualified = qualified_name(name, namespace)
+        if qualified != name and namespace:
+            namespaced[qualified] = (namespace, name)
+        name = qualified
         if kind == "function":
             specs.append(
                 ToolSpec(name, str(tool.get("description") or ""), tool.get("parameters") or {})
@@ -228,7 +274,9 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
 
 
 def parse_input(
-    items: str | list[dict[str, Any]], where: str = "input"
+    items: str | list[dict[str, Any]],
+    where: str = "input",
+    namespaced: dict[str, tuple[str, str]] | None = None,
 ) -> tuple[list[Message], list[ToolSpec], set[str]]:
     """Input items -> canonical messages, plus tools that arrived as items (Codex's
     ``additional_tools``). Fields a client adds to echoed items are ignored."""
@@ -282,6 +330,7 @@ def parse_input(
                     arguments = json.dumps(arguments or {}, ensure_ascii=False)
             else:
                 arguments = json.dumps({"input": str(item.get("input") or "")}, ensure_ascii=False)
+            name = qualified_name(name, item.get("namespace"))
             turn.open = True
             turn.calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
         elif kind in ("function_call_output", "custom_tool_call_output"):
@@ -292,7 +341,7 @@ def parse_input(
             output = _parts_text(item.get("output"), f"{at}.output")
             messages.append(Message(role="tool", content=output, tool_call_id=call_id))
         elif kind == "additional_tools":
-            more, more_custom = _tools(item.get("tools") or [], f"{at}.tools")
+            more, more_custom = _tools(item.get("tools") or [], f"{at}.tools", None, namespaced)
             tools += more
             custom |= more_custom
         elif kind == "item_reference":
@@ -337,11 +386,11 @@ def _json_schema(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def parse_request(
     body: bytes | dict[str, Any],
-    history: Callable[[str], list[Message] | None] | None = None,
+    history: Callable[[str], Context | None] | None = None,
 ) -> ResponsesRequest:
     """A ``/v1/responses`` body (or a WebSocket ``response.create`` message) -> canonical.
 
-    ``history(previous_response_id)`` gives the conversation of a stored response (None when
+    ``history(previous_response_id)`` gives the :class:`Context` of a stored response (None when
     unknown)."""
     if isinstance(body, dict):
         raw: Any = body
@@ -360,7 +409,7 @@ def parse_request(
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
 
-    earlier: list[Message] = []
+    earlier = Context()
     if req.previous_response_id:
         found = history(req.previous_response_id) if history else None
         if found is None:
@@ -370,15 +419,27 @@ def parse_request(
                 param="previous_response_id",
             )
         earlier = found
-    new_messages, item_tools, item_custom = parse_input(req.input)
-    tools, custom = _tools(req.tools or [], "tools")
+    item_namespaced: dict[str, tuple[str, str]] = dict(earlier.namespaces)
+    new_messages, new_item_tools, new_custom = parse_input(
+        req.input or [], "input", item_namespaced
+    )
+    item_tools = [*earlier.tools, *new_item_tools]
+    item_custom = earlier.custom_tools | new_custom
+    namespaced = dict(item_namespaced)
+    tools, custom = _tools(req.tools or [], "tools", None, namespaced)
     tools += item_tools
     custom |= item_custom
-    conversation = earlier + new_messages
-    messages = list(conversation)
+    context = Context(
+        (*earlier.messages, *new_messages),
+        tuple(item_tools),
+        frozenset(item_custom),
+        tuple(item_namespaced.items()),
+    )
+    messages = list(context.messages)
     if req.instructions:
         messages.insert(0, Message(role="system", content=req.instructions))
-    if not messages:
+    generate = req.generate is not False
+    if not messages and generate:
         raise RequestError("'input' is empty: there is nothing to answer.", param="input")
     effort = (req.reasoning or {}).get("effort")
     sampling = SamplingParams(
@@ -416,12 +477,14 @@ def parse_request(
     }
     return ResponsesRequest(
         chat=chat,
-        conversation=conversation,
+        context=context,
         custom_tools=frozenset(custom),
         include_encrypted=INCLUDE_ENCRYPTED in (req.include or []),
         store=req.store if req.store is not None else True,
         previous_response_id=req.previous_response_id,
         echo=echo,
+        namespaces=namespaced,
+        generate=generate,
     )
 
 
@@ -493,26 +556,32 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
 
 
 def call_item(
-    item_id: str, call: ToolCall, custom: frozenset[str], status: str = "completed"
+    item_id: str, call: ToolCall, req: ResponsesRequest, status: str = "completed"
 ) -> dict[str, Any]:
     done = status == "completed"
-    if call.name in custom:
-        return {
+    namespace, name = req.namespaces.get(call.name, (None, call.name))
+    item: dict[str, Any]
+    if call.name in req.custom_tools:
+        item = {
             "type": "custom_tool_call",
             "id": item_id,
             "call_id": call.id,
-            "name": call.name,
+            "name": name,
             "input": custom_input(call) if done else "",
             "status": status,
         }
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if done else "",
-        "status": status,
-    }
+    else:
+        item = {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call.id,
+            "name": name,
+            "arguments": call.arguments if done else "",
+            "status": status,
+        }
+    if namespace:
+        item["namespace"] = namespace
+    return item
 
 
 def output_items(reply: AssistantReply, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -521,7 +590,7 @@ def output_items(reply: AssistantReply, req: ResponsesRequest) -> list[dict[str,
         items.append(reasoning_item(_item_id("rs"), reply.reasoning, req.include_encrypted))
     if reply.content or not reply.tool_calls:
         items.append(message_item(_item_id("msg"), reply.content))
-    items += [call_item(_item_id("fc"), c, req.custom_tools) for c in reply.tool_calls]
+    items += [call_item(_item_id("fc"), c, req) for c in reply.tool_calls]
     return items
 
 
@@ -691,16 +760,15 @@ class EventWriter:
         events = self._close()
         index = len(self.output)
         item_id = _item_id("ctc" if call.name in self.req.custom_tools else "fc")
-        custom = self.req.custom_tools
         events.append(
             self._event(
                 "response.output_item.added",
                 output_index=index,
-                item=call_item(item_id, call, custom, status="in_progress"),
+                item=call_item(item_id, call, self.req, status="in_progress"),
             )
         )
-        item = call_item(item_id, call, custom)
-        if call.name in custom:
+        item = call_item(item_id, call, self.req)
+        if call.name in self.req.custom_tools:
             text = item["input"]
             events.append(
                 self._event(
@@ -767,6 +835,14 @@ class EventWriter:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out.append(self._event(kind, response=final))
         return out
+
+    def warmup(self) -> list[dict[str, Any]]:
+        """A ``generate: false`` request's whole answer: created and completed, no output."""
+        final = self._response("completed", usage_body=usage(self.input_tokens, 0))
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.completed", response=final),
+        ]
 
     def failed(self, message: str) -> dict[str, Any]:
         error = {"code": "server_error", "message": message}

@@ -32,7 +32,7 @@ def body(**fields: Any) -> bytes:
 def test_string_input_and_instructions() -> None:
     req = parse_request(body(input="Hi", instructions="Be brief."))
     assert req.chat.messages == [Message("system", "Be brief."), Message("user", "Hi")]
-    assert req.conversation == [Message("user", "Hi")]
+    assert req.context.messages == (Message("user", "Hi"),)
     assert req.store is True and req.include_encrypted is False
 
 
@@ -41,8 +41,19 @@ def test_message_roles_and_parts() -> None:
         body(
             input=[
                 {"role": "developer", "content": "Dev rules."},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "A"}, {"type": "input_text", "text": "B"}]},
-                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Reply."}]},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "A"},
+                        {"type": "input_text", "text": "B"},
+                    ],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Reply."}],
+                },
                 {"role": "system", "content": "Late system."},
             ]
         )
@@ -62,11 +73,25 @@ def test_one_model_turn_is_one_assistant_message() -> None:
             input=[
                 {"role": "user", "content": "Go"},
                 {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": token},
-                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Calling."}], "internal_chat_message_metadata_passthrough": {"x": 1}},
-                {"type": "function_call", "call_id": "call_a", "name": "f", "arguments": '{"x": 1}'},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Calling."}],
+                    "internal_chat_message_metadata_passthrough": {"x": 1},
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_a",
+                    "name": "f",
+                    "arguments": '{"x": 1}',
+                },
                 {"type": "custom_tool_call", "call_id": "call_b", "name": "exec", "input": "ls()"},
                 {"type": "function_call_output", "call_id": "call_a", "output": "one"},
-                {"type": "custom_tool_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "two"}]},
+                {
+                    "type": "custom_tool_call_output",
+                    "call_id": "call_b",
+                    "output": [{"type": "input_text", "text": "two"}],
+                },
             ],
             tools=[EXEC_TOOL],
         )
@@ -91,7 +116,15 @@ def test_reasoning_round_trip_and_foreign_tokens() -> None:
     assert decrypt_reasoning("gAAAAABforeign") is None
     # Someone else's token: fall back to the summary text.
     req = parse_request(
-        body(input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}], "encrypted_content": "gAAAA"}])
+        body(
+            input=[
+                {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": "S"}],
+                    "encrypted_content": "gAAAA",
+                }
+            ]
+        )
     )
     assert req.chat.messages == [Message("assistant", "", reasoning="S")]
 
@@ -124,7 +157,10 @@ def test_sampling_and_options() -> None:
             temperature=0.5,
             top_p=0.9,
             reasoning={"effort": "none"},
-            text={"format": {"type": "json_schema", "name": "a", "schema": schema}, "verbosity": "low"},
+            text={
+                "format": {"type": "json_schema", "name": "a", "schema": schema},
+                "verbosity": "low",
+            },
             tool_choice={"type": "function", "name": "f"},
             include=["reasoning.encrypted_content"],
             store=False,
@@ -141,13 +177,29 @@ def test_sampling_and_options() -> None:
 
 
 def test_previous_response_id() -> None:
-    earlier = [Message("user", "Q"), Message("assistant", "A")]
+    earlier = (Message("user", "Q"), Message("assistant", "A"))
+    first = parse_request(
+        body(
+            input=[
+                {
+                    "type": "additional_tools",
+                    "tools": [{"type": "namespace", "name": "ns", "tools": [EXEC_TOOL]}],
+                },
+                {"role": "user", "content": "Q"},
+            ],
+            tools=[{"type": "function", "name": "top", "parameters": {}}],
+        )
+    )
+    stored = first.context.extended(Message("assistant", "A"))
     req = parse_request(
         body(input="More", previous_response_id="resp_1", instructions="I"),
-        lambda rid: earlier if rid == "resp_1" else None,
+        lambda rid: stored if rid == "resp_1" else None,
     )
     assert req.chat.messages == [Message("system", "I"), *earlier, Message("user", "More")]
-    assert req.conversation == [*earlier, Message("user", "More")]
+    assert req.context.messages == (*earlier, Message("user", "More"))
+    # Tools sent as input items are part of the context; top-level tools are not carried.
+    assert [t.name for t in req.chat.tools] == ["ns.exec"]
+    assert req.custom_tools == {"ns.exec"} and req.namespaces == {"ns.exec": ("ns", "exec")}
     with pytest.raises(RequestError) as err:
         parse_request(body(input="x", previous_response_id="resp_2"), lambda rid: None)
     assert err.value.param == "previous_response_id"
@@ -158,7 +210,10 @@ def test_previous_response_id() -> None:
     [
         ({"input": [{"type": "nope"}]}, "input[0].type"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
         ({"input": []}, "input"),
@@ -178,15 +233,20 @@ def test_missing_model() -> None:
 
 def test_whole_response_items() -> None:
     req = parse_request(body(input="x", tools=[EXEC_TOOL], include=["reasoning.encrypted_content"]))
-    reply = AssistantReply(
-        "Running.", "Think.", [ToolCall("call_1", "exec", '{"input": "ls()"}')]
-    )
+    reply = AssistantReply("Running.", "Think.", [ToolCall("call_1", "exec", '{"input": "ls()"}')])
     resp = whole_response("resp_1", req, reply, "stop", 10, 5)
     assert resp["status"] == "completed" and resp["usage"]["total_tokens"] == 15
     reasoning, message, call = resp["output"]
     assert decrypt_reasoning(reasoning["encrypted_content"]) == "Think."
     assert message["content"][0]["text"] == "Running."
-    assert call == {"type": "custom_tool_call", "id": call["id"], "call_id": "call_1", "name": "exec", "input": "ls()", "status": "completed"}
+    assert call == {
+        "type": "custom_tool_call",
+        "id": call["id"],
+        "call_id": "call_1",
+        "name": "exec",
+        "input": "ls()",
+        "status": "completed",
+    }
     cut = whole_response("resp_2", req, AssistantReply("Par", None, []), "length", 10, 5)
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -70,7 +70,9 @@ def test_whole_response(
     assert resp.usage.input_tokens == len(stub.requests[n]["prompt"])
     assert stub.requests[n]["max_tokens"] == 200
     prompt = tok.decode(stub.requests[n]["prompt"])
-    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello.")
+    assert prompt.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello."
+    )
 
     rows = stub_proxy.turns("resp-whole", expect=1)
     assert len(rows) == 1
@@ -87,7 +89,10 @@ def test_streamed_response_event_sequence(
     client = stub_proxy.openai("resp-stream", monkeypatch)
     events = list(
         client.responses.create(
-            model="gpt-5", input="Weather in Paris?", tools=TOOLS, stream=True  # type: ignore[arg-type]
+            model="gpt-5",
+            input="Weather in Paris?",
+            tools=TOOLS,
+            stream=True,  # type: ignore[arg-type]
         )
     )
     kinds = [e.type for e in events]
@@ -107,7 +112,9 @@ def test_streamed_response_event_sequence(
         "response.output_item.done",
     ):
         assert needed in kinds
-    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    assert (
+        kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    )
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
     assert deltas == "Let me look."
     final = events[-1].response  # type: ignore[union-attr]
@@ -247,7 +254,10 @@ def test_input_tokens_counts_the_prompt(
     body = {"model": "gpt-5", "input": "Count me.", "instructions": "Be brief."}
     counted = client.post("/responses/input_tokens", body=body, cast_to=object)
     client.responses.create(**body)  # type: ignore[arg-type]
-    assert counted == {"object": "response.input_tokens", "input_tokens": len(stub.requests[n]["prompt"])}
+    assert counted == {
+        "object": "response.input_tokens",
+        "input_tokens": len(stub.requests[n]["prompt"]),
+    }
 
 
 def test_bad_input_is_an_openai_error(stub_proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,7 +266,8 @@ def test_bad_input_is_an_openai_error(stub_proxy: Proxy, monkeypatch: pytest.Mon
     client = stub_proxy.openai("resp-bad", monkeypatch)
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(
-            model="gpt-5", input=[{"type": "mystery_item", "x": 1}]  # type: ignore[list-item]
+            model="gpt-5",
+            input=[{"type": "mystery_item", "x": 1}],  # type: ignore[list-item]
         )
     error = err.value.body
     assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +31,17 @@ from capture.providers.base import (
 )
 from capture.providers.openai_chat import OpenAIErrors, openai_models_body
 from rewriter import openai_responses
-from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
-from rewriter.openai_responses import EventWriter, ResponsesRequest
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.openai_responses import Context, EventWriter, ResponsesRequest
 from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion
 
 logger = logging.getLogger(__name__)
 
 STORED_RESPONSES = "agenttap_responses_stored"
+WEBSOCKET_OPTION = "agenttap_responses_websocket"
+# Responses one WebSocket connection remembers for previous_response_id (also unstored ones).
+CONNECTION_RESPONSES = 8
 
 # Non-model calls of Responses clients on api.openai.com: (method, path prefix) -> JSON body.
 # The Agents SDK uploads its traces; accepted and dropped.
@@ -52,6 +55,8 @@ class ResponsesTurn(ProviderTurn):
     request: ResponsesRequest
     # WebSocket mode: events are sent as bare JSON messages, not SSE.
     websocket: bool = False
+    # The WebSocket connection's own memory of its responses (store or not), else None.
+    connection: OrderedDict[str, Context] | None = None
 
 
 @register
@@ -69,13 +74,20 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
             "Responses API: how many stored responses (store: true) are kept for "
             "previous_response_id, over all sessions; the oldest are forgotten first.",
         ),
+        ProviderOption(
+            WEBSOCKET_OPTION,
+            bool,
+            True,
+            "Responses API: serve the WebSocket mode (wss://api.openai.com/v1/responses). Off: "
+            "the upgrade gets 426 and clients such as Codex fall back to HTTP at once.",
+        ),
     )
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options)
         self.capacity = int(self.option_values[STORED_RESPONSES])
-        # (session id, response id) -> the conversation that response ended, instructions aside.
-        self._stored: OrderedDict[tuple[str, str], list[Message]] = OrderedDict()
+        # (session id, response id) -> the context that response ended with.
+        self._stored: OrderedDict[tuple[str, str], Context] = OrderedDict()
 
     @classmethod
     def check_options(cls, values: Mapping[str, Any]) -> None:
@@ -87,6 +99,13 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
             if call.method == "POST":
                 return Route(RouteKind.TURN)
             if call.method == "GET" and call.websocket:
+                if not self.option_values[WEBSOCKET_OPTION]:
+                    return Route(
+                        RouteKind.REFUSE,
+                        status=426,
+                        message="WebSocket mode is off on this proxy "
+                        f"({WEBSOCKET_OPTION}=false): use POST /v1/responses.",
+                    )
                 return Route(RouteKind.WEBSOCKET)
         if call.method == "POST" and call.path == "/v1/responses/input_tokens":
             return Route(RouteKind.COUNT_TOKENS)
@@ -98,8 +117,12 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         return None
 
     # -- per-session state -------------------------------------------------------------------
-    def _history(self, session_id: str) -> Any:
-        def lookup(response_id: str) -> list[Message] | None:
+    def _history(
+        self, session_id: str, connection: OrderedDict[str, Context] | None = None
+    ) -> Callable[[str], Context | None]:
+        def lookup(response_id: str) -> Context | None:
+            if connection is not None and response_id in connection:
+                return connection[response_id]
             found = self._stored.get((session_id, response_id))
             if found is not None:
                 self._stored.move_to_end((session_id, response_id))
@@ -108,26 +131,32 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         return lookup
 
     def finished(self, turn: ResponsesTurn, reply: AssistantReply, completion: Completion) -> None:
+        conversation = turn.request.context.extended(self.recorded_reply(turn, reply))
+        if turn.connection is not None:
+            _remember(turn.connection, turn.response_id, conversation)
         if not turn.request.store or self.capacity == 0:
             return
-        conversation = [*turn.request.conversation, self.recorded_reply(turn, reply)]
         self._stored[(turn.session_id, turn.response_id)] = conversation
         while len(self._stored) > self.capacity:
             self._stored.popitem(last=False)
 
     # -- requests ----------------------------------------------------------------------------
     def _parse(
-        self, body: bytes | dict[str, Any], session_id: str, websocket: bool = False
+        self,
+        body: bytes | dict[str, Any],
+        session_id: str,
+        connection: OrderedDict[str, Context] | None = None,
     ) -> ResponsesTurn:
-        request = openai_responses.parse_request(body, self._history(session_id))
-        if websocket:
+        request = openai_responses.parse_request(body, self._history(session_id, connection))
+        if connection is not None:
             request.chat.stream = True
         return ResponsesTurn(
             chat=request.chat,
             response_id=openai_responses.new_response_id(),
             session_id=session_id,
             request=request,
-            websocket=websocket,
+            websocket=connection is not None,
+            connection=connection,
         )
 
     def parse(self, call: Call, body: bytes, session_id: str) -> ResponsesTurn:
@@ -174,6 +203,7 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         the same events as the SSE stream, one JSON message each."""
         ws = web.WebSocketResponse(heartbeat=None, max_msg_size=0)
         await ws.prepare(request)
+        connection: OrderedDict[str, Context] = OrderedDict()
         session_id = runner.session_id(request, self)
         user_agent = request.headers.get("User-Agent", "")
 
@@ -198,18 +228,29 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
                 # Some clients nest the request under "response".
                 if isinstance(fields.get("response"), dict) and "model" not in fields:
                     fields = fields["response"]
-                turn = self._parse(fields, session_id, websocket=True)
+                turn = self._parse(fields, session_id, connection)
             except json.JSONDecodeError as exc:
                 await ws.send_str(json.dumps(_ws_error(400, f"message is not JSON ({exc})")))
                 continue
             except RequestError as exc:
                 await ws.send_str(json.dumps(_ws_error(exc.status, exc.message, exc.param)))
                 continue
+            if not turn.request.generate:
+                # Codex's prewarm: nothing to generate; a later call may continue from it.
+                _remember(connection, turn.response_id, turn.request.context)
+                await send(_ResponseEvents(turn, 0).warmup())
+                continue
             refused = await runner.run_turn(self, turn, send, user_agent)
             if refused is not None:
                 body = json.loads(refused.body) if isinstance(refused.body, bytes) else {}
                 await ws.send_str(json.dumps({"type": "error", "status": refused.status, **body}))
         return ws
+
+
+def _remember(memory: OrderedDict[str, Context], response_id: str, conversation: Context) -> None:
+    memory[response_id] = conversation
+    while len(memory) > CONNECTION_RESPONSES:
+        memory.popitem(last=False)
 
 
 def _ws_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -248,3 +289,6 @@ class _ResponseEvents:
 
     def error(self, message: str) -> bytes:
         return self._frame([self.writer.failed(message)])
+
+    def warmup(self) -> bytes:
+        return self._frame(self.writer.warmup())
