@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ipaddress
+import json
 import logging
 import os
 import sys
@@ -49,6 +51,10 @@ DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.
 DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+# Plain-HTTP requests through the proxy to this name are answered by the addon itself, from
+# loopback clients only: `POST http://agenttap.local/flush[?session=ID]` writes sessions' shards
+# now (tests and scripts use it instead of waiting for the idle timeout).
+CONTROL_HOST = "agenttap.local"
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
 
@@ -219,6 +225,9 @@ class AgentTap:
         if flow.response:
             return
         host = flow.request.pretty_host.lower()
+        if host == CONTROL_HOST and flow.request.scheme == "http":
+            self._control(flow)
+            return
         if host not in self.hosts:
             self._refuse(flow, host)
             return
@@ -265,6 +274,27 @@ class AgentTap:
         req.host = "127.0.0.1"
         req.port = self.gateway.port
         req.headers["Host"] = host
+
+    def _control(self, flow: http.HTTPFlow) -> None:
+        def answer(status: int, body: dict[str, object]) -> None:
+            flow.response = http.Response.make(
+                status, json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+
+        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        if not ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
+            answer(403, {"error": f"{CONTROL_HOST} answers loopback clients only"})
+            return
+        if flow.request.method != "POST" or flow.request.path.split("?")[0] != "/flush":
+            answer(404, {"error": f"{CONTROL_HOST} answers POST /flush[?session=ID] only"})
+            return
+        if self.gateway is None:
+            answer(503, {"error": "agenttap is not running: no policy server configured"})
+            return
+        session = flow.request.query.get("session")
+        written = self.gateway.flush(session)
+        logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
+        answer(200, {"written": [str(p) for p in written]})
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if "agenttap_host" in flow.metadata and flow.response is not None:

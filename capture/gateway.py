@@ -43,6 +43,16 @@ HOST_HEADER = "X-Agenttap-Host"
 DEFAULT_PROVIDER = "openai.chat"
 
 
+# The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
+# of a request in this header; a retry's earlier answer, if never continued, is a dead branch.
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+def is_client_retry(headers: Any) -> bool:
+    value = headers.get(RETRY_HEADER, "0").strip()
+    return value.isdigit() and int(value) > 0
+
+
 def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
     """``"claude-haiku-*=http://a:8000|http://b:8000,gpt-*=http://c:8000"`` -> rules.
 
@@ -148,6 +158,13 @@ class Gateway:
         if self._http:
             await self._http.close()
         self.store.close()
+
+    def flush(self, session_id: str | None = None) -> list[Path]:
+        """Write a session's shards now (all sessions: None). The session may go on: its next
+        call extends the written rows' exact ids, in a new row parented to them."""
+        store = self.store
+        sessions = [session_id] if session_id is not None else store.session_ids()
+        return [p for sid in sessions for p in store.end_session(sid, keep_threads=True)]
 
     async def _sweep(self) -> None:
         while True:
@@ -255,6 +272,7 @@ class Gateway:
         started = time.time()
         try:
             parsed = provider.parse(call, await self._read_body(request), session_id)
+            parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
         turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)

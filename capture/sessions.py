@@ -80,6 +80,9 @@ class SessionStore:
             self._sessions[session_id] = sess
         return sess
 
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
     def next_turn_index(self, session_id: str) -> int:
         return self._sharded_turns.get(session_id, 0) + len(self.session(session_id).turns)
 
@@ -213,6 +216,8 @@ def call_entry(call: Call) -> dict[str, Any]:
         ),
         "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
         "prompt_digest": call.prompt_digest,
+        "request_digest": call.request_digest,
+        "conv_digest": call.conv_digest,
         "started": call.started,
         "client_retry": call.client_retry,
     }
@@ -252,6 +257,8 @@ def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Ca
         suffix_provenance=suffix_prov,
         spliced=spliced,
         prompt_digest=entry.get("prompt_digest", 0),
+        request_digest=entry.get("request_digest", 0),
+        conv_digest=entry.get("conv_digest", 0),
         spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,
         compaction_of=calls.get(entry.get("compaction_of") or ""),
         parent_row=parent_row,

@@ -26,13 +26,15 @@ renamed). The request is placed in the tree, strongest evidence first:
   user message is the argument of an earlier tool call, or a conversation that opens with the
   summary an earlier call wrote, is linked to that call.
 
-Rows are derived, not accumulated (:func:`export_rows`): each leaf of the tree is one training row
-(its ``input_ids`` are exactly its last call's prompt + sampled ids), and every call is trained in
-exactly one row, the one reached from it by following *main* children (a continued child before one
-that was not, then the latest). Its other rows carry its tokens as context, masked. A call never
-continued, for which the client sent the same request again (its SDK's retry marker, or the resend
-was continued), is a *dead* branch: trained in its own row, flagged ``dead``, never in the live
-row. Identical calls with no such evidence are parallel calls: all live.
+Rows are derived, not accumulated (:func:`export_rows`): a row is the sequence of the last call of a
+chain of *main* children (its ``input_ids`` are exactly that call's prompt + sampled ids), and
+every call is trained in exactly one row, the one its main children lead to (a continued child
+before one that was not, then the last sent). Its other rows carry its tokens as context, masked.
+A call never continued, for which the client sent the same request again (its SDK's retry marker,
+or the resend was continued), is a *dead* branch: never a main child, trained in a row of its own
+flagged ``dead``, never in the live row. Identical calls with no such evidence are parallel calls:
+all live. A call the client's later history removed (a rewrite that dropped turns) is trained in
+a ``rewritten`` row of the sequence it was removed from.
 """
 
 from __future__ import annotations
@@ -149,8 +151,13 @@ class Call:
     suffix_provenance: list[int] | None
     # Rewrite: earlier calls of the path whose sampled ids sit in prompt_ids[start:end].
     spliced: list[tuple[Call, int, int]] = field(default_factory=list)
-    # crc32 of the prompt ids: siblings with the same digest were sent the same request.
+    # crc32 of the prompt ids.
     prompt_digest: int = 0
+    # crc32 chains over the header and message keys: of the request, and of the request plus
+    # the reply. Calls with one request after calls with one conversation are resends of each
+    # other, even where the earlier calls are indistinguishable twins.
+    request_digest: int = 0
+    conv_digest: int = 0
     spawned_by: tuple[Call, str] | None = None  # (call, tool-call id) whose argument opened it
     compaction_of: Call | None = None  # the call whose summary this conversation opens with
     children: list[Call] = field(default_factory=list)
@@ -160,6 +167,8 @@ class Call:
     tool_ids: frozenset[str] = frozenset()
     claims: dict[int, float] = field(default_factory=dict)  # in-flight requests extending it
     written_in: str | None = None  # thread id of the row it was trained in, once written
+    dead: bool = False  # written in a dead row
+    replaced_by: Call | None = None  # dead: the resend the client went on with
     started: int = 0  # arrival order of its request (a retry arrives after what it retries)
     client_retry: bool = False  # its client marked the request as a retry
     # Recovered from a journal whose earlier calls were written already: the row it continues.
@@ -182,6 +191,12 @@ class Call:
 
 def _digest(ids: list[int]) -> int:
     return zlib.crc32(array("q", ids).tobytes())
+
+
+def _fold(digest: int, keys: list[MessageKey]) -> int:
+    for key in keys:
+        digest = zlib.crc32(repr(key).encode("utf-8", "surrogatepass"), digest)
+    return digest
 
 
 @dataclass
@@ -304,6 +319,18 @@ class ThreadSet:
         header = header_key(tools, enable_thinking)
         id_calls = self._id_evidence(messages)
         parent = self._extension_parent(keys, header, id_calls, client_retry)
+        if parent is not None and any(
+            keys[i][0] == "assistant" and keys[i] in self._by_reply
+            for i in range(len(parent.conv), len(keys))
+        ):
+            # Replies of ours after the extended conversation: if another path holds more of the
+            # request's replies, in order, the request is that conversation, rewritten.
+            owner = self._rewrite_owner(messages, keys, header, id_calls)
+            if owner is not None and len(owner[1]) > len(parent.ancestors()):
+                call, aligned = owner
+                return self._claim(
+                    self._rewrite(call, aligned, messages, tools, keys, header, enable_thinking)
+                )
         # A request its client marks as a retry goes beside the call it repeats, if there is one.
         sibling = self._answered(keys, header, id_calls) if client_retry else None
         if sibling is None and parent is not None and not self._busy(parent):
@@ -381,6 +408,14 @@ class ThreadSet:
         on_path = set(map(id, call.ancestors()))
         return sum(1 for c in id_calls.values() if id(c) in on_path)
 
+    def _consistent(self, cands: list[Call], id_calls: dict[int, Call]) -> list[Call]:
+        """The candidates whose path holds every call the request's echoed tool-call ids name
+        (a twin conversation with the same text is not the one the client continues)."""
+        if not id_calls:
+            return cands
+        need = len(id_calls)
+        return [c for c in cands if self._path_id_score(c, id_calls) == need]
+
     def _extension_parent(
         self,
         keys: list[MessageKey],
@@ -405,6 +440,7 @@ class ThreadSet:
                 and (c.prompt_ids is not None or c.children)
                 and c.conv == keys[:n]
             ]
+            cands = self._consistent(cands, id_calls)
             if cands:
                 if any(self._holds_later_replies(c, keys, id_calls) for c in cands):
                     return None  # the history goes on past them with our replies: a rewrite
@@ -433,6 +469,7 @@ class ThreadSet:
             and c.prompt_ids is not None
             and c.conv[:-1] == keys
         ]
+        cands = self._consistent(cands, id_calls)
         if not cands:
             return None
         return max(cands, key=lambda c: (self._path_id_score(c, id_calls), c.uid))
@@ -740,8 +777,11 @@ class ThreadSet:
             # each message's text once, not once per call.
             n = len(parent.conv)
             call.conv = parent.conv + keys[n:] + [reply_key]
+            call.request_digest = _fold(parent.conv_digest, keys[n:])
         else:
             call.conv = list(keys) + [reply_key]
+            call.request_digest = _fold(_fold(0, [assembly.header]), keys)
+        call.conv_digest = _fold(call.request_digest, [reply_key])
         self.calls.append(call)
         if parent is not None:
             parent.children.append(call)
@@ -783,6 +823,12 @@ class ThreadSet:
         for call in self.calls:
             if call.written_in is None and call.request_id in thread_of:
                 call.written_in = thread_of[call.request_id]
+        dead = {rid for row in rows if row.dead for rid in row.trained_request_ids}
+        for call in self.calls:
+            if call.request_id in dead:
+                call.dead = True
+            elif call.written_in is not None and not call.dead:
+                call.replaced_by = None
         return rows, thread_of
 
 
@@ -820,12 +866,6 @@ def seq_ids(call: Call) -> list[int]:
     return node.prompt_ids[: call.seq_len]
 
 
-def _main_child(call: Call) -> Call:
-    # The continuation a trainer should see: a continued child before one that was not (a
-    # retry the client abandoned), then the last sent (the retry whose answer the client used).
-    return max(call.children, key=lambda c: (bool(c.children), c.started, c.uid))
-
-
 def _root_group(call: Call) -> tuple[int, Any]:
     spawn = (call.spawned_by[0].uid, call.spawned_by[1]) if call.spawned_by else None
     return (call.prompt_digest, spawn)
@@ -834,54 +874,54 @@ def _root_group(call: Call) -> tuple[int, Any]:
 def export_rows(calls: list[Call]) -> tuple[list[ThreadRow], dict[str, str]]:
     """The rows for every call not yet written (``written_in`` is None).
 
-    Each such call is trained in exactly one row: the one of the leaf its main children lead to
-    (``loss_mask`` 1 on its sampled tokens there), or, where the client's later history removed
-    it, in a ``rewritten`` row of the sequence it was removed from."""
-    # Roots sent the same prompt (a retried first call) are siblings under no parent.
-    groups: dict[tuple[int, Any], list[Call]] = {}
-    for call in calls:
-        if call.parent is None:
-            groups.setdefault(_root_group(call), []).append(call)
+    Each such call is trained in exactly one row: the one its main children lead to (``loss_mask``
+    1 on its sampled tokens there), or, where the client's later history removed it, in a
+    ``rewritten`` row of the sequence it was removed from. A call abandoned for a resend is never
+    a main child: it ends a dead row of its own."""
+    superseded = _supersessions(calls)
 
-    def main_of_siblings(call: Call) -> Call:
-        if call.parent is not None:
-            return _main_child(call.parent)
-        return max(groups[_root_group(call)], key=lambda c: (bool(c.children), c.started, c.uid))
+    def main_child(call: Call) -> Call | None:
+        # The continuation a trainer should see: a continued child before one that was not,
+        # then the last sent (the retry whose answer the client used).
+        live = [c for c in call.children if c.uid not in superseded]
+        return max(live, key=lambda c: (bool(c.children), c.started, c.uid)) if live else None
 
-    leaf_cache: dict[int, Call] = {}
+    end_cache: dict[int, Call] = {}
 
-    def leaf_of(call: Call) -> Call:
+    def end_of(call: Call) -> Call:
+        """The last call of the row that trains ``call``."""
         path = []
         node = call
-        while node.children and node.uid not in leaf_cache:
+        while node.uid not in end_cache:
             path.append(node)
-            node = _main_child(node)
-        leaf = leaf_cache.get(node.uid, node)
+            nxt = main_child(node)
+            if nxt is None:
+                break
+            node = nxt
+        end = end_cache.get(node.uid, node)
         for n in path:
-            leaf_cache[n.uid] = leaf
-        leaf_cache[node.uid] = leaf
-        return leaf
+            end_cache[n.uid] = end
+        return end
 
     def row_id(call: Call) -> str:
-        return call.written_in or "t-" + leaf_of(call).request_id
+        return call.written_in or "t-" + end_of(call).request_id
 
     assigned: dict[int, list[Call]] = {}
     for call in calls:
         if call.written_in is None:
-            assigned.setdefault(leaf_of(call).uid, []).append(call)
+            assigned.setdefault(end_of(call).uid, []).append(call)
     by_uid = {c.uid: c for c in calls}
-    superseded = _supersessions(calls, groups)
     rows: list[ThreadRow] = []
     thread_of: dict[str, str] = {}
-    for leaf_uid in sorted(assigned):
-        leaf = by_uid[leaf_uid]
-        mine = {c.uid for c in assigned[leaf_uid]}
-        tid = "t-" + leaf.request_id
-        row, removed = _compose(leaf, mine, tid, row_id)
-        top = min(assigned[leaf_uid], key=lambda c: c.uid)
-        _link(row, top, main_of_siblings, row_id, superseded)
+    for end_uid in sorted(assigned):
+        end = by_uid[end_uid]
+        mine = {c.uid for c in assigned[end_uid]}
+        tid = "t-" + end.request_id
+        row, removed = _compose(end, mine, tid, row_id)
+        top = min(assigned[end_uid], key=lambda c: c.uid)
+        _link(row, top, main_child, row_id, superseded)
         rows.append(row)
-        for c in assigned[leaf_uid]:
+        for c in assigned[end_uid]:
             thread_of[c.request_id] = tid
         # Calls the client's later history removed: trained in the sequence they were cut from.
         for cut_at, cut in removed:
@@ -906,23 +946,20 @@ def _compose(
     logprobs: list[float] = []
     provenance: list[int] = []
     spans: dict[int, tuple[int, int] | None] = {}
-    removed: list[tuple[Call, list[Call]]] = []
+    cut_at: dict[int, Call] = {}  # uid -> the call after which a rewrite removed it
     for call in path:
         base = call.base
         del logprobs[base:]
         del provenance[base:]
         if call.kind == "rewrite" or base < (call.parent.seq_len if call.parent else 0):
             moved = {c.uid: (s, e) for c, s, e in call.spliced}
-            cut: list[Call] = []
             for uid, span in spans.items():
                 if uid in moved:
                     spans[uid] = moved[uid]
                 elif span is not None and span[1] > base:
                     spans[uid] = None
-                    if uid in mine and call.parent is not None:
-                        cut.append(next(a for a in path if a.uid == uid))
-            if cut and call.parent is not None:
-                removed.append((call.parent, cut))
+                    if call.parent is not None:
+                        cut_at[uid] = call.parent
         n = call.prompt_len - base
         logprobs += call.suffix_logprobs if call.suffix_logprobs is not None else [0.0] * n
         provenance += call.suffix_provenance if call.suffix_provenance is not None else [0] * n
@@ -932,6 +969,15 @@ def _compose(
         spans[call.uid] = (start, len(logprobs))
     ids = seq_ids(leaf)
     assert len(ids) == len(logprobs) == len(provenance), "a call's deltas do not compose"
+    removed: list[tuple[Call, list[Call]]] = []
+    for call in path:
+        if call.uid in mine and spans[call.uid] is None and call.uid in cut_at:
+            at = cut_at[call.uid]
+            group = next((g for a, g in removed if a is at), None)
+            if group is None:
+                removed.append((at, [call]))
+            else:
+                group.append(call)
     mask = [0] * len(ids)
     turns: list[dict[str, Any]] = []
     trained: list[str] = []
@@ -974,51 +1020,69 @@ def _compose(
     return row, removed
 
 
-def _supersessions(calls: list[Call], groups: dict[tuple[int, Any], list[Call]]) -> dict[int, Call]:
+def _supersessions(calls: list[Call]) -> dict[int, Call]:
     """Calls abandoned for a resend of the same request: uid -> the resend the client used.
 
-    Among siblings sent the same prompt, each client retry marker says one earlier answer was
+    Among calls sent the same request from the same conversation (siblings, or children of
+    indistinguishable twins), each client retry marker says one earlier answer was
     abandoned; so does, after a call (not the first of a conversation: parallel conversations
     may open alike), a later sibling the client went on with while an earlier one was left.
-    The abandoned are the siblings never continued, earliest first; at least one sibling lives.
+    Each resend replaces the latest earlier one never continued; the last resend lives.
     Which of two identical answers was the abandoned one cannot be known and does not matter."""
-    sets: list[list[Call]] = [list(g) for g in groups.values() if len(g) > 1]
+    by_place: dict[tuple[Any, ...], list[Call]] = {}
     for call in calls:
-        if len(call.children) > 1:
-            by_prompt: dict[int, list[Call]] = {}
-            for child in call.children:
-                by_prompt.setdefault(child.prompt_digest, []).append(child)
-            sets += [g for g in by_prompt.values() if len(g) > 1]
+        if call.parent is not None:
+            place: tuple[Any, ...] = (call.parent.conv_digest, call.request_digest)
+        else:
+            # Not keyed by the spawning tool call: twin sub-agents are told apart by no more
+            # than the retry marker, which pairs with the latest earlier uncontinued answer.
+            place = (None, call.request_digest)
+        by_place.setdefault(place, []).append(call)
+    sets = [g for g in by_place.values() if len(g) > 1]
     out: dict[int, Call] = {}
     for siblings in sets:
         siblings.sort(key=lambda c: c.started)
-        left = [c for c in siblings if not c.children]
-        abandoned = sum(1 for c in siblings if c.client_retry)
-        continued = [c for c in siblings if c.children]
-        if continued and siblings[0].parent is not None:
-            last = continued[-1].started
-            abandoned = max(abandoned, sum(1 for c in left if c.started < last))
-        abandoned = min(abandoned, len(left), len(siblings) - 1)
-        dead = left[:abandoned]
-        alive = [c for c in siblings if c not in dead]
-        survivor = max(alive, key=lambda c: (bool(c.children), c.started))
-        for c in dead:
-            out[c.uid] = survivor
+        consumed: set[int] = set()
+        for k, resend in enumerate(siblings):
+            continued = bool(resend.children) and resend.parent is not None
+            if not (resend.client_retry or continued):
+                continue
+            # The latest earlier answer left uncontinued is the one this resend replaced; one
+            # written already (idle flush) keeps the flag it was written with.
+            for earlier in reversed(siblings[:k]):
+                if earlier.children or earlier.uid in consumed or earlier.dead:
+                    continue
+                if not resend.client_retry and earlier.parent is not resend.parent:
+                    continue  # a twin conversation that stopped here is not a retry
+                consumed.add(earlier.uid)
+                if earlier.written_in is None:
+                    out[earlier.uid] = resend
+                break
+    for uid, resend in list(out.items()):
+        # Retried again: the last resend is the one that lives.
+        while True:
+            nxt = out.get(resend.uid) or resend.replaced_by
+            if nxt is None:
+                break
+            resend = nxt
+        out[uid] = resend
+    for call in calls:
+        if call.uid in out:
+            call.replaced_by = out[call.uid]
     return out
 
 
 def _link(
-    row: ThreadRow, top: Call, main_of_siblings: Any, row_id: Any, superseded: dict[int, Call]
+    row: ThreadRow, top: Call, main_child: Any, row_id: Any, superseded: dict[int, Call]
 ) -> None:
     """Parent link and dead flag of a row whose first trained call is ``top``."""
     parent = top.parent
-    main = main_of_siblings(top)
     resend = superseded.get(top.uid)
-    if resend is not None and not top.children:
+    if resend is not None:
         row.dead, row.dead_reason, row.superseded_by = True, "superseded", row_id(resend)
     if parent is not None:
         row.parent_thread_id = row_id(parent)
-        row.parent_relation = "continued" if main is top else "branch"
+        row.parent_relation = "continued" if main_child(parent) is top else "branch"
     elif top.parent_row is not None:
         row.parent_thread_id, row.parent_relation = top.parent_row, "continued"
     elif top.spawned_by is not None:

@@ -3,13 +3,16 @@ vLLM-shaped stub, and real ``mitmdump`` processes running the addon."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,32 +127,28 @@ class Proxy:
                 self.proc.kill()
                 self.proc.wait()
 
-    def turns(
-        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
-    ) -> list[dict]:
-        """Rows of the per-call shards (waits for the session's idle flush)."""
-        return self._wait_rows(read_turns, session, expect, timeout)
+    def flush(self, session: str | None = None) -> list[str]:
+        """Have the proxy write the session's shards now (all sessions: None); its paths."""
+        query = "?" + urllib.parse.urlencode({"session": session}) if session is not None else ""
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{self.port}"})
+        )
+        req = urllib.request.Request(f"http://agenttap.local/flush{query}", data=b"", method="POST")
+        with opener.open(req, timeout=60) as resp:
+            return list(json.load(resp)["written"])
 
-    def threads(
-        self, session: str | None = None, expect: int = 1, timeout: float = 30.0
-    ) -> list[dict]:
-        """Rows of the thread shards (waits for the session's idle flush)."""
-        return self._wait_rows(read_threads, session, expect, timeout)
+    def turns(self, session: str | None = None, expect: int = 1, **_: object) -> list[dict]:
+        """Rows of the per-call shards, after flushing the session (fails under ``expect``)."""
+        self.flush(session)
+        rows = read_turns(self.out, session)
+        assert len(rows) >= expect, f"expected {expect} turn rows for {session!r}, got {len(rows)}"
+        return rows
 
-    def _wait_rows(
-        self,
-        read: Callable[[Path, str | None], list[dict]],
-        session: str | None,
-        expect: int,
-        timeout: float,
-    ) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        rows: list[dict] = []
-        while time.monotonic() < deadline:
-            rows = read(self.out, session)
-            if len(rows) >= expect:
-                return rows
-            time.sleep(0.3)
+    def threads(self, session: str | None = None, expect: int = 1, **_: object) -> list[dict]:
+        """Rows of the thread shards, after flushing the session (fails under ``expect``)."""
+        self.flush(session)
+        rows = read_threads(self.out, session)
+        assert len(rows) >= expect, f"expected {expect} thread rows for {session!r}, got {len(rows)}"
         return rows
 
 
@@ -187,7 +186,7 @@ def start_proxy(
     confdir: Path,
     tokenizer: Path = QWEN3,
     extra: list[str] | None = None,
-    idle_timeout: int = 1,
+    idle_timeout: int = 3600,
 ) -> Proxy:
     port = policy_server.free_port()
     log = out.parent / f"{out.name}-mitmdump.log"

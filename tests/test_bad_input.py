@@ -7,7 +7,6 @@ import base64
 import http.client
 import json
 import ssl
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +184,7 @@ def test_bad_request_is_refused_cleanly(
         second.usage.completion_tokens,
     ]
     assert len(stub_proxy.turns(other, expect=1)) == 1
-    time.sleep(2.0)  # longer than the idle flush: a stray turn would have been written by now
+    stub_proxy.flush()  # every session: a stray turn would be written now
     assert len(read_turns(stub_proxy.out, keeper)) == 2
     assert len(read_turns(stub_proxy.out, other)) == 1
     journals = list((stub_proxy.out / "journal").glob(f"bad-keeper-{name}-*.jsonl"))
@@ -228,7 +227,7 @@ def test_turn_index_keeps_counting_after_an_idle_flush(
     stub.replies.clear()
     stub.script("Before the pause.", "After the pause.")
     good_call(stub_proxy, "bad-pause", monkeypatch, "Before the pause.")
-    assert len(stub_proxy.turns("bad-pause", expect=1)) == 1  # flushed: the session went idle
+    assert len(stub_proxy.turns("bad-pause", expect=1)) == 1  # written, as after an idle pause
     good_call(stub_proxy, "bad-pause", monkeypatch, "After the pause.")
     rows = stub_proxy.turns("bad-pause", expect=2)
     assert len(rows) == 2

@@ -138,15 +138,8 @@ def test_runs_without_a_proxy_username(
     done = run_claude(claude, stub_proxy, None, workdir, "Say hello.")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Hello from the policy." in done.stdout
-    deadline = time.monotonic() + 30
-    rows: list[dict[str, Any]] = []
-    while not rows and time.monotonic() < deadline:
-        time.sleep(0.3)  # the session's shard is written after its idle timeout
-        rows = [
-            r
-            for r in read_turns(stub_proxy.out)
-            if r["completion_text"] == "Hello from the policy."
-        ]
+    stub_proxy.flush()  # its session is named by Claude Code's own header: write them all
+    rows = [r for r in read_turns(stub_proxy.out) if r["completion_text"] == "Hello from the policy."]
     assert len(rows) == 1
     # Named by Claude Code's X-Claude-Code-Session-Id (a UUID), not "anonymous".
     session = rows[0]["session_id"]
