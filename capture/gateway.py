@@ -2,9 +2,10 @@
 
 mitmproxy cannot stream a body an addon builds itself, so the addon points each intercepted flow
 at this server (running in mitmproxy's own event loop) and lets mitmproxy stream its answer back
-to the client. Here a provider request is translated to the canonical chat form, rendered to
-token ids, completed by vLLM token-in/token-out, parsed, answered in the provider's format as the
-tokens arrive, and recorded. Nothing here knows about mitmproxy.
+to the client. Here the registry's providers (``capture/providers``) say who answers a call; a
+model call is translated by its provider to the canonical chat form, rendered to token ids,
+completed by vLLM token-in/token-out, parsed, answered in the provider's format as the tokens
+arrive, and recorded. Nothing here knows about mitmproxy or any one provider.
 """
 
 from __future__ import annotations

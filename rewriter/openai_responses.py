@@ -499,11 +499,16 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_" + secrets.token_hex(24)
 
 
+# OpenAI's error codes clients act on (Codex resends the whole history on this one).
+_ERROR_CODES = {"previous_response_id": "previous_response_not_found"}
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {404: "not_found_error", 401: "authentication_error", 429: "rate_limit_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error"
     )
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    code = _ERROR_CODES.get(param or "")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def status_of(vllm_reason: str | None) -> tuple[str, dict[str, Any] | None]:

@@ -220,6 +220,7 @@ def test_previous_response_id_continues_a_stored_response(
         client.responses.create(model="gpt-5", input="x", previous_response_id="resp_unknown")
     assert err.value.status_code == 400
     assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert err.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
     # Another session cannot continue this session's response.
     other = stub_proxy.openai("resp-stored-other", monkeypatch)
     with pytest.raises(openai.BadRequestError):
@@ -274,3 +275,73 @@ def test_bad_input_is_an_openai_error(stub_proxy: Proxy, monkeypatch: pytest.Mon
     assert error["param"] == "input[0].type" and "mystery_item" in error["message"]
     # A side call of the Agents SDK is answered locally, not 404.
     assert client.post("/traces/ingest", body={"data": []}, cast_to=object) == {}
+
+
+def test_websocket_mode(stub_proxy: Proxy, stub: StubPolicy, tok: Any) -> None:
+    """The Responses WebSocket mode through mitmdump, as Codex uses it: a warm-up, a turn, a
+    turn continuing it by previous_response_id with only the new items, and a bad message
+    answered with an error event on a connection that stays open."""
+    import asyncio
+    import ssl
+
+    import aiohttp
+
+    n = script(stub, "First answer.", "Second answer.")
+
+    async def converse() -> list[list[dict[str, Any]]]:
+        context = ssl.create_default_context(cafile=str(stub_proxy.ca))
+        answers: list[list[dict[str, Any]]] = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(
+                "wss://api.openai.com/v1/responses",
+                proxy=f"http://resp-ws:x@127.0.0.1:{stub_proxy.port}",
+                ssl=context,
+            ) as ws:
+
+                async def exchange(message: dict[str, Any]) -> list[dict[str, Any]]:
+                    await ws.send_str(json.dumps({"type": "response.create", **message}))
+                    events = []
+                    while True:
+                        event = json.loads(await ws.receive_str(timeout=30))
+                        events.append(event)
+                        if event["type"] in ("response.completed", "error", "response.failed"):
+                            return events
+
+                base = {"model": "gpt-5", "store": False}
+                warm = await exchange({**base, "input": None, "generate": False})
+                first = await exchange(
+                    {**base, "input": "Hello?", "previous_response_id": warm[-1]["response"]["id"]}
+                )
+                bad = await exchange({**base, "input": [{"type": "mystery_item"}]})
+                second = await exchange(
+                    {
+                        **base,
+                        "input": "And again?",
+                        "previous_response_id": first[-1]["response"]["id"],
+                    }
+                )
+                answers = [warm, first, bad, second]
+        return answers
+
+    warm, first, bad, second = asyncio.run(converse())
+    assert [e["type"] for e in warm] == ["response.created", "response.completed"]
+    assert warm[-1]["response"]["output"] == []
+    assert first[-1]["response"]["output"][0]["content"][0]["text"] == "First answer."
+    assert [e["sequence_number"] for e in first] == list(range(len(first)))
+    assert bad == [
+        {
+            "type": "error",
+            "status": 400,
+            "error": bad[0]["error"],
+        }
+    ]
+    assert bad[0]["error"]["param"] == "input[0].type"
+    assert second[-1]["response"]["output"][0]["content"][0]["text"] == "Second answer."
+    # Two policy calls (the warm-up and the bad message made none); the second extends the first.
+    assert len(stub.requests) - n == 2
+    rows = stub_proxy.turns("resp-ws", expect=2)
+    assert [json.loads(r["metadata"])["assembly"] for r in rows] == ["new", "extend"]
+    first_ids = expected_ids(tok, "First answer.")
+    assert stub.requests[n + 1]["prompt"][: len(stub.requests[n]["prompt"]) + len(first_ids)] == (
+        stub.requests[n]["prompt"] + first_ids
+    )
