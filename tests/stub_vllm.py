@@ -66,7 +66,8 @@ class StubPolicy:
         self, body: dict[str, Any], max_tokens: int
     ) -> tuple[list[int], str, str | None]:
         """(ids, finish_reason, stop_reason) as vLLM would sample the scripted text."""
-        text = self._next_text(body)
+        # A re-score (prompt_logprobs) is not one of the scripted turns: it takes no reply.
+        text = self.default_reply if body.get("prompt_logprobs") is not None else self._next_text(body)
         ids = list(self.tok.encode(text, add_special_tokens=False))
         stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
         for n in range(1, min(len(ids), max_tokens) + 1):
@@ -83,6 +84,19 @@ class StubPolicy:
     @staticmethod
     def _logprob(i: int, token: int) -> float:
         return -((token * 7919 + i * 104729) % 1000) / 997.0 - 1e-3
+
+    def _prompt_logprobs(self, prompt: list[int], asked: int | None) -> list[Any] | None:
+        """As vLLM: entry 0 null, then per prompt token {"<id>": {logprob, rank, decoded_token}}
+        (with ``prompt_logprobs: 0`` just the prompt's own token). A rewrite's re-score in the
+        proxy reads these; the value is a fixed function of the position and the token."""
+        if asked is None:
+            return None
+        out: list[Any] = [None]
+        for pos, token in enumerate(prompt[1:], start=1):
+            entry = {"logprob": self._logprob(pos, token), "rank": 1 + token % 50}
+            entry["decoded_token"] = self.tok.decode([token])
+            out.append({str(token): entry})
+        return out
 
     def _piece(self, ids: list[int], upto: int) -> str:
         return self.tok.decode(ids[:upto], skip_special_tokens=True)
@@ -197,7 +211,7 @@ class StubPolicy:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
                 "token_ids": ids,
-                "prompt_logprobs": None,
+                "prompt_logprobs": self._prompt_logprobs(prompt, body.get("prompt_logprobs")),
                 "prompt_token_ids": prompt,
                 "routed_experts": None,
             }

@@ -415,3 +415,67 @@ def test_compaction_links_the_new_conversation_to_the_summary(template: ChatTemp
     rows, thread_of = threads.export()
     row = next(r for r in rows if r.thread_id == thread_of["c1"])
     assert row.parent_relation == "compaction" and row.parent_thread_id == thread_of["s1"]
+
+
+def test_a_truncated_history_trains_the_removed_calls_in_a_rewritten_row(template: ChatTemplate) -> None:
+    """A scaffold drops its oldest turns (after "prompt is too long"): the removed calls are not
+    lost; they are trained in a row of the sequence they were sampled in, linked to the live one."""
+    threads = ThreadSet("s", template)
+    msgs = [Message("system", "Agent."), Message("user", "Long task")]
+    calls = []
+    for i in range(4):
+        calls.append(_one_call(threads, msgs, f"step {i} done", template, f"r{i}"))
+        msgs += [Message("assistant", f"step {i} done"), Message("user", f"next {i}")]
+    # Keep the system and first user message, drop the first two exchanges.
+    trimmed = msgs[:2] + msgs[6:]
+    last = _one_call(threads, trimmed, "finished", template, "r4")
+    assert last.kind == "rewrite" and last.parent is calls[3]
+    rows, thread_of = threads.export()
+    main = next(r for r in rows if r.thread_id == thread_of["r4"])
+    side = next(r for r in rows if r.parent_relation == "rewritten")
+    assert main.trained_request_ids == ["r2", "r3", "r4"]
+    assert side.trained_request_ids == ["r0", "r1"] and side.parent_thread_id == main.thread_id
+    assert thread_of["r0"] == thread_of["r1"] == side.thread_id
+    assert side.input_ids == seq_ids(calls[3])
+    dropped = [t for t in main.turns if t["status"] == "dropped"]
+    assert [t["request_id"] for t in dropped] == ["r0", "r1"]
+    assert {t["trained_in"] for t in dropped} == {side.thread_id}
+    assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in (*calls, last))
+
+
+def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A session with a retry and a rewrite, rebuilt from its journal after a crash, gives the
+    rows the live process would have written: same ids, masks, dead flags, links."""
+    from capture.records import TurnRecord
+    from capture.sessions import SessionStore
+    from rewriter.canonical import ChatRequest
+    from tests.conftest import read_threads
+
+    live, crashed = SessionStore(tmp_path / "live", template), SessionStore(tmp_path / "crash", template)
+    msgs = [Message("system", "s"), Message("user", "q0")]
+    script = [(list(msgs), "a0", False)]
+    msgs2 = msgs + [Message("assistant", "a0"), Message("user", "q1")]
+    script += [(msgs2, "lost", False), (msgs2, "kept", True)]
+    msgs3 = [Message("system", "s"), Message("user", "<r>x</r>q0"), Message("assistant", "a0"),
+             Message("user", "q1"), Message("assistant", "kept"), Message("user", "q2")]  # fmt: skip
+    script += [(msgs3, "a3", False)]
+    for i, (m, text, retry) in enumerate(script):
+        ids = template.encode(text) + [template.eos_token_id]
+        for store in (live, crashed):
+            chat = ChatRequest(messages=list(m), model="m", client_retry=retry)
+            assembly = store.assemble("sess", chat)
+            record = TurnRecord(
+                session_id="sess", request_id=f"r{i}", turn_index=i, protocol="openai.chat",
+                requested_model="m", policy_model="p", backend="b", user_agent="ua",
+                prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
+                finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+            )  # fmt: skip
+            store.record(record, assembly, Message("assistant", text))
+    live.close()
+    SessionStore(tmp_path / "crash", template).recover()
+    a = sorted(read_threads(tmp_path / "live"), key=lambda r: r["thread_id"])
+    b = sorted(read_threads(tmp_path / "crash"), key=lambda r: r["thread_id"])
+    assert len(a) == 2 and [r["dead"] for r in a].count(True) == 1
+    keys = ["thread_id", "input_ids", "loss_mask", "logprobs", "provenance", "turns", "dead",
+            "superseded_by", "parent_thread_id", "parent_relation", "trained_request_ids"]  # fmt: skip
+    assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]

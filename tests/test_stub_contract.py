@@ -388,3 +388,21 @@ def test_errors_have_vllms_shape(
     assert real["error"]["type"] == fake["error"]["type"]
     assert real["error"]["param"] == fake["error"]["param"]
     assert real["error"]["code"] == fake["error"]["code"] == rs
+
+
+def test_prompt_logprobs_shape(
+    vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    """The proxy re-scores rewritten history with ``prompt_logprobs: 0``: the stub answers it in
+    vLLM's shape (entry 0 null, then the prompt token's own entry)."""
+    (rs, _, rraw), (fs, _, fraw) = both(
+        vllm_url, stub, models, prompt_ids, LONG_REPLY, prompt_logprobs=0, max_tokens=1, logprobs=None
+    )
+    assert rs == fs == 200
+    real, fake = json.loads(rraw)["choices"][0], json.loads(fraw)["choices"][0]
+    assert_same_shape(real["prompt_logprobs"], fake["prompt_logprobs"], "prompt_logprobs")
+    for choice in (real, fake):
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(prompt_ids) and entries[0] is None
+        for token, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+            assert str(token) in entry and entry[str(token)]["logprob"] <= 0

@@ -45,7 +45,8 @@ def _assert_exact(row: dict, turns: list[dict], vllm_url: str, tolerance: float 
     bits (measured: 9.5e-7 at 11.5k tokens); short sessions match exactly."""
     ids, mask, lps, prov = row["input_ids"], row["loss_mask"], row["logprobs"], row["provenance"]
     assert len(ids) == len(mask) == len(lps) == len(prov)
-    assert all((m == 1) == (p in (1, 2)) for m, p in zip(mask, prov, strict=True))
+    # Trained tokens are policy tokens; policy tokens trained in another row are context here.
+    assert all(p in (1, 2) for m, p in zip(mask, prov, strict=True) if m == 1)
     rescored = _rescore(vllm_url, ids)
     diffs = [
         abs(np.float32(lp) - np.float32(r))
@@ -118,6 +119,46 @@ def test_rewritten_history_is_recomputed_exactly(
     )
     assert row["num_turns"] == 3 and not any(t["dropped"] for t in row["turns"])
     _assert_exact(row, turns, vllm_url)
+
+
+def test_retry_and_rewrite_still_rescore_exactly(
+    vllm_proxy: Proxy, vllm_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SDK retry of an identical request (its retry header), then a rewrite of the first user
+    message: the abandoned answer is a dead row, the live row keeps the history, and every
+    trained logprob of both rows equals vLLM's re-score of that row."""
+    session = "traj-retry-rewrite"
+    client = vllm_proxy.openai(session, monkeypatch)
+    messages: list[dict] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "First question."},
+    ]
+    messages.append({"role": "assistant", "content": _chat(client, messages)})
+    messages.append({"role": "user", "content": "Second question."})
+    _chat(client, messages)  # the answer the client never used
+    kept = _chat(client, messages, extra_headers={"x-stainless-retry-count": "1"})
+    messages.append({"role": "assistant", "content": kept})
+    messages[1] = {
+        "role": "user",
+        "content": "<system-reminder>Files changed.</system-reminder>\nFirst question.",
+    }
+    messages.append({"role": "user", "content": "Third question."})
+    _chat(client, messages)
+    turns = vllm_proxy.turns(session, expect=4, timeout=60)
+    assert [json.loads(t["metadata"])["assembly"] for t in turns] == [
+        "new", "extend", "retry", "rewrite",
+    ]  # fmt: skip
+    threads = _threads(vllm_proxy, session, 4)
+    assert len(threads) == 2
+    live = next(r for r in threads if not r["dead"])
+    dead = next(r for r in threads if r["dead"])
+    ids = [t["request_id"] for t in turns]
+    assert live["trained_request_ids"] == [ids[0], ids[2], ids[3]]
+    assert dead["trained_request_ids"] == [ids[1]] and dead["superseded_by"] == live["thread_id"]
+    # Every call trained once, no token twice.
+    assert sum(sum(r["loss_mask"]) for r in threads) == sum(len(t["completion_ids"]) for t in turns)
+    worst = max(_assert_exact(row, turns, vllm_url) for row in threads)
+    print(f"retry + rewrite session: max |stored - rescored| = {worst}")
 
 
 def test_side_call_starts_its_own_thread(
