@@ -32,6 +32,8 @@ WEBSOCKET_OFF = ["--set", "agenttap_responses_websocket=false"]
 EXEC_SCRIPT = 'const r = await tools.exec_command({cmd: "printf hi > hello.txt"});\ntext(r.output);'
 FIRST = "<think>\nI will write the file.\n</think>\n\n" + hermes("exec", {"input": EXEC_SCRIPT})
 LAST = "Created hello.txt."
+# With an older model name Codex sends classic function tools and expects function_call items.
+FUNCTION_CALL = hermes("exec_command", {"cmd": "printf hi > hello.txt"})
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,13 @@ def http_proxy(
 
 
 def run_codex(
-    codex: Path, proxy: Proxy, session: str, workdir: Path, prompt: str, timeout: float = 240
+    codex: Path,
+    proxy: Proxy,
+    session: str,
+    workdir: Path,
+    prompt: str,
+    timeout: float = 240,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     home = workdir.parent / f"{workdir.name}-codex-home"
     home.mkdir(exist_ok=True)
@@ -86,8 +94,9 @@ def run_codex(
             "--skip-git-repo-check",
             "--dangerously-bypass-approvals-and-sandbox",
             "--json",
+            *extra,
             prompt,
-        ],  # fmt: skip
+        ],
         cwd=workdir,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -109,6 +118,8 @@ def check_file_task(
     tok: Any,
     stub: StubPolicy,
     first_request: int,
+    first_text: str = FIRST,
+    tool_name: str = "exec",
 ) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert (workdir / "hello.txt").read_text() == "hi"
@@ -123,17 +134,17 @@ def check_file_task(
     assert [t["protocol"] for t in turns] == ["openai.responses"] * 2
     assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new", "extend"]
     first, second = turns
-    sampled = list(tok.encode(FIRST, add_special_tokens=False)) + [IM_END]
+    sampled = list(tok.encode(first_text, add_special_tokens=False)) + [IM_END]
     assert first["completion_ids"] == sampled
     # Call 2 is call 1's prompt + the sampled ids (its reasoning came back as our encrypted
     # token, its call with Codex's metadata added) + the tool's output: nothing re-rendered.
     assert second["prompt_ids"][: len(first["prompt_ids"]) + len(sampled)] == (
         first["prompt_ids"] + sampled
     )
-    assert "Script completed" in tok.decode(second["prompt_ids"][len(first["prompt_ids"]) :])
+    assert "<tool_response>" in tok.decode(second["prompt_ids"][len(first["prompt_ids"]) :])
     assert first["user_agent"].startswith("codex_exec/")
     prompt = tok.decode(first["prompt_ids"])
-    assert '"name": "exec"' in prompt and "Create hello.txt containing hi" in prompt
+    assert f'"name": "{tool_name}"' in prompt and "Create hello.txt containing hi" in prompt
     threads = proxy.threads(session, expect=1)
     assert len(threads) == 1 and threads[0]["num_turns"] == 2
 
@@ -152,6 +163,21 @@ def test_codex_writes_a_file_over_websocket(
     assert "101 Switching Protocols" in log
     assert "POST https://api.openai.com/v1/responses" not in log  # no fallback to HTTP
 
+    # A new Codex process resumes the conversation on a new connection: it sends the whole
+    # history, which still extends the exact ids of the written thread.
+    stub.script("Bye.")
+    resumed = run_codex(
+        codex, ws_proxy, "codex-ws", workdir, "Now say bye", extra=("resume", "--last")
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    turns = ws_proxy.turns("codex-ws", expect=3)
+    assert len(turns) == 3
+    assert json.loads(turns[2]["metadata"])["assembly"] == "extend"
+    second = turns[1]
+    assert turns[2]["prompt_ids"][: len(second["prompt_ids"]) + len(second["completion_ids"])] == (
+        second["prompt_ids"] + second["completion_ids"]
+    )
+
 
 def test_codex_writes_a_file_over_http(
     codex: Path, http_proxy: Proxy, stub: StubPolicy, tok: Any, tmp_path: Path
@@ -168,6 +194,27 @@ def test_codex_writes_a_file_over_http(
     # The upgrade was refused with 426 once, and Codex went straight to HTTP.
     assert log.count("<< 426") == 1, log[-3000:]
     assert log.count("POST https://api.openai.com/v1/responses") == 2
+
+
+def test_codex_with_function_tools(
+    codex: Path, ws_proxy: Proxy, stub: StubPolicy, tok: Any, tmp_path: Path
+) -> None:
+    """``-m gpt-5-codex``: top-level function tools, answered with a function_call."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    stub.replies.clear()
+    stub.script(FUNCTION_CALL, LAST)
+    n = len(stub.requests)
+    done = run_codex(
+        codex, ws_proxy, "codex-fn", workdir, "Create hello.txt containing hi",
+        extra=("-m", "gpt-5-codex"),
+    )  # fmt: skip
+    check_file_task(
+        done, workdir, ws_proxy, "codex-fn", tok, stub, n, FUNCTION_CALL, "exec_command"
+    )
+    assert [t["requested_model"] for t in ws_proxy.turns("codex-fn", expect=2)] == [
+        "gpt-5-codex"
+    ] * 2
 
 
 @pytest.mark.vllm
