@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import time
+import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from aiohttp import web
 from capture.providers import registered
 from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.records import TurnRecord
-from capture.sessions import SessionStore
+from capture.sessions import SessionStore, safe_text
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
@@ -42,6 +43,18 @@ SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
+
+
+def quote_session(session_id: str) -> str:
+    """A proxy username as a header value: control characters (CR, LF, NUL) %-escaped, since a
+    header cannot carry them; ``unquote_session`` gives the name back."""
+    return "".join(
+        f"%{ord(c):02X}" if ord(c) < 32 or ord(c) == 127 or c == "%" else c for c in session_id
+    )
+
+
+def unquote_session(value: str) -> str:
+    return urllib.parse.unquote(value)
 
 
 # The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
@@ -263,8 +276,8 @@ class Gateway:
             # No proxy username: a client's own session header still keeps runs apart.
             for name, client in provider.session_headers.items():
                 if request.headers.get(name):
-                    return f"{client}:{request.headers[name]}"
-        return session
+                    return safe_text(f"{client}:{request.headers[name]}")[:256]
+        return safe_text(unquote_session(session))
 
     async def _turn(
         self, request: web.Request, call: Call, provider: Provider[Any]
