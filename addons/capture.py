@@ -32,8 +32,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import connection, ctx, exceptions, http  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http, tcp  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
+from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
     HOST_HEADER,
@@ -304,6 +305,25 @@ class AgentTap:
         if user:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = user
+
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # The only server mitmproxy may connect to is the gateway: whatever else would open a
+        # connection (a raw tunnel, a flow we did not route) never reaches the network.
+        address = data.server.address
+        if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
+            return
+        host, port = address or ("?", 0)
+        data.server.error = f"agenttap: {host}:{port} is not dialed; only the policy answers here"
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        # A tunnel to an API host that does not carry TLS (or HTTP) would be relayed as raw TCP
+        # to the real host: close it instead. Nothing but the policy answers here.
+        logger.warning(
+            "agenttap: closed a tunnel from %s that is not TLS or HTTP (raw bytes are never "
+            "relayed)",
+            flow.client_conn.peername[0] if flow.client_conn.peername else "?",
+        )
+        flow.kill()
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)

@@ -252,3 +252,73 @@ def test_the_proxy_starts_over_a_folder_with_a_bad_journal(
         proxy.stop()
     # The unreadable journal was dealt with (skipped or kept aside), not left to fail every start.
     assert not (out / "journal" / "junk-1.jsonl").exists()
+
+
+# -- 8/9. stopping the embedded policy while vLLM starts leaves nothing running ---------------
+
+
+def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_path: Path) -> None:
+    import os
+    import re
+    import signal
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rewriter.policy_server", "--log", str(tmp_path / "vllm.log")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    match = re.search(r"127\.0\.0\.1:(\d+)", line)
+    assert match, line
+    port = match.group(1)
+
+    def vllm_running() -> bool:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"vllm.entrypoints.openai.api_server" in cmdline and f"--port {port}".encode() in cmdline:
+                return True
+        return False
+
+    deadline = time.monotonic() + 60
+    while not vllm_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert vllm_running(), "vLLM never started"
+    proc.send_signal(signal.SIGTERM)  # as run_proxy.sh's trap does on Ctrl-C
+    proc.wait(60)
+    deadline = time.monotonic() + 30
+    while vllm_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not vllm_running(), "the vLLM server was left running"
+
+
+def test_a_tunnel_carrying_raw_bytes_is_closed_not_relayed(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    """CONNECT api.openai.com:443, then plain bytes instead of TLS: nothing is dialed out."""
+    from tests.conftest import start_proxy
+
+    proxy = start_proxy(stub.url, tmp_path / "out", confdir)
+    try:
+        import socket
+
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n")
+            assert b" 200 " in sock.recv(4096)
+            sock.sendall(b"\x00\x01RAW-NOT-TLS-" * 20 + b"\r\n\r\n")
+            sock.settimeout(10)
+            try:
+                while sock.recv(4096):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+        time.sleep(0.5)  # let mitmdump write its log lines
+    finally:
+        proxy.stop()
+    log = proxy.log.read_text(errors="replace")
+    assert "not TLS or HTTP" in log
+    assert "server connect api.openai.com" not in log, "a connection to the real host was opened"
+    assert "api.openai.com:443 is not dialed" in log
