@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
@@ -150,6 +151,24 @@ class Proxy:
         rows = read_threads(self.out, session)
         assert len(rows) >= expect, f"expected {expect} thread rows for {session!r}, got {len(rows)}"
         return rows
+
+
+def record_turn(
+    store: Any, session: str, chat: Any, ids: list[int], i: int, text: str | None = None
+) -> None:
+    """Assemble ``chat`` in ``store`` and record call ``r{i}`` answering ``ids`` (text
+    ``answer {i}`` unless given), as the gateway would after vLLM answered."""
+    from capture.records import TurnRecord
+    from rewriter.canonical import Message
+
+    assembly = store.assemble(session, chat)
+    record = TurnRecord(
+        session_id=session, request_id=f"r{i}", turn_index=i, protocol="openai.chat",
+        requested_model="m", policy_model="p", backend="b", user_agent="ua",
+        prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
+        finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+    )  # fmt: skip
+    store.record(record, assembly, Message("assistant", text if text is not None else f"answer {i}"))
 
 
 def _read_shards(folder: Path, session: str | None) -> list[dict]:

@@ -20,12 +20,20 @@ from typing import Any
 import pytest
 
 import capture.shards
-from capture.records import TurnRecord
 from capture.sessions import SessionStore
 from rewriter import policy_server
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
-from tests.conftest import CAPTURE, MITMDUMP, QWEN3, REPO, Proxy, read_threads, read_turns
+from tests.conftest import (
+    CAPTURE,
+    MITMDUMP,
+    QWEN3,
+    REPO,
+    Proxy,
+    read_threads,
+    read_turns,
+    record_turn,
+)
 from tests.flows import read_flows, recording
 from tests.stub_vllm import StubPolicy
 
@@ -161,15 +169,8 @@ def _store_with_turns(root: Path, template: ChatTemplate, n: int) -> SessionStor
     store = SessionStore(root, template)
     msgs = [Message("system", "s"), Message("user", "q0")]
     for i in range(n):
-        assembly = store.assemble("crash", ChatRequest(messages=list(msgs), model="m"))
         ids = template.encode(f"answer {i}") + [template.eos_token_id]
-        record = TurnRecord(
-            session_id="crash", request_id=f"r{i}", turn_index=i, protocol="openai.chat",
-            requested_model="m", policy_model="p", backend="b", user_agent="ua",
-            prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
-            finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
-        )  # fmt: skip
-        store.record(record, assembly, Message("assistant", f"answer {i}"))
+        record_turn(store, "crash", ChatRequest(messages=list(msgs), model="m"), ids, i)
         msgs += [Message("assistant", f"answer {i}"), Message("user", f"q{i + 1}")]
     return store
 
