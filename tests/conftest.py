@@ -129,7 +129,10 @@ class Proxy:
                 self.proc.wait()
 
     def flush(self, session: str | None = None) -> list[str]:
-        """Have the proxy write the session's shards now (all sessions: None); its paths."""
+        """Have the proxy write the session's shards now (all sessions: None); its paths. A
+        stopped proxy wrote everything when it stopped."""
+        if self.proc.poll() is not None:
+            return []
         query = "?" + urllib.parse.urlencode({"session": session}) if session is not None else ""
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{self.port}"})
