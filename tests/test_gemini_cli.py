@@ -211,17 +211,23 @@ def test_gemini_cli_against_the_real_policy(
         # Gemini CLI's prompt is ~8.5k tokens: see _assert_exact on fp32 at long context.
         assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
     # The router call was sampled under a JSON-schema grammar: vLLM's logprobs are those of the
-    # grammar-masked distribution (the model's, renormalized over the allowed tokens), so they
-    # are never below an unconstrained re-score, and above it where the grammar cut choices.
-    # Whether a trainer wants these or the unconstrained ones is the trajectory core's call.
+    # grammar-masked distribution (never below the model's own). The turns shard keeps them as
+    # vLLM returned them; the thread row trains the policy's own logprobs (a re-score,
+    # provenance 2), so every exported trained logprob equals vLLM's re-score.
+    for t in router:
+        assert json.loads(t["metadata"])["constrained"] == "json_schema"
     for row in rows:
         if row["thread_id"] not in router_threads:
             continue
+        trained = [p for p, m in zip(row["provenance"], row["loss_mask"], strict=True) if m]
+        assert trained and set(trained) == {2}
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
+        (t,) = [t for t in router if t["thread_id"] == row["thread_id"]]
         rescored = _rescore(vllm_url, row["input_ids"])
+        start = len(t["prompt_ids"])
         gaps = [
             float(np.float32(lp) - np.float32(r))
-            for lp, r, m in zip(row["logprobs"], rescored, row["loss_mask"], strict=True)
-            if m == 1
+            for lp, r in zip(t["completion_logprobs"], rescored[start:], strict=True)
         ]
         assert gaps and min(gaps) >= -1e-5, min(gaps)
-        print(f"router thread: {len(gaps)} constrained tokens, max gap {max(gaps):.3f} nats")
+        print(f"router call: {len(gaps)} constrained tokens, sampler minus policy up to {max(gaps):.3f} nats")

@@ -305,7 +305,10 @@ def test_structured_output_reaches_the_policy_as_json_schema(
             response_mime_type="application/json", response_json_schema=schema
         ),
     )
-    assert stub.requests[n + 1]["structured_outputs"] == {"json": schema}
+    generations = [r for r in stub.requests[n:] if r.get("prompt_logprobs") is None]
+    assert generations[1]["structured_outputs"] == {"json": schema}
+    # Each constrained answer was re-scored (prompt_logprobs) for the thread's trained logprobs.
+    assert sum(1 for r in stub.requests[n:] if r.get("prompt_logprobs") is not None) == 2
     assert Route.model_validate_json(parsed.text or "") == Route(
         reasoning="simple task", model_choice="flash"
     )
