@@ -419,7 +419,7 @@ class Gateway:
         parser.finish()
         reply = parser.reply()
         body, reason = provider.response(turn.parsed, len(turn.prompt_ids), completion, reply)
-        self._record(turn, completion, reason, reply)
+        await self._record(turn, completion, reason, reply)
         return web.json_response(body)
 
     async def _stream(
@@ -453,7 +453,7 @@ class Gateway:
         closing, reason = writer.finish(completion, reply)
         await send(tail + closing)
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason, reply)
+        await self._record(turn, completion, reason, reply)
         await send(writer.end())
         return None
 
@@ -481,9 +481,28 @@ class Gateway:
             assembly.suffix_logprobs[pos - assembly.base] = value
         logger.info("recomputed %d logprobs after a history rewrite", len(positions))
 
-    def _record(
+    async def _rescore_constrained(
+        self, turn: _TurnContext, completion: Completion
+    ) -> list[float] | None:
+        """The policy's own logprobs of a completion sampled under a JSON schema: vLLM reports
+        the constrained distribution's, which no trainer would compute. None: not re-scored
+        (recompute switched off, or the policy refused), and the tokens are masked."""
+        if not self.config.recompute or not completion.token_ids:
+            return None
+        try:
+            scores = await turn.client.prompt_logprobs(
+                list(turn.prompt_ids) + list(completion.token_ids)
+            )
+        except PolicyError as exc:
+            logger.warning("could not re-score a schema-constrained completion: %s", exc)
+            return None
+        return [float(x) if x is not None else 0.0 for x in scores[len(turn.prompt_ids) :]]
+
+    async def _record(
         self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
     ) -> TurnRecord:
+        constrained = turn.chat.sampling.json_schema is not None
+        rescored = await self._rescore_constrained(turn, completion) if constrained else None
         parsed = turn.parsed
         record = TurnRecord(
             session_id=parsed.session_id,
@@ -508,7 +527,13 @@ class Gateway:
                 for v, start, end in completion.weight_versions
             ],
         )
-        self.store.record(record, turn.assembly, turn.provider.recorded_reply(parsed, reply))
+        self.store.record(
+            record,
+            turn.assembly,
+            turn.provider.recorded_reply(parsed, reply),
+            rescored=rescored,
+            constrained=constrained,
+        )
         turn.provider.finished(parsed, reply, completion)
         return record
 

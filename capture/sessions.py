@@ -23,7 +23,15 @@ from typing import Any
 
 from capture.records import SCHEMA_VERSION, TurnRecord
 from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
-from capture.trajectory import Assembly, Call, Renderer, ThreadRow, ThreadSet, export_rows
+from capture.trajectory import (
+    Assembly,
+    Call,
+    Provenance,
+    Renderer,
+    ThreadRow,
+    ThreadSet,
+    export_rows,
+)
 from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -94,18 +102,33 @@ class SessionStore:
         )
 
     def record(
-        self, turn: TurnRecord, assembly: Assembly | None = None, reply: Message | None = None
+        self,
+        turn: TurnRecord,
+        assembly: Assembly | None = None,
+        reply: Message | None = None,
+        rescored: list[float] | None = None,
+        constrained: bool = False,
     ) -> None:
-        """Make ``turn`` durable (journal + fsync) and apply it to its thread."""
+        """Make ``turn`` durable (journal + fsync) and apply it to its thread.
+
+        ``constrained``: sampled under a JSON schema, so the sampler's logprobs are not the
+        policy's; ``rescored`` are the policy's (prompt_logprobs), trained instead (provenance
+        2). Without them the tokens are kept but masked (provenance 3)."""
         _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
         if assembly is not None and reply is not None and sess.threads is not None:
+            if constrained:
+                provenance = Provenance.RECOMPUTED if rescored is not None else Provenance.STALE
+                turn.metadata["constrained"] = "json_schema"
+            else:
+                provenance = Provenance.SAMPLED
             call = sess.threads.commit(
                 assembly,
                 reply,
                 turn.completion_ids,
-                turn.completion_logprobs,
+                rescored if rescored is not None else turn.completion_logprobs,
+                sampled_provenance=provenance,
                 request_id=turn.request_id,
                 turn_index=turn.turn_index,
                 finish_reason=turn.finish_reason,
@@ -263,6 +286,11 @@ def call_entry(call: Call) -> dict[str, Any]:
         "conv_digest": call.conv_digest,
         "started": call.started,
         "client_retry": call.client_retry,
+        "sampled_provenance": call.sampled_provenance,
+        # The logprobs the thread trains, where they are not the turn record's (a re-score).
+        "sampled_logprobs": (
+            call.sampled_logprobs if call.sampled_provenance != Provenance.SAMPLED else None
+        ),
     }
 
 
@@ -293,7 +321,8 @@ def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Ca
         kind=entry["kind"],
         prompt_len=len(turn.prompt_ids),
         sampled_ids=turn.completion_ids,
-        sampled_logprobs=turn.completion_logprobs,
+        sampled_logprobs=entry.get("sampled_logprobs") or turn.completion_logprobs,
+        sampled_provenance=entry.get("sampled_provenance", int(Provenance.SAMPLED)),
         prompt_ids=turn.prompt_ids,
         base=base,
         suffix_logprobs=suffix_lp,
