@@ -23,6 +23,7 @@ import os
 import sys
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
 # `capture` package; drop it, and make the repository importable when it is not installed.
@@ -31,16 +32,19 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import connection, ctx, exceptions, http  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
+from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
     HOST_HEADER,
     SESSION_HEADER,
     TOKEN_HEADER,
+    UNSUPPORTED_ENCODING_HEADER,
     Gateway,
     GatewayConfig,
     parse_model_map,
+    quote_session,
 )
 from capture.providers import registered  # noqa: E402
 from rewriter.parsers import check_parser_names  # noqa: E402
@@ -51,6 +55,7 @@ DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.
 DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
 # Plain-HTTP requests through the proxy to this name are answered by the addon itself, from
 # loopback clients only: `POST http://agenttap.local/flush[?session=ID]` writes sessions' shards
 # now (tests and scripts use it instead of waiting for the idle timeout).
@@ -81,6 +86,12 @@ class AgentTap:
         self.hosts: frozenset[str] = frozenset()
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
+        # Numeric options (declared as text, see _add_number): name -> int / float, and parsed.
+        self._numbers: dict[str, type] = {}
+        self._parsed: dict[str, Any] = {}
+        self._defaults: dict[str, Any] = {}
+        # Why the configuration cannot be used; while set, every flow is refused.
+        self.broken: str | None = None
 
     def load(self, loader: Loader) -> None:
         loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
@@ -93,14 +104,14 @@ class AgentTap:
             "agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it."
         )
         loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
-        loader.add_option(
-            "agenttap_idle_timeout", int, 300, "Seconds idle before a session is sharded."
+        self._add_number(
+            loader, "agenttap_idle_timeout", 300, "Seconds idle before a session is sharded."
         )
-        loader.add_option(
-            "agenttap_max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted."
+        self._add_number(
+            loader, "agenttap_max_body_bytes", 8 * 1024 * 1024, "Largest request body accepted."
         )
-        loader.add_option("agenttap_policy_timeout", int, 300, "Seconds to wait for the policy.")
-        loader.add_option("agenttap_policy_connections", int, 1024, "Concurrent policy calls.")
+        self._add_number(loader, "agenttap_policy_timeout", 300, "Seconds to wait for the policy.")
+        self._add_number(loader, "agenttap_policy_connections", 1024, "Concurrent policy calls.")
         loader.add_option(
             "agenttap_model_map",
             str,
@@ -117,13 +128,80 @@ class AgentTap:
         # Each provider's own options (its normalization of scaffold noise, ...).
         for provider in registered().values():
             for option in provider.options:
-                loader.add_option(option.name, option.type, option.default, option.help)
+                if option.type in (int, float):
+                    self._add_number(loader, option.name, option.default, option.help)
+                else:
+                    loader.add_option(option.name, option.type, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
+        self._take_repeated(loader.master.options)
+
+    def _take_repeated(self, options: optmanager.OptionManager) -> None:
+        """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; a name given
+        twice raises there, which makes it skip this addon and run as an open forwarding proxy.
+        Take such values out first and refuse every flow instead (the error logged at startup
+        makes mitmdump exit non-zero)."""
+        repeated = sorted(
+            name
+            for name, value in options.deferred.items()
+            if name.startswith("agenttap_") and len(getattr(value, "val", None) or []) > 1
+        )
+        for name in repeated:
+            options.deferred.pop(name)
+        if repeated:
+            self.broken = f"agenttap: {', '.join(repeated)} given more than once; set each once"
+            logger.error("%s", self.broken)
+
+    def _add_number(self, loader: Loader, name: str, default: float, help: str) -> None:
+        """A numeric option, declared as text and parsed here: mitmproxy's own parsing of a
+        script's int option fails silently on a bad value (and leaves the default)."""
+        self._numbers[name] = type(default)
+        self._defaults[name] = default
+        loader.add_option(name, str, str(default), help)
+
+    def number(self, name: str) -> Any:
+        return self._parsed[name]
+
+    def _check_numbers(self, updated: set[str]) -> None:
+        for name, kind in self._numbers.items():
+            if name not in updated and name in self._parsed:
+                continue
+            text = str(getattr(ctx.options, name)).strip()
+            try:
+                value = kind(text) if kind is float else int(text, 10)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise exceptions.OptionsError(
+                    f"agenttap: --set {name}={text!r} is not {what} "
+                    f"(the default is --set {name}={self._defaults[name]})"
+                ) from None
+            if value < 0 or (kind is float and value != value):
+                raise exceptions.OptionsError(
+                    f"agenttap: --set {name}={text!r} must be zero or more"
+                )
+            self._parsed[name] = value
+
+    def _check_unknown(self) -> None:
+        """A misspelled agenttap option is an error, not an option quietly never read."""
+        unknown = sorted(k for k in ctx.options.deferred if k.startswith("agenttap"))
+        if unknown:
+            known = sorted(k for k in ctx.options.keys() if k.startswith("agenttap_"))
+            raise exceptions.OptionsError(
+                f"agenttap: unknown option(s) {', '.join(unknown)}; agenttap's options are: "
+                + ", ".join(known)
+            )
 
     def configure(self, updated: set[str]) -> None:
+        try:
+            self._check_unknown()
+            self._check_numbers(updated)
+        except exceptions.OptionsError as exc:
+            # Never run as a plain forwarding proxy with a configuration we could not read:
+            # every flow is refused until mitmproxy stops (the error stops it at startup).
+            self.broken = str(exc)
+            raise
         if "agenttap_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
@@ -141,7 +219,9 @@ class AgentTap:
             for provider in registered().values():
                 names = {o.name for o in provider.options}
                 if names & updated:
-                    provider.check_options({n: getattr(ctx.options, n) for n in names})
+                    provider.check_options(
+                        {n: self._parsed.get(n, getattr(ctx.options, n)) for n in names}
+                    )
         except ValueError as exc:
             raise exceptions.OptionsError(f"agenttap: {exc}") from None
         if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
@@ -176,25 +256,39 @@ class AgentTap:
             out_dir=Path(opts.agenttap_out),
             tool_parser=opts.agenttap_tool_parser,
             reasoning_parser=opts.agenttap_reasoning_parser,
-            idle_timeout_s=opts.agenttap_idle_timeout,
-            max_body_bytes=opts.agenttap_max_body_bytes,
-            policy_timeout_s=opts.agenttap_policy_timeout,
-            policy_max_connections=opts.agenttap_policy_connections,
+            idle_timeout_s=self.number("agenttap_idle_timeout"),
+            max_body_bytes=self.number("agenttap_max_body_bytes"),
+            policy_timeout_s=self.number("agenttap_policy_timeout"),
+            policy_max_connections=self.number("agenttap_policy_connections"),
             model_map=parse_model_map(opts.agenttap_model_map),
             model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
             provider_options={
-                o.name: getattr(opts, o.name) for p in registered().values() for o in p.options
+                o.name: self._parsed[o.name] if o.name in self._parsed else getattr(opts, o.name)
+                for p in registered().values()
+                for o in p.options
             },
         )
         gateway = Gateway(config)
         await gateway.start()
         self.gateway = gateway
+        self._warn_if_open()
         logger.info(
             "agenttap: answering %s from %s; shards in %s",
             ", ".join(sorted(self.hosts)),
             ", ".join(config.policy_urls),
             os.path.abspath(config.out_dir),
         )
+
+    @staticmethod
+    def _warn_if_open() -> None:
+        host = ctx.options.listen_host
+        if host not in ("127.0.0.1", "localhost", "::1") and not ctx.options.proxyauth:
+            logger.warning(
+                "agenttap: listening on %s with no proxy authentication: anyone who can reach "
+                "this port can use the policy and write shards. Pass --listen-host 127.0.0.1 "
+                "(scripts/run_proxy.sh does), or --set proxyauth=USER:PASS.",
+                host or "all interfaces",
+            )
 
     async def done(self) -> None:
         if self.gateway is not None:
@@ -210,8 +304,20 @@ class AgentTap:
             {"Content-Type": "text/plain"},
         )
 
+    def _refuse_broken(self, flow: http.HTTPFlow) -> bool:
+        """With a configuration that could not be read, nothing is forwarded, ever."""
+        if self.broken is None:
+            return False
+        flow.response = http.Response.make(
+            503,
+            json.dumps({"error": {"message": f"agenttap is not running: {self.broken}",
+                                  "type": "server_error"}}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        return True
+
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        if flow.response:
+        if flow.response or self._refuse_broken(flow):
             return  # proxyauth's 407
         host = flow.request.host.lower()
         if host not in self.hosts:
@@ -222,11 +328,30 @@ class AgentTap:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = user
 
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # The only server mitmproxy may connect to is the gateway: whatever else would open a
+        # connection (a raw tunnel, a flow we did not route) never reaches the network.
+        address = data.server.address
+        if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
+            return
+        host, port = address or ("?", 0)
+        data.server.error = f"agenttap: {host}:{port} is not dialed; only the policy answers here"
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        # A tunnel to an API host that does not carry TLS (or HTTP) would be relayed as raw TCP
+        # to the real host: close it instead. Nothing but the policy answers here.
+        logger.warning(
+            "agenttap: closed a tunnel from %s that is not TLS or HTTP (raw bytes are never "
+            "relayed)",
+            flow.client_conn.peername[0] if flow.client_conn.peername else "?",
+        )
+        flow.kill()
+
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response:
+        if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
         if host == CONTROL_HOST and flow.request.scheme == "http":
@@ -238,6 +363,12 @@ class AgentTap:
         plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
         for name in SECRET_HEADERS:
             flow.request.headers.pop(name, None)
+        # Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never
+        # needs them, and a saved flow keeps the query string.
+        query = flow.request.query
+        for name in list(query.keys()):
+            if name.lower() in SECRET_QUERY:
+                del query[name]
         if self.gateway is None and not self._ready.is_set():
             # A client replay (-C) sends its first request while the gateway is still starting.
             try:
@@ -272,8 +403,12 @@ class AgentTap:
         flow.metadata["agenttap_host"] = host
         flow.metadata["agenttap_session"] = session_id
         req.headers[TOKEN_HEADER] = self.gateway.token
-        req.headers[SESSION_HEADER] = session_id
+        req.headers[SESSION_HEADER] = quote_session(session_id)
         req.headers[HOST_HEADER] = host
+        if "Content-Encoding" in req.headers:
+            # The gateway decodes the body itself (bounded, errors in the provider's format);
+            # aiohttp would answer a bad one with a text/plain 400.
+            req.headers[UNSUPPORTED_ENCODING_HEADER] = req.headers.pop("Content-Encoding")
         req.scheme = "http"
         req.host = "127.0.0.1"
         req.port = self.gateway.port
@@ -317,6 +452,8 @@ class AgentTap:
         req = flow.request
         for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER):
             req.headers.pop(name, None)
+        if UNSUPPORTED_ENCODING_HEADER in req.headers:
+            req.headers["Content-Encoding"] = req.headers.pop(UNSUPPORTED_ENCODING_HEADER)
         req.scheme = scheme
         req.host = host
         req.port = port

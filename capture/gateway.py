@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import json
 import logging
 import os
-import re
 import secrets
 import time
+import urllib.parse
 import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -27,11 +26,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from capture.providers import registered
 from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.records import TurnRecord
-from capture.sessions import SessionStore
+from capture.sessions import SessionStore, safe_text
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
@@ -45,6 +45,37 @@ SESSION_HEADER = "X-Agenttap-Session"
 HOST_HEADER = "X-Agenttap-Host"
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
+
+
+# The client's Content-Encoding, moved here by the addon so that the gateway decodes the body.
+UNSUPPORTED_ENCODING_HEADER = "X-Agenttap-Content-Encoding"
+# What a request of an unexpected shape raises where a parser or the chat template meets it
+# (a string where an object belongs, a lone surrogate, nesting past Python's recursion limit).
+MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError)
+
+
+def _malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
+    """A request no check refused but that could not be read: the client's error (400 in the
+    provider's shape), never a text/plain 500. Logged with its traceback for a maintainer."""
+    logger.warning("refused a request that could not be read: %r", exc, exc_info=exc)
+    return provider.error(
+        400,
+        f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
+        "check it against the API reference.",
+        None,
+    )
+
+
+def quote_session(session_id: str) -> str:
+    """A proxy username as a header value: control characters (CR, LF, NUL) %-escaped, since a
+    header cannot carry them; ``unquote_session`` gives the name back."""
+    return "".join(
+        f"%{ord(c):02X}" if ord(c) < 32 or ord(c) == 127 or c == "%" else c for c in session_id
+    )
+
+
+def unquote_session(value: str) -> str:
+    return urllib.parse.unquote(value)
 
 
 # The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
@@ -155,11 +186,8 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a client that leaves cancels its handler, so the policy request
-        # is dropped (vLLM aborts it) and the turn is not recorded as completed. We undo the
-        # Content-Encoding ourselves (decode_body): bounded, and a bad body is the client's 400.
-        self._runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, auto_decompress=False
-        )
+        # is dropped (vLLM aborts it) and the turn is not recorded as completed.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -261,21 +289,39 @@ class Gateway:
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.config.max_body_bytes:
             raise RequestError(self._too_large_message(request.content_length or 0), status=413)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        encoding = request.headers.get(UNSUPPORTED_ENCODING_HEADER, encoding).strip().lower()
+        if encoding not in ("", "identity", "gzip", "deflate"):
+            raise RequestError(
+                f"Unsupported Content-Encoding {encoding[:40]!r}; send the body as identity, "
+                "gzip or deflate.",
+                status=415,
+            )
         try:
-            body = await request.read()
+            raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(self._too_large_message(None), status=413) from None
-        body = decode_body(
-            body,
-            request.headers.get("Content-Encoding", ""),
-            self._too_large,
-            self.config.max_body_bytes,
-        )
-        check_text(body)
+        except RequestPayloadError as exc:
+            raise RequestError(f"The request body could not be read: {exc}", status=400) from None
+        if encoding in ("", "identity"):
+            return raw
+        # gzip (wbits 16+) or zlib/raw deflate (wbits 32+ detects a header); bounded output.
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else 47)
+        try:
+            body = inflater.decompress(raw, self.config.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise RequestError(
+                f"The request body is not valid {encoding} ({exc}); send it uncompressed or "
+                "compressed whole.",
+                status=400,
+            ) from None
+        if len(body) > self.config.max_body_bytes or inflater.unconsumed_tail:
+            raise RequestError(self._too_large_message(None), status=413)
+        if not inflater.eof:
+            raise RequestError(
+                f"The request body is a truncated {encoding} stream; send it whole.", status=400
+            )
         return body
-
-    def _too_large(self) -> RequestError:
-        return RequestError(self._too_large_message(None), status=413)
 
     def _too_large_message(self, size: int | None) -> str:
         limit = self.config.max_body_bytes
@@ -320,8 +366,8 @@ class Gateway:
             # No proxy username: a client's own session header still keeps runs apart.
             for name, client in provider.session_headers.items():
                 if request.headers.get(name):
-                    return f"{client}:{request.headers[name]}"
-        return session
+                    return safe_text(f"{client}:{request.headers[name]}")[:256]
+        return safe_text(unquote_session(session))
 
     async def _turn(
         self, request: web.Request, call: Call, provider: Provider[Any]
@@ -333,8 +379,8 @@ class Gateway:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
-        except UNREADABLE as exc:
-            return provider.error(400, unreadable_message(exc))
+        except MALFORMED as exc:
+            return _malformed(provider, exc)
         turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
@@ -377,12 +423,7 @@ class Gateway:
         try:
             self._remember_model(parsed.session_id, chat.model)
             client = self.client_for(parsed.session_id, chat.model)
-            try:
-                assembly = self.store.assemble(parsed.session_id, chat)
-            except UNREADABLE as exc:
-                # A request the parser let through but the chat template cannot render.
-                logger.warning("agenttap: refused a request the template cannot render: %r", exc)
-                raise RequestError(unreadable_message(exc)) from exc
+            assembly = self.store.assemble(parsed.session_id, chat)
             info = await client.info()
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
@@ -391,6 +432,8 @@ class Gateway:
             return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
             return provider.policy_error(exc)
+        except MALFORMED as exc:
+            return _malformed(provider, exc)
         self.store.touch(parsed.session_id)
         return _TurnContext(
             parsed=parsed,
@@ -419,7 +462,7 @@ class Gateway:
         parser.finish()
         reply = parser.reply()
         body, reason = provider.response(turn.parsed, len(turn.prompt_ids), completion, reply)
-        self._record(turn, completion, reason, reply)
+        await self._record(turn, completion, reason, reply)
         return web.json_response(body)
 
     async def _stream(
@@ -458,7 +501,7 @@ class Gateway:
         closing, reason = writer.finish(completion, reply)
         await send(tail + closing)
         # Durable before the client sees the end of the response.
-        self._record(turn, completion, reason, reply)
+        await self._record(turn, completion, reason, reply)
         await send(writer.end())
         return None
 
@@ -472,8 +515,8 @@ class Gateway:
             assembly = self.store.assemble(session_id, chat)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
-        except UNREADABLE as exc:
-            return provider.error(400, unreadable_message(exc))
+        except MALFORMED as exc:
+            return _malformed(provider, exc)
         return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
 
     async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
@@ -488,9 +531,28 @@ class Gateway:
             assembly.suffix_logprobs[pos - assembly.base] = value
         logger.info("recomputed %d logprobs after a history rewrite", len(positions))
 
-    def _record(
+    async def _rescore_constrained(
+        self, turn: _TurnContext, completion: Completion
+    ) -> list[float] | None:
+        """The policy's own logprobs of a completion sampled under a JSON schema: vLLM reports
+        the constrained distribution's, which no trainer would compute. None: not re-scored
+        (recompute switched off, or the policy refused), and the tokens are masked."""
+        if not self.config.recompute or not completion.token_ids:
+            return None
+        try:
+            scores = await turn.client.prompt_logprobs(
+                list(turn.prompt_ids) + list(completion.token_ids)
+            )
+        except PolicyError as exc:
+            logger.warning("could not re-score a schema-constrained completion: %s", exc)
+            return None
+        return [float(x) if x is not None else 0.0 for x in scores[len(turn.prompt_ids) :]]
+
+    async def _record(
         self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
     ) -> TurnRecord:
+        constrained = turn.chat.sampling.json_schema is not None
+        rescored = await self._rescore_constrained(turn, completion) if constrained else None
         parsed = turn.parsed
         record = TurnRecord(
             session_id=parsed.session_id,
@@ -515,26 +577,21 @@ class Gateway:
                 for v, start, end in completion.weight_versions
             ],
         )
-        self.store.record(record, turn.assembly, turn.provider.recorded_reply(parsed, reply))
+        self.store.record(
+            record,
+            turn.assembly,
+            turn.provider.recorded_reply(parsed, reply),
+            rescored=rescored,
+            constrained=constrained,
+        )
         turn.provider.finished(parsed, reply, completion)
         return record
 
 
-# What a malformed body makes JSON parsing or our parsers raise (wrong types where objects or
-# lists belong, nesting deeper than Python recurses): the client's error, answered 400.
-UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError)
 # The policy connection failing mid-call (a read timeout, a dropped connection).
 POLICY_FAILURES = (aiohttp.ClientError, TimeoutError)
 MAX_MODELS_PER_SESSION = 32
 MAX_SESSIONS_WITH_MODELS = 10_000
-# \ud800-\udfff escapes: a lone one decodes to text that cannot be written as UTF-8.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def unreadable_message(exc: BaseException) -> str:
-    if isinstance(exc, RecursionError):
-        return "Invalid request body: JSON nested too deeply."
-    return f"Invalid request body: {type(exc).__name__}: {exc}"[:500]
 
 
 def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
@@ -544,80 +601,6 @@ def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
             "option agenttap_policy_timeout"
         )
     return PolicyError(f"the connection to the policy server at {client.base_url} failed: {exc}")
-
-
-def decode_body(
-    body: bytes, content_encoding: str, too_large: Callable[[], RequestError], limit: int = 0
-) -> bytes:
-    """The body with its Content-Encoding undone (gzip, deflate, br, zstd; several in order),
-    never growing past the body limit (a zip bomb is a 413, not a memory spike)."""
-    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
-    for coding in reversed(codings):
-        if coding == "identity":
-            continue
-        try:
-            body = _decompress(coding, body, limit)
-        except RequestError:
-            raise
-        except OverflowError:
-            raise too_large() from None
-        except Exception as exc:  # each codec raises its own error type on corrupt data
-            raise RequestError(
-                f"Invalid request body: it is not valid {coding} data ({exc})."
-            ) from exc
-    return body
-
-
-def _decompress(coding: str, body: bytes, limit: int) -> bytes:
-    limit = limit or DECODED_LIMIT
-    if coding in ("gzip", "x-gzip", "deflate"):
-        # wbits 47: gzip or zlib header; raw deflate (no header) is what some clients send.
-        wbits = 47 if coding != "deflate" or body[:1] == b"\x78" else -15
-        d = zlib.decompressobj(wbits)
-        out = d.decompress(body, limit + 1)
-        if len(out) > limit:
-            raise OverflowError
-        if not d.eof:
-            raise ValueError("truncated data")
-        return out
-    if coding == "br":
-        import brotli
-
-        out = brotli.Decompressor().process(body)  # no output cap in this API; limit after
-        if len(out) > limit:
-            raise OverflowError
-        return bytes(out)
-    if coding == "zstd":
-        import zstandard
-
-        out = zstandard.ZstdDecompressor().decompressobj().decompress(body)
-        if len(out) > limit:
-            raise OverflowError
-        return bytes(out)
-    raise RequestError(
-        f"Unsupported Content-Encoding {coding!r}: send gzip, deflate, br, zstd or none.",
-        status=415,
-    )
-
-
-DECODED_LIMIT = 64 * 1024 * 1024
-
-
-def check_text(body: bytes) -> None:
-    """Refuse JSON whose strings hold lone UTF-16 surrogates: such text can be neither journaled
-    nor written to Parquet. Paired escapes (emoji) are fine; the full check runs only when an
-    escape in the surrogate range appears at all."""
-    if not _SURROGATE_ESCAPE.search(body):
-        return
-    try:
-        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(
-            "Invalid request body: a JSON string holds a lone UTF-16 surrogate escape "
-            "(\\ud800-\\udfff without its pair), which is not text."
-        ) from None
-    except (ValueError, RecursionError):
-        return  # not JSON: the provider's parser words that error
 
 
 @dataclass

@@ -23,7 +23,15 @@ from typing import Any
 
 from capture.records import SCHEMA_VERSION, TurnRecord
 from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
-from capture.trajectory import Assembly, Call, Renderer, ThreadRow, ThreadSet, export_rows
+from capture.trajectory import (
+    Assembly,
+    Call,
+    Provenance,
+    Renderer,
+    ThreadRow,
+    ThreadSet,
+    export_rows,
+)
 from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -94,17 +102,33 @@ class SessionStore:
         )
 
     def record(
-        self, turn: TurnRecord, assembly: Assembly | None = None, reply: Message | None = None
+        self,
+        turn: TurnRecord,
+        assembly: Assembly | None = None,
+        reply: Message | None = None,
+        rescored: list[float] | None = None,
+        constrained: bool = False,
     ) -> None:
-        """Make ``turn`` durable (journal + fsync) and apply it to its thread."""
+        """Make ``turn`` durable (journal + fsync) and apply it to its thread.
+
+        ``constrained``: sampled under a JSON schema, so the sampler's logprobs are not the
+        policy's; ``rescored`` are the policy's (prompt_logprobs), trained instead (provenance
+        2). Without them the tokens are kept but masked (provenance 3)."""
+        _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
         if assembly is not None and reply is not None and sess.threads is not None:
+            if constrained:
+                provenance = Provenance.RECOMPUTED if rescored is not None else Provenance.STALE
+                turn.metadata["constrained"] = "json_schema"
+            else:
+                provenance = Provenance.SAMPLED
             call = sess.threads.commit(
                 assembly,
                 reply,
                 turn.completion_ids,
-                turn.completion_logprobs,
+                rescored if rescored is not None else turn.completion_logprobs,
+                sampled_provenance=provenance,
                 request_id=turn.request_id,
                 turn_index=turn.turn_index,
                 finish_reason=turn.finish_reason,
@@ -143,7 +167,7 @@ class SessionStore:
             self._dormant.move_to_end(session_id)
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
-        paths = self._write(sess.turns, rows, thread_of)
+        paths = self._write(sess.turns, rows, thread_of, sess.journal_path.stem)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
@@ -156,16 +180,24 @@ class SessionStore:
         return paths
 
     def _write(
-        self, turns: list[TurnRecord], rows: list[ThreadRow], thread_of: dict[str, str]
+        self,
+        turns: list[TurnRecord],
+        rows: list[ThreadRow],
+        thread_of: dict[str, str],
+        stem: str,
     ) -> list[Path]:
+        """Write a journal's calls as shards named after the journal (``stem``): a crash at any
+        point of these writes leaves the journal, and writing it again on restart replaces the
+        files already written, so every row lands exactly once."""
         for turn in turns:
             turn.thread_id = thread_of.get(turn.request_id, turn.thread_id)
         by_request = {t.request_id: t for t in turns}
-        paths = write_rows(self.turns_dir, [_turn_row(t) for t in turns], TURN_SCHEMA, "turns")
+        turn_rows = [_turn_row(t) for t in turns]
+        paths = write_rows(self.turns_dir, turn_rows, TURN_SCHEMA, "turns", stem=stem)
         if turns and rows:
             session_id = turns[0].session_id
             shard_rows = [thread_row(session_id, row, by_request) for row in rows]
-            paths += write_rows(self.threads_dir, shard_rows, THREAD_SCHEMA, "threads")
+            paths += write_rows(self.threads_dir, shard_rows, THREAD_SCHEMA, "threads", stem=stem)
         return paths
 
     def close(self) -> list[Path]:
@@ -190,11 +222,45 @@ class SessionStore:
                 if entry.get("call"):
                     calls[turn.request_id] = call_from_entry(turn, entry["call"], calls)
             if turns:
-                rows, thread_of = export_rows(list(calls.values()))
-                written += self._write(turns, rows, thread_of)
+                try:
+                    rows, thread_of = export_rows(list(calls.values()))
+                    written += self._write(turns, rows, thread_of, journal.stem)
+                except Exception:
+                    # One bad journal must not keep the proxy from starting, nor hide the
+                    # others: it is kept aside, whole, for a person to look at.
+                    bad = journal.with_suffix(".bad")
+                    journal.replace(bad)
+                    logger.exception(
+                        "could not write the shards of %s; kept as %s (the other sessions are "
+                        "recovered)",
+                        journal.name,
+                        bad,
+                    )
+                    continue
+                session_id = turns[0].session_id
+                # A session that goes on after the restart keeps counting its calls.
+                done = max(t.turn_index for t in turns) + 1
+                self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
                 logger.info("recovered %d calls from %s", len(turns), journal.name)
             journal.unlink()
         return written
+
+
+def safe_text(text: str) -> str:
+    """``text`` without lone surrogates (a client's undecodable header bytes, a JSON ``\ud800``):
+    they cannot be written to Parquet, so they become U+FFFD before anything is journaled."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _make_text_safe(turn: TurnRecord) -> None:
+    # Not session_id: sessions are keyed by it; the gateway makes it safe before anything else.
+    for name in ("requested_model", "policy_model", "user_agent", "completion_text"):
+        setattr(turn, name, safe_text(getattr(turn, name)))
+    turn.metadata = json.loads(safe_text(json.dumps(turn.metadata, ensure_ascii=False)))
 
 
 def call_entry(call: Call) -> dict[str, Any]:
@@ -220,6 +286,11 @@ def call_entry(call: Call) -> dict[str, Any]:
         "conv_digest": call.conv_digest,
         "started": call.started,
         "client_retry": call.client_retry,
+        "sampled_provenance": call.sampled_provenance,
+        # The logprobs the thread trains, where they are not the turn record's (a re-score).
+        "sampled_logprobs": (
+            call.sampled_logprobs if call.sampled_provenance != Provenance.SAMPLED else None
+        ),
     }
 
 
@@ -250,7 +321,8 @@ def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Ca
         kind=entry["kind"],
         prompt_len=len(turn.prompt_ids),
         sampled_ids=turn.completion_ids,
-        sampled_logprobs=turn.completion_logprobs,
+        sampled_logprobs=entry.get("sampled_logprobs") or turn.completion_logprobs,
+        sampled_provenance=entry.get("sampled_provenance", int(Provenance.SAMPLED)),
         prompt_ids=turn.prompt_ids,
         base=base,
         suffix_logprobs=suffix_lp,

@@ -50,10 +50,16 @@ TURN_SCHEMA = pa.schema(
 )
 
 
-def write_table(directory: Path, table: pa.Table, prefix: str = "part") -> Path:
-    """Write ``table`` as one new Parquet file in ``directory``; returns its final path."""
+def write_table(
+    directory: Path, table: pa.Table, prefix: str = "part", name: str | None = None
+) -> Path:
+    """Write ``table`` as one Parquet file in ``directory``; returns its final path.
+
+    ``name``: a fixed file name, so writing the same rows again (recovery after a crash in the
+    middle of a session's writes) replaces the file instead of adding a second copy."""
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
+    if name is None:
+        name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
     final = directory / name
     tmp = directory / f".{name}.tmp"
     pq.write_table(table, tmp, compression="zstd")
@@ -121,18 +127,27 @@ def write_rows(
     schema: pa.Schema,
     prefix: str,
     target_bytes: int = SHARD_TARGET_BYTES,
+    stem: str | None = None,
 ) -> list[Path]:
-    """Write rows as one or more shards of about ``target_bytes`` each."""
+    """Write rows as one or more shards of about ``target_bytes`` each.
+
+    ``stem``: name the files ``PREFIX-STEM-N.parquet`` (N from 0): the same rows written again
+    under the same stem replace those files, so a write repeated after a crash is idempotent."""
     paths: list[Path] = []
     chunk: list[dict[str, Any]] = []
     size = 0
+
+    def flush() -> None:
+        name = f"{prefix}-{stem}-{len(paths)}.parquet" if stem is not None else None
+        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix, name))
+
     for row in rows:
         # ~5 bytes a token per list column after encoding: a cheap, conservative estimate.
         size += 64 + sum(5 * len(v) for v in row.values() if isinstance(v, list))
         chunk.append(row)
         if size >= target_bytes:
-            paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+            flush()
             chunk, size = [], 0
     if chunk:
-        paths.append(write_table(directory, rows_to_table(chunk, schema), prefix))
+        flush()
     return paths

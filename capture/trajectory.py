@@ -151,6 +151,8 @@ class Call:
     suffix_provenance: list[int] | None
     # Rewrite: earlier calls of the path whose sampled ids sit in prompt_ids[start:end].
     spliced: list[tuple[Call, int, int]] = field(default_factory=list)
+    # SAMPLED; RECOMPUTED or STALE for a schema-constrained completion (see ThreadSet.commit).
+    sampled_provenance: int = Provenance.SAMPLED
     # crc32 of the prompt ids.
     prompt_digest: int = 0
     # crc32 chains over the header and message keys: of the request, and of the request plus
@@ -735,8 +737,13 @@ class ThreadSet:
         finish_reason: str,
         latency_s: float,
         backend: str,
+        sampled_provenance: int = Provenance.SAMPLED,
     ) -> Call:
-        """Add a completed call to the tree, where its assembly placed it."""
+        """Add a completed call to the tree, where its assembly placed it.
+
+        ``sampled_provenance``: RECOMPUTED where ``sampled_logprobs`` are a re-score rather than
+        the sampler's (a completion constrained by a JSON schema: the sampler's logprobs are
+        the constrained distribution's), STALE where no re-score could be had (masked)."""
         self.release(assembly)
         parent = assembly.parent
         if assembly.kind == "retry" and assembly.sibling_of is not None:
@@ -757,6 +764,7 @@ class ThreadSet:
             prompt_len=len(prompt),
             sampled_ids=list(sampled_ids),
             sampled_logprobs=list(sampled_logprobs),
+            sampled_provenance=int(sampled_provenance),
             prompt_ids=prompt,
             base=assembly.base,
             suffix_logprobs=None if all_prompt else list(assembly.suffix_logprobs),
@@ -965,7 +973,7 @@ def _compose(
         provenance += call.suffix_provenance if call.suffix_provenance is not None else [0] * n
         start = len(logprobs)
         logprobs += call.sampled_logprobs
-        provenance += [int(Provenance.SAMPLED)] * len(call.sampled_ids)
+        provenance += [int(call.sampled_provenance)] * len(call.sampled_ids)
         spans[call.uid] = (start, len(logprobs))
     ids = seq_ids(leaf)
     assert len(ids) == len(logprobs) == len(provenance), "a call's deltas do not compose"

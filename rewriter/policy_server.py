@@ -69,7 +69,7 @@ def start_vllm(
     port: int,
     *,
     served_name: str = "agenttap-tiny-qwen3",
-    max_model_len: int = 8192,
+    max_model_len: int = 32768,
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
@@ -126,29 +126,39 @@ def main(argv: list[str] | None = None) -> int:
         "--model", type=Path, default=None, help="model folder (default: build the tiny one)"
     )
     parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=32768,
+        help="context served, in tokens (Claude Code's first call alone is about 11.5k)",
+    )
     args = parser.parse_args(argv)
+
+    def on_term(*_: object) -> None:
+        # Stopping here would deadlock with a proc.wait() below; unwind to the handler instead.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    proc: subprocess.Popen[bytes] | None = None
     try:
         model = args.model or ensure_tiny_model()
         port = args.port or free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU)", flush=True)
-        proc = start_vllm(model, port, log_path=args.log)
-
-        def on_term(*_: object) -> None:
-            # Stopping here would deadlock with the proc.wait() below; unwind to it instead.
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, on_term)
+        proc = start_vllm(model, port, log_path=args.log, max_model_len=args.max_model_len)
         wait_ready(url, proc)
+        print(f"POLICY_URL={url}", flush=True)
+        return proc.wait()
     except (PolicyServerError, subprocess.CalledProcessError) as exc:
         print(f"agenttap: could not start the embedded policy: {exc}", file=sys.stderr)
         return 1
-    print(f"POLICY_URL={url}", flush=True)
-    try:
-        return proc.wait()
     except KeyboardInterrupt:
-        stop(proc)
         return 0
+    finally:
+        # Stopped while vLLM was still starting, or after: never leave it running (it runs in
+        # a process group of its own, so a signal to this process does not reach it).
+        if proc is not None:
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the agent CLIs that the end-to-end tests drive, pinned, into .cache/node (git-ignored).
 #   @anthropic-ai/claude-code  -> .cache/node/node_modules/.bin/claude
+#   @google/gemini-cli         -> .cache/node/node_modules/.bin/gemini (engines: node >= 20)
 # The npm package is a thin wrapper; its postinstall copies the native linux-x64 binary
 # (optional dependency @anthropic-ai/claude-code-linux-x64) over bin/claude.exe, so node
 # is needed only at install time. Its engines field asks for node >= 22; the native binary
@@ -33,7 +34,25 @@ if [ ! -f "$MARKER" ]; then
   esac
   touch "$MARKER"
 fi
+
+GEMINI_CLI_VERSION=0.61.0
+GEMINI_MARKER="$PREFIX/.agenttap-gemini-cli-$GEMINI_CLI_VERSION"
+GEMINI_BIN="$PREFIX/node_modules/.bin/gemini"
+
+if [ ! -f "$GEMINI_MARKER" ]; then
+  echo "[install_clients] installing @google/gemini-cli@$GEMINI_CLI_VERSION into $PREFIX" >&2
+  mkdir -p "$PREFIX"
+  rm -f "$PREFIX"/.agenttap-gemini-cli-*
+  npm install --prefix "$PREFIX" --no-audit --no-fund --save-exact --loglevel=error \
+    "@google/gemini-cli@$GEMINI_CLI_VERSION" >&2
+  got=$("$GEMINI_BIN" --version)
+  if [ "$got" != "$GEMINI_CLI_VERSION" ]; then
+    echo "[install_clients] unexpected 'gemini --version': $got" >&2; exit 1
+  fi
+  touch "$GEMINI_MARKER"
+fi
 echo "$CLAUDE_BIN"
+echo "$GEMINI_BIN"
 
 #   @openai/codex  -> .cache/node/node_modules/.bin/codex
 # The npm package is a node launcher; the native binary comes in its platform optional

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Start the agenttap proxy.
 #   scripts/run_proxy.sh [--policy-url URL[,URL...]] [--tokenizer PATH] [--out DIR] [--port N]
-#                        [--tool-parser NAME] [--reasoning-parser NAME] [-- MITMDUMP ARGS...]
+#                        [--tool-parser NAME] [--reasoning-parser NAME] [--max-model-len N]
+#                        [-- MITMDUMP ARGS...]
 # With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
-# here) is started first, so the whole path can be seen working offline.
+# here, 32768 tokens of context unless --max-model-len says otherwise) is started first, so the
+# whole path can be seen working offline. Sets up what it needs first (scripts/setup.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
-[ -x "$PY" ] || { echo "agenttap: $ROOT/.venv missing: run scripts/setup.sh first" >&2; exit 1; }
 
 POLICY_URL="" TOKENIZER="" OUT="agenttap-out" PORT=8080 TOOL_PARSER=hermes REASONING_PARSER=qwen3
+MAX_MODEL_LEN=32768
 CONFDIR="${AGENTTAP_CONFDIR:-$HOME/.mitmproxy}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -20,11 +22,17 @@ while [ $# -gt 0 ]; do
     --tool-parser) TOOL_PARSER="$2"; shift 2;;
     --reasoning-parser) REASONING_PARSER="$2"; shift 2;;
     --confdir) CONFDIR="$2"; shift 2;;
+    --max-model-len) MAX_MODEL_LEN="$2"; shift 2;;
     --) shift; break;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0;;
     *) echo "agenttap: unknown argument $1 (mitmdump arguments go after --)" >&2; exit 2;;
   esac
 done
+
+# The environments this needs (idempotent: a finished environment is left alone); the policy
+# server's only when it is started here.
+if [ -n "$POLICY_URL" ]; then export AGENTTAP_SKIP_VLLM=1; fi
+AGENTTAP_SKIP_CLIENTS=1 bash "$ROOT/scripts/setup.sh" >&2
 
 POLICY_PID=""
 cleanup() { [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null; wait 2>/dev/null || true; }
@@ -33,7 +41,7 @@ trap cleanup EXIT INT TERM
 if [ -z "$POLICY_URL" ]; then
   LOG="$(mktemp -t agenttap-policy.XXXXXX.log)"
   FIFO="$(mktemp -u)"; mkfifo "$FIFO"
-  "$PY" -m rewriter.policy_server --log "$LOG" > "$FIFO" &
+  "$PY" -m rewriter.policy_server --log "$LOG" --max-model-len "$MAX_MODEL_LEN" > "$FIFO" &
   POLICY_PID=$!
   while read -r line; do
     echo "$line"

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
@@ -128,7 +129,10 @@ class Proxy:
                 self.proc.wait()
 
     def flush(self, session: str | None = None) -> list[str]:
-        """Have the proxy write the session's shards now (all sessions: None); its paths."""
+        """Have the proxy write the session's shards now (all sessions: None); its paths. A
+        stopped proxy wrote everything when it stopped."""
+        if self.proc.poll() is not None:
+            return []
         query = "?" + urllib.parse.urlencode({"session": session}) if session is not None else ""
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{self.port}"})
@@ -150,6 +154,24 @@ class Proxy:
         rows = read_threads(self.out, session)
         assert len(rows) >= expect, f"expected {expect} thread rows for {session!r}, got {len(rows)}"
         return rows
+
+
+def record_turn(
+    store: Any, session: str, chat: Any, ids: list[int], i: int, text: str | None = None
+) -> None:
+    """Assemble ``chat`` in ``store`` and record call ``r{i}`` answering ``ids`` (text
+    ``answer {i}`` unless given), as the gateway would after vLLM answered."""
+    from capture.records import TurnRecord
+    from rewriter.canonical import Message
+
+    assembly = store.assemble(session, chat)
+    record = TurnRecord(
+        session_id=session, request_id=f"r{i}", turn_index=i, protocol="openai.chat",
+        requested_model="m", policy_model="p", backend="b", user_agent="ua",
+        prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
+        finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+    )  # fmt: skip
+    store.record(record, assembly, Message("assistant", text if text is not None else f"answer {i}"))
 
 
 def _read_shards(folder: Path, session: str | None) -> list[dict]:

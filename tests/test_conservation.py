@@ -446,10 +446,9 @@ def test_a_truncated_history_trains_the_removed_calls_in_a_rewritten_row(templat
 def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A session with a retry and a rewrite, rebuilt from its journal after a crash, gives the
     rows the live process would have written: same ids, masks, dead flags, links."""
-    from capture.records import TurnRecord
     from capture.sessions import SessionStore
     from rewriter.canonical import ChatRequest
-    from tests.conftest import read_threads
+    from tests.conftest import read_threads, record_turn
 
     live, crashed = SessionStore(tmp_path / "live", template), SessionStore(tmp_path / "crash", template)
     msgs = [Message("system", "s"), Message("user", "q0")]
@@ -463,14 +462,7 @@ def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, t
         ids = template.encode(text) + [template.eos_token_id]
         for store in (live, crashed):
             chat = ChatRequest(messages=list(m), model="m", client_retry=retry)
-            assembly = store.assemble("sess", chat)
-            record = TurnRecord(
-                session_id="sess", request_id=f"r{i}", turn_index=i, protocol="openai.chat",
-                requested_model="m", policy_model="p", backend="b", user_agent="ua",
-                prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
-                finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
-            )  # fmt: skip
-            store.record(record, assembly, Message("assistant", text))
+            record_turn(store, "sess", chat, ids, i, text)
     live.close()
     SessionStore(tmp_path / "crash", template).recover()
     a = sorted(read_threads(tmp_path / "live"), key=lambda r: r["thread_id"])

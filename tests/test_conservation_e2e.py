@@ -113,3 +113,32 @@ def test_a_retry_is_a_dead_sibling_and_the_live_row_keeps_the_history(
     # Both answers were sampled from the very same prompt.
     prompts = {t["request_id"]: t["prompt_ids"] for t in turns}
     assert prompts[lost.id] == prompts[kept.id]
+
+
+def test_a_schema_constrained_answer_trains_the_policys_own_logprobs(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a JSON schema vLLM reports the constrained distribution's logprobs; the turns shard
+    keeps them as returned, the thread row trains a re-score (provenance 2) instead."""
+    session = "cons-schema"
+    stub.replies.clear()
+    stub.script('{"city": "Paris"}')
+    client = stub_proxy.openai(session, monkeypatch)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    resp = client.chat.completions.create(
+        model="gpt-4o",
+        messages=[SYSTEM, {"role": "user", "content": "Where?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    )
+    assert resp.choices[0].message.content == '{"city": "Paris"}'
+    (turn,) = stub_proxy.turns(session, expect=1)
+    (row,) = stub_proxy.threads(session, expect=1)
+    assert '"constrained": "json_schema"' in turn["metadata"]
+    start = len(turn["prompt_ids"])
+    span = range(start, start + len(turn["completion_ids"]))
+    assert [row["provenance"][i] for i in span] == [2] * len(span)
+    assert all(row["loss_mask"][i] for i in span)
+    # The trained logprobs are the stub's prompt_logprobs of those positions, not the sampler's.
+    expected = [StubPolicy._logprob(i, row["input_ids"][i]) for i in span]
+    assert [row["logprobs"][i] for i in span] == pytest.approx(expected, abs=1e-6)
+    assert turn["completion_logprobs"] != pytest.approx(expected, abs=1e-6)

@@ -25,7 +25,42 @@ def route(gateway: Gateway, method: str, host: str, path: str, **kw: Any) -> tup
 
 
 def test_builtin_providers_are_registered() -> None:
-    assert list(registered()) == ["anthropic.messages", "openai.chat", "openai.responses"]
+    assert list(registered()) == [
+        "anthropic.messages",
+        "gemini.generate_content",
+        "openai.chat",
+        "openai.responses",
+    ]
+
+
+GEMINI = "generativelanguage.googleapis.com"
+
+
+@pytest.mark.parametrize(
+    "method, host, path, query, want",
+    [
+        ("POST", GEMINI, "/v1beta/models/g:generateContent", {}, RouteKind.TURN),
+        ("POST", GEMINI, "/v1beta/models/g:streamGenerateContent", {"alt": "sse"}, RouteKind.TURN),
+        # The JSON-array stream is refused in Google's format, with what to do instead.
+        ("POST", GEMINI, "/v1beta/models/g:streamGenerateContent", {}, RouteKind.REFUSE),
+        ("POST", GEMINI, "/v1/models/g:countTokens", {}, RouteKind.COUNT_TOKENS),
+        ("GET", GEMINI, "/v1beta/models", {}, RouteKind.MODELS),
+        ("GET", GEMINI, "/v1beta/models/g", {}, RouteKind.MODELS),
+        ("POST", GEMINI, "/v1beta/models/g:embedContent", {}, RouteKind.REFUSE),
+        ("GET", GEMINI, "/v1/nonsense", {}, None),
+        # A Google SDK pointed at another base URL: the method in the path says which API.
+        ("POST", "example.test", "/v1beta/models/g:generateContent", {}, RouteKind.TURN),
+    ],
+)
+def test_gemini_routes(
+    gateway: Gateway, method: str, host: str, path: str, query: dict[str, str], want: Any
+) -> None:
+    assert route(gateway, method, host, path, query=query) == ("gemini.generate_content", want)
+    # Gemini's model listing on a Google host only: OpenAI's /v1/models stays OpenAI's.
+    assert route(gateway, "GET", "api.openai.com", "/v1/models") == (
+        "openai.chat",
+        RouteKind.MODELS,
+    )
 
 
 @pytest.mark.parametrize(

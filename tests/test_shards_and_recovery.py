@@ -12,24 +12,12 @@ import pyarrow.dataset as ds
 import pytest
 
 from capture.reader import load_threads, to_batch
-from capture.records import TurnRecord
 from capture.sessions import SessionStore
 from capture.shards import TURN_SCHEMA, rows_to_table, write_rows
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
-from tests.conftest import Proxy, read_turns, start_proxy
+from tests.conftest import Proxy, read_turns, record_turn, start_proxy
 from tests.stub_vllm import StubPolicy
-
-
-def _turn(store: SessionStore, session: str, chat: ChatRequest, ids: list[int], i: int) -> None:
-    assembly = store.assemble(session, chat)
-    record = TurnRecord(
-        session_id=session, request_id=f"r{i}", turn_index=i, protocol="openai.chat",
-        requested_model="m", policy_model="p", backend="b", user_agent="ua",
-        prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
-        finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
-    )  # fmt: skip
-    store.record(record, assembly, Message("assistant", f"answer {i}"))
 
 
 def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Path) -> None:
@@ -42,7 +30,7 @@ def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Pat
             msgs[1] = Message("user", "<system-reminder>x</system-reminder>q0")  # a rewrite
         ids = template.encode(f"answer {i}") + [template.eos_token_id]
         for store in (live, crashed):
-            _turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
+            record_turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
         msgs += [Message("assistant", f"answer {i}"), Message("user", f"q{i + 1}")]
     live.close()
     # The crashed store never ends its session; a new store over the same folder recovers it.
@@ -67,7 +55,7 @@ def test_session_going_on_after_an_idle_flush_keeps_exact_ids(qwen3_dir: Path, t
     for i in range(3):
         ids = template.encode(f"answer {i}") + [template.eos_token_id]
         sampled.append(ids)
-        _turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
+        record_turn(store, "sess", ChatRequest(messages=list(msgs), model="m"), ids, i)
         msgs += [Message("assistant", f"answer {i}"), Message("user", f"q{i + 1}")]
         if i == 1:
             assert store.flush_idle(now=time.monotonic() + 301)  # idle: shards written
