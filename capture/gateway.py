@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import logging
 import os
+import re
 import secrets
 import time
 import urllib.parse
@@ -56,8 +58,10 @@ MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, Recurs
 
 def _malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
     """A request no check refused but that could not be read: the client's error (400 in the
-    provider's shape), never a text/plain 500. Logged with its traceback for a maintainer."""
-    logger.warning("refused a request that could not be read: %r", exc, exc_info=exc)
+    provider's shape), never a text/plain 500. Its traceback is logged at debug level."""
+    # The client's mistake, not ours: one line; the traceback only at debug level.
+    logger.warning("refused a request that could not be read: %r", exc)
+    logger.debug("where it could not be read", exc_info=exc)
     return provider.error(
         400,
         f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
@@ -304,6 +308,7 @@ class Gateway:
         except RequestPayloadError as exc:
             raise RequestError(f"The request body could not be read: {exc}", status=400) from None
         if encoding in ("", "identity"):
+            check_text(raw)
             return raw
         # gzip (wbits 16+) or zlib/raw deflate (wbits 32+ detects a header); bounded output.
         inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else 47)
@@ -321,6 +326,7 @@ class Gateway:
             raise RequestError(
                 f"The request body is a truncated {encoding} stream; send it whole.", status=400
             )
+        check_text(body)
         return body
 
     def _too_large_message(self, size: int | None) -> str:
@@ -601,6 +607,27 @@ def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
             "option agenttap_policy_timeout"
         )
     return PolicyError(f"the connection to the policy server at {client.base_url} failed: {exc}")
+
+
+# \\ud800-\\udfff escapes: a lone one decodes to text that cannot be written as UTF-8.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_text(body: bytes) -> None:
+    """Refuse JSON whose strings hold lone UTF-16 surrogates: such text can be neither journaled
+    nor written to Parquet. Paired escapes (emoji) are fine; the full check runs only when an
+    escape in the surrogate range appears at all."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            "Invalid request body: a JSON string holds a lone UTF-16 surrogate escape "
+            "(\\ud800-\\udfff without its pair), which is not text."
+        ) from None
+    except (ValueError, RecursionError):
+        return  # not JSON: the provider's parser words that error
 
 
 @dataclass

@@ -149,7 +149,7 @@ def test_models_list_shows_only_the_askers_own_names(stub_proxy: Proxy, stub: St
     import ssl
 
     secret = f"secret-model-{uuid.uuid4().hex[:8]}"
-    stub.script("a", "b")
+    stub.script("a")
     answer = post(
         stub_proxy,
         "models-a",
