@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import http.client
-import http.server
 import json
 import ssl
 import subprocess
