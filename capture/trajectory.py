@@ -249,6 +249,9 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
+# Tool-call argument values remembered per session for spawn links (a sub-agent starts soon
+# after the call that spawned it): bounded, so arguments cannot grow memory without end.
+MAX_SPAWN_VALUES = 4096
 # Shorter tool-call arguments ("ls", a path) end too many messages to mean a spawn.
 MIN_SPAWN_PROMPT = 16
 # A reply shorter than this is not taken for a summary that a compacted conversation opens with.
@@ -813,6 +816,8 @@ class ThreadSet:
                         self._spawn_index.setdefault(value.strip(), []).append(
                             (call, tool_call.id)
                         )
+                        if len(self._spawn_index) > MAX_SPAWN_VALUES:  # oldest first
+                            del self._spawn_index[next(iter(self._spawn_index))]
         summary = " ".join(reply.content.split())
         if len(summary) >= MIN_SUMMARY_CHARS:
             step = len(summary) // SUMMARY_PROBES
