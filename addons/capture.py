@@ -138,7 +138,7 @@ class AgentTap:
         loader.master.options.update(connection_strategy="lazy")
         self._take_repeated(loader.master.options)
 
-    def _take_repeated(self, options: optmanager.OptionManager) -> None:
+    def _take_repeated(self, options: optmanager.OptManager) -> None:
         """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; a name given
         twice raises there, which makes it skip this addon and run as an open forwarding proxy.
         Take such values out first and refuse every flow instead (the error logged at startup
@@ -202,6 +202,12 @@ class AgentTap:
             # every flow is refused until mitmproxy stops (the error stops it at startup).
             self.broken = str(exc)
             raise
+        if "agenttap_max_body_bytes" in updated:
+            # Bodies over the limit are streamed to the gateway, which refuses them after
+            # reading the limit: mitmproxy never holds a 400 MB body in memory.
+            limit = str(self.number("agenttap_max_body_bytes"))
+            if ctx.options.stream_large_bodies != limit:
+                ctx.options.update(stream_large_bodies=limit)
         if "agenttap_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
@@ -350,7 +356,25 @@ class AgentTap:
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
 
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """A body over agenttap_max_body_bytes is streamed (mitmproxy's stream_large_bodies,
+        set from it), never buffered: route it to the gateway now, before mitmproxy opens the
+        connection it streams to, and the gateway refuses it with the provider's 413 after
+        reading no more than the limit. Other flows are routed in ``request``."""
+        if not flow.request.stream:
+            return
+        host = flow.request.pretty_host.lower()
+        if self.broken or host not in self.hosts or flow.response:
+            flow.kill()  # a response cannot be set on a streamed request; nothing is forwarded
+            return
+        await self.request(flow)
+        if flow.response is not None or not flow.metadata.get("agenttap_routed"):
+            flow.response = None
+            flow.kill()
+
     async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("agenttap_routed"):
+            return  # a streamed body, routed in requestheaders
         if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
@@ -413,6 +437,7 @@ class AgentTap:
         req.host = "127.0.0.1"
         req.port = self.gateway.port
         req.headers["Host"] = host
+        flow.metadata["agenttap_routed"] = True
 
     def _control(self, flow: http.HTTPFlow) -> None:
         def answer(status: int, body: dict[str, object]) -> None:
