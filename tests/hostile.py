@@ -17,6 +17,7 @@ ENDPOINTS = {
     "openai.chat": ("api.openai.com", "/v1/chat/completions"),
     "anthropic": ("api.anthropic.com", "/v1/messages"),
     "openai.responses": ("api.openai.com", "/v1/responses"),
+    "gemini": ("generativelanguage.googleapis.com", "/v1beta/models/gemini-2.5-flash:generateContent"),
 }
 
 
@@ -45,6 +46,8 @@ def post(
     sent = {"Content-Type": "application/json", "Authorization": "Bearer sk-hostile-test"}
     if protocol == "anthropic":
         sent.update({"x-api-key": "sk-ant-hostile-test", "anthropic-version": "2023-06-01"})
+    if protocol == "gemini":
+        sent["x-goog-api-key"] = "AIza-hostile-test"
     sent.update(headers or {})
     try:
         conn.request("POST", path, body=body, headers=sent)
@@ -62,6 +65,11 @@ def assert_provider_error(protocol: str, answer: Answer) -> dict[str, Any]:
         assert data["type"] == "error", data
         err = data["error"]
         assert isinstance(err["type"], str) and isinstance(err["message"], str), data
+    elif protocol == "gemini":
+        # Google's: {"error": {"code": 400, "message": ..., "status": "INVALID_ARGUMENT"}}
+        assert set(data) == {"error"}, data
+        err = data["error"]
+        assert err["code"] == answer.status and isinstance(err["status"], str), data
     else:
         assert set(data) == {"error"}, data
         err = data["error"]
@@ -84,4 +92,6 @@ def good_body(protocol: str, text: str = "Hi", stream: bool = False) -> dict[str
             "messages": [{"role": "user", "content": text}],
             "stream": stream,
         }
+    if protocol == "gemini":
+        return {"contents": [{"role": "user", "parts": [{"text": text}]}]}
     return {"model": "gpt-5", "input": text, "stream": stream, "store": False}

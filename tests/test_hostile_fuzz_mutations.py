@@ -107,6 +107,28 @@ SEEDS: dict[str, dict[str, Any]] = {
         "text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}},
         "max_output_tokens": 32,
     },
+    "gemini": {
+        "systemInstruction": {"parts": [{"text": "be brief"}]},
+        "contents": [
+            {"role": "user", "parts": [{"text": "list files"}]},
+            {
+                "role": "model",
+                "parts": [
+                    {"functionCall": {"name": "ls", "args": {"path": "."}}, "thoughtSignature": "c2ln"}
+                ],
+            },
+            {"role": "user", "parts": [{"functionResponse": {"name": "ls", "response": {"output": "a.txt"}}}]},
+        ],
+        "tools": [{"functionDeclarations": [{**TOOL, "parameters": SCHEMA}]}],
+        "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}},
+        "generationConfig": {
+            "temperature": 0.5,
+            "maxOutputTokens": 32,
+            "thinkingConfig": {"thinkingBudget": 128},
+            "responseMimeType": "application/json",
+            "responseSchema": {"type": "OBJECT", "properties": {"path": {"type": "STRING"}}},
+        },
+    },
 }
 
 scalars = (
@@ -165,7 +187,8 @@ def bodies(draw: st.DrawFn, protocol: str) -> tuple[bytes, dict[str, str]]:
     seed = SEEDS[protocol]
     kind = draw(st.sampled_from(["replace", "replace", "drop", "bytes", "truncate"]))
     body: Any = copy.deepcopy(seed)
-    body["stream"] = draw(st.booleans())
+    if protocol != "gemini":  # Gemini streams by URL, not by a body field
+        body["stream"] = draw(st.booleans())
     if kind == "replace":
         path = draw(st.sampled_from(paths(body)))
         body = replaced(body, path, draw(json_values))
