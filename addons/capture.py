@@ -357,18 +357,20 @@ class AgentTap:
         self._tunnel_sessions.pop(client.id, None)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        """A body over agenttap_max_body_bytes is streamed (mitmproxy's stream_large_bodies,
-        set from it), never buffered: route it to the gateway now, before mitmproxy opens the
-        connection it streams to, and the gateway refuses it with the provider's 413 after
-        reading no more than the limit. Other flows are routed in ``request``."""
-        if not flow.request.stream:
-            return
+        """Route API calls to the gateway as soon as their headers are in: a body over
+        agenttap_max_body_bytes is then streamed (mitmproxy's stream_large_bodies, set from it;
+        a chunked one switches to streaming midway) to the gateway, which refuses it with the
+        provider's 413 after reading no more than the limit. Nothing is held whole in memory.
+        Flows that never pass through here (client replay) are routed in ``request``."""
         host = flow.request.pretty_host.lower()
-        if self.broken or host not in self.hosts or flow.response:
-            flow.kill()  # a response cannot be set on a streamed request; nothing is forwarded
+        if flow.response or host == CONTROL_HOST or host not in self.hosts or self.broken:
+            if flow.request.stream:
+                flow.kill()  # a streamed request cannot be answered here; nothing goes out
             return
         await self.request(flow)
-        if flow.response is not None or not flow.metadata.get("agenttap_routed"):
+        if flow.request.stream and (
+            flow.response is not None or not flow.metadata.get("agenttap_routed")
+        ):
             flow.response = None
             flow.kill()
 
@@ -470,6 +472,8 @@ class AgentTap:
         the proxy credentials. Script addons run before mitmproxy's ``save`` addon, so this
         happens before ``-w`` / ``save_stream_file`` writes the flow."""
         flow.metadata.pop("proxyauth", None)
+        # A saved flow replays as the client sent it: routed again, from the start.
+        flow.metadata.pop("agenttap_routed", None)
         origin = flow.metadata.get("agenttap_origin")
         if not origin:
             return
