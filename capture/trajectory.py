@@ -224,10 +224,6 @@ class Assembly:
     # A retry: the earlier call with this very request (its prompt is reused as it is).
     sibling_of: Call | None = None
 
-    @property
-    def is_new_thread(self) -> bool:
-        return self.parent is None
-
     def needs_recompute(self) -> list[int]:
         """Positions (in prompt_ids) whose logprobs must be re-scored."""
         return [
@@ -877,11 +873,6 @@ def seq_ids(call: Call) -> list[int]:
     while node.prompt_ids is None:
         node = next(c for c in node.children if c.kind == "extend" and c.base == node.seq_len)
     return node.prompt_ids[: call.seq_len]
-
-
-def _root_group(call: Call) -> tuple[int, Any]:
-    spawn = (call.spawned_by[0].uid, call.spawned_by[1]) if call.spawned_by else None
-    return (call.prompt_digest, spawn)
 
 
 def export_rows(calls: list[Call]) -> tuple[list[ThreadRow], dict[str, str]]:

@@ -114,7 +114,8 @@ def _format_validation_error(exc: ValidationError) -> RequestError:
     return RequestError(f"Invalid value for '{loc}': {first['msg']}.", param=loc)
 
 
-def parse_request(body: bytes) -> ChatRequest:
+def load_json_object(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or OpenAI's 400 saying why not (Chat and Responses)."""
     try:
         raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -124,6 +125,11 @@ def parse_request(body: bytes) -> ChatRequest:
         ) from None
     if not isinstance(raw, dict):
         raise RequestError("The request body must be a JSON object.")
+    return raw
+
+
+def parse_request(body: bytes) -> ChatRequest:
+    raw = load_json_object(body)
     try:
         req = ChatCompletionRequestIn.model_validate(raw)
     except ValidationError as exc:

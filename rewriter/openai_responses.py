@@ -40,6 +40,7 @@ from rewriter.canonical import (
     ToolCall,
     ToolSpec,
 )
+from rewriter.openai_chat import load_json_object
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 
 logger = logging.getLogger(__name__)
@@ -392,18 +393,7 @@ def parse_request(
 
     ``history(previous_response_id)`` gives the :class:`Context` of a stored response (None when
     unknown)."""
-    if isinstance(body, dict):
-        raw: Any = body
-    else:
-        try:
-            raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(
-                f"We could not parse the JSON body of your request ({exc}). The body must be a "
-                "JSON object."
-            ) from None
-    if not isinstance(raw, dict):
-        raise RequestError("The request body must be a JSON object.")
+    raw = body if isinstance(body, dict) else load_json_object(body)
     try:
         req = ResponsesRequestIn.model_validate(raw)
     except ValidationError as exc:
