@@ -561,8 +561,12 @@ class ThreadSet:
             return None
         asst_keys = {keys[i] for i in asst}
 
-        def prescore(c: Call) -> tuple[int, int]:
-            return (sum(1 for a in c.ancestors() if a.conv and a.conv[-1] in asst_keys), c.uid)
+        def prescore(c: Call) -> tuple[int, int, int]:
+            # Echoed ids first: with many calls sharing a reply text ("Done.", the same tool
+            # call), the cut below must never drop the call the client's ids name.
+            path = c.ancestors()
+            on_path = sum(1 for a in path if a.conv and a.conv[-1] in asst_keys)
+            return (self._path_id_score(c, id_calls), on_path, c.uid)
 
         ranked = sorted(cands.values(), key=prescore, reverse=True)[:MAX_REWRITE_CANDIDATES]
         best: tuple[tuple[int, ...], Call, dict[int, Call]] | None = None

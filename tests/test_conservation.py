@@ -354,6 +354,24 @@ def test_identical_replies_then_a_rewrite_stay_in_their_own_conversation(templat
     assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in (a1, b1, b2, b3))
 
 
+def test_a_rewrite_goes_where_the_echoed_id_points_among_many_identical_replies(template: ChatTemplate) -> None:
+    """Twenty conversations whose first replies are the same tool call; the oldest one goes on,
+    its minted tool-call id echoed, with its first user message rewritten. More calls share
+    the reply than the rewrite owner search looks at closely; the echoed id still decides."""
+    threads = ThreadSet("s", template)
+    call_text = "<tool_call>\n" + json.dumps(CALLS[0]) + "\n</tool_call>"
+    firsts = [_one_call(threads, [Message("system", "Agent."), Message("user", f"Task {i}")], call_text, template, f"c{i}") for i in range(20)]
+    tc = ToolCall(next(iter(firsts[0].tool_ids)), "bash", '{"cmd": "ls"}')
+    rewritten = [Message("system", "Agent."), Message("user", "<system-reminder>x</system-reminder>Task 0"),
+                 Message("assistant", "", tool_calls=(tc,)), Message("tool", "a.py", tool_call_id=tc.id)]  # fmt: skip
+    later = _one_call(threads, rewritten, "Done.", template, "c0-2")
+    assert later.kind == "rewrite" and later.parent is firsts[0]
+    rows, thread_of = threads.export()
+    assert thread_of["c0-2"] == thread_of["c0"]
+    assert len({thread_of[f"c{i}"] for i in range(20)}) == 20
+    assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in [*firsts, later])
+
+
 def test_retry_makes_a_dead_sibling_and_the_live_row_keeps_the_history(template: ChatTemplate) -> None:
     threads = ThreadSet("s", template)
     msgs = [Message("system", "Agent."), Message("user", "Go")]
