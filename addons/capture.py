@@ -64,6 +64,18 @@ CONTROL_HOST = "agenttap.local"
 GATEWAY_WAIT_S = 60.0
 
 
+def _strip_secrets(request: http.Request) -> None:
+    """Remove API keys and proxy credentials from a request before anything logs or stores it.
+    Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never needs
+    them, and a saved flow keeps the query string."""
+    for name in SECRET_HEADERS:
+        request.headers.pop(name, None)
+    query = request.query
+    for name in list(query.keys()):
+        if name.lower() in SECRET_QUERY:
+            del query[name]
+
+
 def proxy_user(header: str | None) -> str | None:
     """The username of a ``Proxy-Authorization: Basic ...`` header (the session id)."""
     if not header:
@@ -364,6 +376,7 @@ class AgentTap:
         Flows that never pass through here (client replay) are routed in ``request``."""
         host = flow.request.pretty_host.lower()
         if flow.response or host == CONTROL_HOST or host not in self.hosts or self.broken:
+            _strip_secrets(flow.request)  # a refused flow is logged and saved too
             if flow.request.stream:
                 flow.kill()  # a streamed request cannot be answered here; nothing goes out
             return
@@ -377,6 +390,9 @@ class AgentTap:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("agenttap_routed"):
             return  # a streamed body, routed in requestheaders
+        # Keys go before anything else, refusals included: every flow is logged and can be saved.
+        plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        _strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
@@ -386,15 +402,6 @@ class AgentTap:
         if host not in self.hosts:
             self._refuse(flow, host)
             return
-        plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
-        for name in SECRET_HEADERS:
-            flow.request.headers.pop(name, None)
-        # Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never
-        # needs them, and a saved flow keeps the query string.
-        query = flow.request.query
-        for name in list(query.keys()):
-            if name.lower() in SECRET_QUERY:
-                del query[name]
         if self.gateway is None and not self._ready.is_set():
             # A client replay (-C) sends its first request while the gateway is still starting.
             try:

@@ -63,9 +63,20 @@ def test_api_keys_in_the_query_string_are_never_stored(
     with recording(stub.url, tmp_path / "out", confdir, flow_file) as proxy:
         status, _ = _raw(proxy, b"keys", f"/v1/chat/completions?key={secret}&api-key={secret}", CHAT)
         assert status == 200
+        # A refused request (plain HTTP to a host that is not intercepted) is logged and saved
+        # too: its keys go before the refusal.
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+        conn.request("GET", f"http://elsewhere.example/v1/models?key={secret}", headers={"Authorization": f"Bearer {secret}", "x-goog-api-key": secret})
+        refused = conn.getresponse()
+        assert refused.status == 403, refused.read()
+        conn.close()
         proxy.flush("keys")
-    (flow,) = [f for f in read_flows(flow_file) if f.request.path.startswith("/v1/chat")]
+    flows = read_flows(flow_file)
+    (flow,) = [f for f in flows if f.request.path.startswith("/v1/chat")]
     assert "key" not in flow.request.query and "api-key" not in flow.request.query
+    (other,) = [f for f in flows if f.request.pretty_host == "elsewhere.example"]
+    assert other.response is not None and other.response.status_code == 403
+    assert "key" not in other.request.query and "authorization" not in other.request.headers
     for path in [flow_file, *(tmp_path / "out").rglob("*"), *tmp_path.glob("*.log")]:
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
