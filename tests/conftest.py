@@ -19,6 +19,13 @@ from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
+from hypothesis import settings
+
+# CI runs with CI=true: property and fuzz tests replay the same examples every run (a red CI
+# must be reproducible, not a new random draw); locally they keep exploring new ones.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
