@@ -166,7 +166,7 @@ class Call:
     # Matching state (live sessions only; not needed to export rows).
     header: MessageKey = ()
     conv: list[MessageKey] = field(default_factory=list)  # request keys + reply key
-    tool_ids: frozenset[str] = frozenset()
+    tool_ids: frozenset[str] = frozenset()  # minted ids the client echoes: tool calls, replies
     claims: dict[int, float] = field(default_factory=dict)  # in-flight requests extending it
     written_in: str | None = None  # thread id of the row it was trained in, once written
     dead: bool = False  # written in a dead row
@@ -355,14 +355,23 @@ class ThreadSet:
         )
 
     def _id_evidence(self, messages: list[Message]) -> dict[int, Call]:
-        """Message index -> the call whose minted tool-call ids that assistant message echoes."""
+        """Message index -> the call whose minted ids that assistant message echoes: its
+        tool-call ids, or the reply ids a provider keeps on the message (a Responses API
+        response named by its items' ids)."""
         found: dict[int, Call] = {}
         by_id = self._by_tool_id
         if not by_id:
             return found
         # Every call resends the whole history: kept to one dict lookup per tool call.
         for i, m in enumerate(messages):
-            if m.tool_calls:
+            if m.role != "assistant":
+                continue
+            for reply_id in m.ids:
+                call = by_id.get(reply_id)
+                if call is not None:
+                    found[i] = call
+                    break
+            else:
                 for tool_call in m.tool_calls:
                     call = by_id.get(tool_call.id)
                     if call is not None:
@@ -779,7 +788,7 @@ class ThreadSet:
             header=assembly.header,
             started=assembly.started or len(self.calls) + 1,
             client_retry=assembly.client_retry,
-            tool_ids=frozenset(c.id for c in reply.tool_calls if c.id),
+            tool_ids=frozenset([*(c.id for c in reply.tool_calls if c.id), *reply.ids]),
         )
         reply_key = message_key(reply)
         keys = assembly.keys
@@ -813,9 +822,7 @@ class ThreadSet:
             if isinstance(args, dict):
                 for value in args.values():
                     if isinstance(value, str) and len(value.strip()) >= 8:
-                        self._spawn_index.setdefault(value.strip(), []).append(
-                            (call, tool_call.id)
-                        )
+                        self._spawn_index.setdefault(value.strip(), []).append((call, tool_call.id))
                         if len(self._spawn_index) > MAX_SPAWN_VALUES:  # oldest first
                             del self._spawn_index[next(iter(self._spawn_index))]
         summary = " ".join(reply.content.split())

@@ -37,6 +37,10 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    # Ids this proxy minted for an assistant reply that the client echoes back (a Responses API
+    # response, named by its items' ids): evidence of which policy call the message is. Never
+    # rendered, never part of a message's key.
+    ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import base64
 import binascii
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -252,7 +253,14 @@ class _Assistant:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
+        self.origins: list[str] = []  # responses of this proxy's whose items these are
         self.open = False
+
+    def take(self, item: dict[str, Any]) -> None:
+        self.open = True
+        origin = origin_response(item)
+        if origin is not None and origin not in self.origins:
+            self.origins.append(origin)
 
     def message(self) -> Message:
         return Message(
@@ -260,6 +268,7 @@ class _Assistant:
             content="".join(self.content),
             reasoning="".join(self.reasoning) if self.reasoning else None,
             tool_calls=tuple(self.calls),
+            ids=tuple(self.origins),
         )
 
 
@@ -303,7 +312,7 @@ def parse_input(
             role = item.get("role")
             text = _parts_text(item.get("content"), f"{at}.content")
             if role == "assistant":
-                turn.open = True
+                turn.take(item)
                 turn.content.append(text)
                 continue
             if role not in ("user", "system", "developer"):
@@ -317,7 +326,7 @@ def parse_input(
         elif kind == "reasoning":
             if turn.open and (turn.content or turn.calls):
                 flush()  # reasoning starts a new model turn
-            turn.open = True
+            turn.take(item)
             turn.reasoning.append(_reasoning_text(item, at))
         elif kind in ("function_call", "custom_tool_call"):
             call_id, name = item.get("call_id"), item.get("name")
@@ -332,7 +341,7 @@ def parse_input(
             else:
                 arguments = json.dumps({"input": str(item.get("input") or "")}, ensure_ascii=False)
             name = qualified_name(name, item.get("namespace"))
-            turn.open = True
+            turn.take(item)
             turn.calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
@@ -485,8 +494,23 @@ def new_response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_" + secrets.token_hex(24)
+def new_item_id(prefix: str, response_id: str) -> str:
+    """An output item's id: its response's token, then a random part. An item the client sends
+    back therefore names the response (the policy call) it came from: :func:`origin_response`."""
+    return f"{prefix}_{response_id.removeprefix('resp_')}{secrets.token_hex(4)}"
+
+
+_MINTED_ITEM = re.compile(r"(?:rs|msg|fc|ctc)_([0-9a-f]{48})[0-9a-f]{8}")
+
+
+def origin_response(item: dict[str, Any]) -> str | None:
+    """The id of the response this proxy answered with ``item`` in, if it did."""
+    value = item.get("id")
+    if isinstance(value, str):
+        found = _MINTED_ITEM.fullmatch(value)
+        if found:
+            return "resp_" + found.group(1)
+    return None
 
 
 # OpenAI's error codes clients act on (Codex resends the whole history on this one).
@@ -579,13 +603,18 @@ def call_item(
     return item
 
 
-def output_items(reply: AssistantReply, req: ResponsesRequest) -> list[dict[str, Any]]:
+def output_items(
+    reply: AssistantReply, req: ResponsesRequest, response_id: str
+) -> list[dict[str, Any]]:
     items = []
     if reply.reasoning is not None:
-        items.append(reasoning_item(_item_id("rs"), reply.reasoning, req.include_encrypted))
+        rs_id = new_item_id("rs", response_id)
+        items.append(reasoning_item(rs_id, reply.reasoning, req.include_encrypted))
     if reply.content or not reply.tool_calls:
-        items.append(message_item(_item_id("msg"), reply.content))
-    items += [call_item(_item_id("fc"), c, req) for c in reply.tool_calls]
+        items.append(message_item(new_item_id("msg", response_id), reply.content))
+    for c in reply.tool_calls:
+        prefix = "ctc" if c.name in req.custom_tools else "fc"
+        items.append(call_item(new_item_id(prefix, response_id), c, req))
     return items
 
 
@@ -629,7 +658,7 @@ def whole_response(
         req,
         int(time.time()),
         status,
-        output_items(reply, req),
+        output_items(reply, req, response_id),
         usage(input_tokens, output_tokens),
         details,
     )
@@ -716,7 +745,7 @@ class EventWriter:
             events += self._close()
         index = len(self.output)
         if self._open is None:
-            item_id = _item_id("rs" if kind == "reasoning" else "msg")
+            item_id = new_item_id("rs" if kind == "reasoning" else "msg", self.response_id)
             self._open = (kind, item_id)
             if kind == "reasoning":
                 added = {"type": "reasoning", "id": item_id, "summary": [], "content": []}
@@ -754,7 +783,9 @@ class EventWriter:
     def _tool_call(self, call: ToolCall) -> list[dict[str, Any]]:
         events = self._close()
         index = len(self.output)
-        item_id = _item_id("ctc" if call.name in self.req.custom_tools else "fc")
+        item_id = new_item_id(
+            "ctc" if call.name in self.req.custom_tools else "fc", self.response_id
+        )
         events.append(
             self._event(
                 "response.output_item.added",

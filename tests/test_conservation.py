@@ -372,6 +372,28 @@ def test_a_rewrite_goes_where_the_echoed_id_points_among_many_identical_replies(
     assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in [*firsts, later])
 
 
+def test_a_reply_id_decides_between_identical_text_replies(template: ChatTemplate) -> None:
+    """Text-only replies carry no tool-call id; a Responses API client sends back item ids that
+    name the response (``Message.ids``). Two conversations answered "Done."; the older one goes
+    on with its first user message replaced outright (no text left to align on): its reply id
+    still puts the rewrite on its own thread, not the newer twin's."""
+    threads = ThreadSet("s", template)
+
+    def call(msgs: list[Message], rid: str) -> Call:
+        a = threads.assemble(msgs, TOOLS, None)
+        ids = template.encode("Done.") + [template.eos_token_id]
+        reply = Message("assistant", "Done.", ids=(f"resp_{rid}",))
+        return threads.commit(a, reply, ids, [-0.5] * len(ids), request_id=rid, turn_index=0, finish_reason="stop", latency_s=0, backend="b")  # fmt: skip
+
+    first = call([Message("system", "Agent."), Message("user", "Task A")], "a1")
+    call([Message("system", "Agent."), Message("user", "Task B")], "b1")
+    later = call([Message("system", "Agent."), Message("user", "(earlier context compacted)"),
+                  Message("assistant", "Done.", ids=("resp_a1",)), Message("user", "More")], "a2")  # fmt: skip
+    assert later.kind == "rewrite" and later.parent is first
+    _, thread_of = threads.export()
+    assert thread_of["a2"] == thread_of["a1"] != thread_of["b1"]
+
+
 def test_retry_makes_a_dead_sibling_and_the_live_row_keeps_the_history(template: ChatTemplate) -> None:
     threads = ThreadSet("s", template)
     msgs = [Message("system", "Agent."), Message("user", "Go")]

@@ -12,6 +12,7 @@ from rewriter.openai_responses import (
     EventWriter,
     decrypt_reasoning,
     encrypt_reasoning,
+    new_response_id,
     parse_request,
     whole_response,
 )
@@ -250,6 +251,28 @@ def test_whole_response_items() -> None:
     cut = whole_response("resp_2", req, AssistantReply("Par", None, []), "length", 10, 5)
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_items_sent_back_name_the_response_they_came_from() -> None:
+    """Output items carry their response's id, whole or streamed: the assistant message a client
+    sends them back as names the policy call it came from (the trajectory's strongest evidence
+    for text-only replies). Foreign item ids name nothing."""
+    rid = new_response_id()
+    req = parse_request(body(input="x", tools=[EXEC_TOOL], include=["reasoning.encrypted_content"]))
+    reply = AssistantReply("Running.", "Think.", [ToolCall("call_1", "exec", '{"input": "ls()"}')])
+    writer = EventWriter(rid, req, 1)
+    writer.events([ReasoningDelta("Think."), ContentDelta("Running."), ToolCallEvent(0, reply.tool_calls[0])])
+    streamed = writer.finish("stop", 3)[-1]["response"]["output"]
+    for output in (whole_response(rid, req, reply, "stop", 1, 1)["output"], streamed):
+        assert len(output) == 3 and all(item["id"].split("_", 1)[1].startswith(rid[5:]) for item in output)
+        back = parse_request(body(tools=[EXEC_TOOL], input=[
+            {"role": "user", "content": "x"}, *output,
+            {"type": "custom_tool_call_output", "call_id": "call_1", "output": "ok"}]))  # fmt: skip
+        (asst,) = [m for m in back.chat.messages if m.role == "assistant"]
+        assert asst.ids == (rid,) and asst.content == "Running."
+    foreign = {"type": "message", "role": "assistant", "id": "msg_" + "ab" * 24, "content": "hi"}
+    back = parse_request(body(input=[{"role": "user", "content": "x"}, foreign]))
+    assert back.chat.messages[-1].ids == ()
 
 
 def test_event_writer_sequence() -> None:

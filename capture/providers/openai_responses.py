@@ -12,7 +12,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -31,7 +31,7 @@ from capture.providers.base import (
 )
 from capture.providers.openai_chat import OpenAIErrors, openai_models_body
 from rewriter import openai_responses
-from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
 from rewriter.openai_responses import Context, EventWriter, ResponsesRequest
 from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion
@@ -129,6 +129,10 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
             return found
 
         return lookup
+
+    def recorded_reply(self, turn: ResponsesTurn, reply: AssistantReply) -> Message:
+        # The response id travels with the reply: its items, sent back, name this call.
+        return replace(reply.as_message(), ids=(turn.response_id,))
 
     def finished(self, turn: ResponsesTurn, reply: AssistantReply, completion: Completion) -> None:
         conversation = turn.request.context.extended(self.recorded_reply(turn, reply))
