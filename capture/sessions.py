@@ -208,41 +208,55 @@ class SessionStore:
         """Turn journals left by an earlier process into shards. Call before serving."""
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
-            turns: list[TurnRecord] = []
-            calls: dict[str, Call] = {}
-            for line in journal.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                    turn = TurnRecord.from_row(entry["turn"])
-                except (json.JSONDecodeError, TypeError, KeyError):
-                    # A line cut short by the crash: that call had not completed.
-                    logger.warning("skipping a torn line in %s", journal)
-                    continue
-                turns.append(turn)
-                if entry.get("call"):
-                    calls[turn.request_id] = call_from_entry(turn, entry["call"], calls)
-            if turns:
-                try:
-                    rows, thread_of = export_rows(list(calls.values()))
-                    written += self._write(turns, rows, thread_of, journal.stem)
-                except Exception:
-                    # One bad journal must not keep the proxy from starting, nor hide the
-                    # others: it is kept aside, whole, for a person to look at.
-                    bad = journal.with_suffix(".bad")
-                    journal.replace(bad)
-                    logger.exception(
-                        "could not write the shards of %s; kept as %s (the other sessions are "
-                        "recovered)",
-                        journal.name,
-                        bad,
-                    )
-                    continue
-                session_id = turns[0].session_id
-                # A session that goes on after the restart keeps counting its calls.
-                done = max(t.turn_index for t in turns) + 1
-                self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
-                logger.info("recovered %d calls from %s", len(turns), journal.name)
+            try:
+                written += self._recover_journal(journal)
+            except Exception:
+                # One bad journal must not keep the proxy from starting, nor hide the others:
+                # it is kept aside, whole, for a person to look at.
+                bad = journal.with_suffix(".bad")
+                journal.replace(bad)
+                logger.exception(
+                    "could not write the shards of %s; kept as %s (the other sessions are "
+                    "recovered)",
+                    journal.name,
+                    bad,
+                )
+                continue
             journal.unlink()
+        return written
+
+    def _recover_journal(self, journal: Path) -> list[Path]:
+        turns: list[TurnRecord] = []
+        calls: dict[str, Call] = {}
+        # errors="replace": a damaged byte costs that line at most, never the journal.
+        for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+                turn = TurnRecord.from_row(entry["turn"])
+            except Exception:
+                # A line cut short by the crash (that call had not completed), or damaged.
+                logger.warning("skipping a torn or unreadable line in %s", journal)
+                continue
+            turns.append(turn)
+            if entry.get("call"):
+                try:
+                    calls[turn.request_id] = call_from_entry(turn, entry["call"], calls)
+                except Exception:
+                    logger.warning(
+                        "%s: the thread placement of call %s cannot be read; the call is kept "
+                        "in the turns shard only",
+                        journal.name,
+                        turn.request_id,
+                    )
+        if not turns:
+            return []
+        rows, thread_of = export_rows(list(calls.values()))
+        written = self._write(turns, rows, thread_of, journal.stem)
+        session_id = turns[0].session_id
+        # A session that goes on after the restart keeps counting its calls.
+        done = max(t.turn_index for t in turns) + 1
+        self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
+        logger.info("recovered %d calls from %s", len(turns), journal.name)
         return written
 
 

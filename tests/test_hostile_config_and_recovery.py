@@ -144,6 +144,25 @@ def test_one_bad_journal_does_not_stop_recovery_or_the_proxy(qwen3_dir: Path, tm
     assert not list((tmp_path / "journal").glob("*.jsonl"))
 
 
+def test_damaged_lines_cost_only_themselves(qwen3_dir: Path, tmp_path: Path) -> None:
+    """Lines of a journal that are damaged in other ways than a torn end (a wrong type, bytes
+    that are not UTF-8, a thread placement that cannot be read) are skipped one by one: the
+    journal's good calls are recovered, nothing is quarantined, recovery does not stop."""
+    template = ChatTemplate(qwen3_dir)
+    good = _store_with_turns(tmp_path, template, 3)  # never closed: its journal is left
+    (journal,) = (tmp_path / "journal").glob("*.jsonl")
+    lines = journal.read_bytes().splitlines()
+    last = json.loads(lines[2])
+    last["call"] = {"parent": 5}  # its placement cannot be read; the turn itself can
+    damaged = [lines[0], b'{"turn": "x"}', b'{"turn": {"request_id": "\xff\xfe"}}', lines[1], json.dumps(last).encode()]
+    journal.write_bytes(b"\n".join(damaged) + b"\n")
+    del good
+    written = SessionStore(tmp_path, template).recover()
+    assert written
+    assert [t["request_id"] for t in read_turns(tmp_path)] == ["r0", "r1", "r2"]
+    assert not list((tmp_path / "journal").glob("*.bad")) and not list((tmp_path / "journal").glob("*.jsonl"))
+
+
 def test_the_proxy_starts_over_a_folder_with_a_bad_journal(
     stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
