@@ -102,6 +102,7 @@ class AgentTap:
         self._numbers: dict[str, type] = {}
         self._parsed: dict[str, Any] = {}
         self._defaults: dict[str, Any] = {}
+        self._positive: set[str] = set()  # numeric options that must be above zero
         # Why the configuration cannot be used; while set, every flow is refused.
         self.broken: str | None = None
 
@@ -119,11 +120,21 @@ class AgentTap:
         self._add_number(
             loader, "agenttap_idle_timeout", 300, "Seconds idle before a session is sharded."
         )
+        # Zero would mean "refuse every body", "never time out" (a hung policy hangs its clients)
+        # and "no limit": never what a user means, so these take positive numbers only.
         self._add_number(
-            loader, "agenttap_max_body_bytes", 8 * 1024 * 1024, "Largest request body accepted."
+            loader,
+            "agenttap_max_body_bytes",
+            8 * 1024 * 1024,
+            "Largest request body accepted.",
+            positive=True,
         )
-        self._add_number(loader, "agenttap_policy_timeout", 300, "Seconds to wait for the policy.")
-        self._add_number(loader, "agenttap_policy_connections", 1024, "Concurrent policy calls.")
+        self._add_number(
+            loader, "agenttap_policy_timeout", 300, "Seconds to wait for the policy.", positive=True
+        )
+        self._add_number(
+            loader, "agenttap_policy_connections", 1024, "Concurrent policy calls.", positive=True
+        )
         loader.add_option(
             "agenttap_model_map",
             str,
@@ -166,10 +177,14 @@ class AgentTap:
             self.broken = f"agenttap: {', '.join(repeated)} given more than once; set each once"
             logger.error("%s", self.broken)
 
-    def _add_number(self, loader: Loader, name: str, default: float, help: str) -> None:
+    def _add_number(
+        self, loader: Loader, name: str, default: float, help: str, positive: bool = False
+    ) -> None:
         """A numeric option, declared as text and parsed here: mitmproxy's own parsing of a
         script's int option fails silently on a bad value (and leaves the default)."""
         self._numbers[name] = type(default)
+        if positive:
+            self._positive.add(name)
         self._defaults[name] = default
         loader.add_option(name, str, str(default), help)
 
@@ -192,6 +207,11 @@ class AgentTap:
             if value < 0 or (kind is float and value != value):
                 raise exceptions.OptionsError(
                     f"agenttap: --set {name}={text!r} must be zero or more"
+                )
+            if value == 0 and name in self._positive:
+                raise exceptions.OptionsError(
+                    f"agenttap: --set {name}=0 is not allowed: it must be more than zero "
+                    f"(the default is --set {name}={self._defaults[name]})"
                 )
             self._parsed[name] = value
 

@@ -68,6 +68,8 @@ def _options_without_idle_timeout(policy_url: str, out: Path, confdir: Path) -> 
         ("agenttap_max_body_bytes=8MB", "agenttap_max_body_bytes"),
         ("agenttap_max_body_bytes=-1", "agenttap_max_body_bytes"),
         ("agenttap_idel_timeout=5", "agenttap_idel_timeout"),
+        # zero would turn the policy's read timeout off: a hung policy would hang every client
+        ("agenttap_policy_timeout=0", "agenttap_policy_timeout=0 is not allowed"),
         # given twice: mitmproxy's own loader would raise and skip the addon
         ("agenttap_out=a --set agenttap_out=b", "agenttap_out given more than once"),
     ],
