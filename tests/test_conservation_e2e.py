@@ -5,6 +5,7 @@ requests (with its retry header, and without one, as a user pressing retry does)
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -142,3 +143,39 @@ def test_a_schema_constrained_answer_trains_the_policys_own_logprobs(
     expected = [StubPolicy._logprob(i, row["input_ids"][i]) for i in span]
     assert [row["logprobs"][i] for i in span] == pytest.approx(expected, abs=1e-6)
     assert turn["completion_logprobs"] != pytest.approx(expected, abs=1e-6)
+
+
+def test_responses_item_ids_decide_between_identical_text_replies(
+    stub_proxy: Proxy, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Responses API, stateless (store=false): two conversations both answered "Done.";
+    the older one goes on with its first user message replaced outright, so no text is left
+    to tell it from its twin. The output items the client sends back carry the proxy's item
+    ids, which name the response: the rewrite stays on the older conversation's thread."""
+    session = "cons-responses-ids"
+    stub.replies.clear()
+    stub.script("Done.", "Done.", "All set.")
+    client = stub_proxy.openai(session, monkeypatch)
+
+    def respond(items: list[Any]) -> Any:
+        return client.responses.create(model="gpt-5", instructions="You are a careful agent.", input=items, store=False)  # fmt: skip
+
+    a: list[Any] = [{"role": "user", "content": "Rename the config file."}]
+    ra1 = respond(a)
+    rb1 = respond([{"role": "user", "content": "Delete the temp folder."}])
+    assert ra1.output_text == rb1.output_text == "Done."
+    a = [{"role": "user", "content": "(earlier context compacted)"}]
+    a += [item.model_dump(exclude_none=True) for item in ra1.output]
+    a.append({"role": "user", "content": "And the backup."})
+    ra2 = respond(a)
+    assert ra2.output_text == "All set."
+
+    turns = stub_proxy.turns(session, expect=3)
+    threads = stub_proxy.threads(session, expect=2)
+    where = conservation(threads, turns)
+    # Turn rows are keyed by the proxy's request ids; the Responses ids name the same calls.
+    by_order = [t["request_id"] for t in sorted(turns, key=lambda t: t["turn_index"])]
+    first_a, first_b, second_a = by_order
+    assert where[second_a] == where[first_a] != where[first_b]
+    kinds = {t["request_id"]: json.loads(t["metadata"])["assembly"] for t in turns}
+    assert kinds[second_a] == "rewrite"
