@@ -50,6 +50,7 @@ class StubPolicy:
         # delayed requests whose caller had hung up by the time the delay ended.
         self.first_delay_s = 0.0
         self.abandoned = 0
+        self.abandoned_at: set[int] = set()  # indices in ``requests`` of the abandoned ones
         self.chunk_tokens = 1
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,11 +147,13 @@ class StubPolicy:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        index = len(self.requests)
         self.requests.append(body)
         if self.first_delay_s:
             await asyncio.sleep(self.first_delay_s)
             if request.transport is None or request.transport.is_closing():
                 self.abandoned += 1
+                self.abandoned_at.add(index)
                 return web.Response(status=499)
         prompt = body["prompt"]
         if body.get("model") != self.model_name:
