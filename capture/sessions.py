@@ -206,6 +206,7 @@ class SessionStore:
     # -- recovery after a crash ------------------------------------------------------------
     def recover(self) -> list[Path]:
         """Turn journals left by an earlier process into shards. Call before serving."""
+        self._count_sharded_turns()
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
             try:
@@ -224,6 +225,29 @@ class SessionStore:
                 continue
             journal.unlink()
         return written
+
+    def _count_sharded_turns(self) -> None:
+        """Turn indices the shards of earlier processes hold: a session written before a restart
+        (idle, flushed, or recovered then) and going on after it keeps counting."""
+        import pyarrow.parquet as pq
+
+        for shard in sorted(self.turns_dir.glob("*.parquet")):
+            try:
+                table = pq.read_table(shard, columns=["session_id", "turn_index"])
+                counted = table.group_by("session_id").aggregate([("turn_index", "max")])
+            except Exception as exc:
+                logger.warning("could not read the turn indices of %s (%s)", shard.name, exc)
+                continue
+            for session_id, last in zip(
+                counted.column("session_id").to_pylist(),
+                counted.column("turn_index_max").to_pylist(),
+                strict=True,
+            ):
+                if session_id is not None and last is not None:
+                    done = int(last) + 1
+                    self._sharded_turns[session_id] = max(
+                        self._sharded_turns.get(session_id, 0), done
+                    )
 
     def _recover_journal(self, journal: Path) -> list[Path]:
         turns: list[TurnRecord] = []

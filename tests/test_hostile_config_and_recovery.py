@@ -125,6 +125,19 @@ def test_turn_indices_go_on_after_a_crash(qwen3_dir: Path, tmp_path: Path) -> No
     assert restarted.next_turn_index("crash") == 6
 
 
+def test_turn_indices_go_on_for_a_session_written_before_a_restart(qwen3_dir: Path, tmp_path: Path) -> None:
+    """A session whose turns were written to shards (an idle or explicit flush) before the
+    proxy restarted goes on counting after the restart: its shards already hold 0..3."""
+    template = ChatTemplate(qwen3_dir)
+    store = _store_with_turns(tmp_path, template, 4)
+    store.end_session("crash")
+    assert [t["turn_index"] for t in read_turns(tmp_path)] == list(range(4))
+    restarted = SessionStore(tmp_path, template)
+    restarted.recover()  # nothing to recover; the shards are read for their turn indices
+    assert restarted.next_turn_index("crash") == 4
+    assert restarted.next_turn_index("someone-else") == 0
+
+
 def test_one_bad_journal_does_not_stop_recovery_or_the_proxy(qwen3_dir: Path, tmp_path: Path) -> None:
     template = ChatTemplate(qwen3_dir)
     good = _store_with_turns(tmp_path, template, 2)  # never closed: its journal is left
