@@ -1,6 +1,7 @@
 """Fuzzed requests per protocol through the real proxy and the stub policy (issue 10): whatever
 the body, no 5xx, every error in the provider's own JSON shape, a 200 is a real answer (never an
-empty stream), the proxy stays up, and a well-formed session's shards are unchanged.
+empty stream), the proxy stays up, a well-formed session recorded before it keeps its shards
+unchanged, and a well-formed session calling while the fuzz runs is answered and recorded whole.
 
 Bounded for CI: MAX_EXAMPLES per protocol (~40 s each on a shared 2-core box); under CI the
 examples are derandomized (a fixed set). Counts by status are printed by the last test."""
@@ -11,6 +12,7 @@ import copy
 import gzip
 import json
 import os
+import threading
 import uuid
 import zlib
 from collections import Counter
@@ -114,10 +116,16 @@ SEEDS: dict[str, dict[str, Any]] = {
             {
                 "role": "model",
                 "parts": [
-                    {"functionCall": {"name": "ls", "args": {"path": "."}}, "thoughtSignature": "c2ln"}
+                    {
+                        "functionCall": {"name": "ls", "args": {"path": "."}},
+                        "thoughtSignature": "c2ln",
+                    }
                 ],
             },
-            {"role": "user", "parts": [{"functionResponse": {"name": "ls", "response": {"output": "a.txt"}}}]},
+            {
+                "role": "user",
+                "parts": [{"functionResponse": {"name": "ls", "response": {"output": "a.txt"}}}],
+            },
         ],
         "tools": [{"functionDeclarations": [{**TOOL, "parameters": SCHEMA}]}],
         "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}},
@@ -234,10 +242,63 @@ def witness(proxy: Proxy, protocol: str) -> tuple[str, list[dict], list[dict]]:
     return session, proxy.turns(session), proxy.threads(session)
 
 
+class ParallelSession:
+    """A well-formed session that keeps calling (alternately streamed and whole) while the fuzz
+    runs on the same proxy: each of its calls must be answered and recorded whole."""
+
+    def __init__(self, proxy: Proxy, protocol: str, most: int = 40) -> None:
+        self.proxy, self.protocol, self.most = proxy, protocol, most
+        self.session = f"fuzz-parallel-{protocol}-{uuid.uuid4().hex[:6]}"
+        self.statuses: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and len(self.statuses) < self.most:
+                n = len(self.statuses)
+                body = good_body(self.protocol, f"parallel question {n}", stream=n % 2 == 1)
+                answer = post(self.proxy, self.session, self.protocol, json.dumps(body).encode())
+                self.statuses.append(answer.status)
+                if answer.status == 200 and answer.content_type.startswith("text/event-stream"):
+                    assert answer.body.strip(), "a streamed 200 with an empty body"
+                self._stop.wait(0.05)
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> ParallelSession:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def check(self) -> None:
+        assert not self.errors, self.errors
+        assert self.statuses and set(self.statuses) == {200}, Counter(self.statuses)
+        turns = self.proxy.turns(self.session, expect=len(self.statuses))
+        threads = self.proxy.threads(self.session, expect=len(self.statuses))
+        # Each call a conversation of its own: one row each, training exactly that call.
+        assert len(turns) == len(threads) == len(self.statuses)
+        assert sorted(r for t in threads for r in t["trained_request_ids"]) == sorted(
+            t["request_id"] for t in turns
+        )
+        print(f"parallel session {self.protocol}: {len(turns)} calls answered and recorded whole during the fuzz")
+        for row in threads:
+            assert sum(row["loss_mask"]) == sum(
+                len(t["completion_ids"])
+                for t in turns
+                if t["request_id"] in row["trained_request_ids"]
+            )
+
+
 @pytest.mark.parametrize("protocol", list(SEEDS))
 def test_fuzzed_requests(stub_proxy: Proxy, protocol: str) -> None:
     session, turns, threads = witness(stub_proxy, protocol)
     fuzz_session = f"fuzz-{protocol}-{uuid.uuid4().hex[:6]}"
+    parallel = ParallelSession(stub_proxy, protocol)
 
     @settings(
         max_examples=MAX_EXAMPLES,
@@ -253,8 +314,10 @@ def test_fuzzed_requests(stub_proxy: Proxy, protocol: str) -> None:
         COUNTS[f"{protocol} {answer.status}"] += 1
         check_answer(protocol, data, headers, answer.status, answer)
 
-    fuzz()
+    with parallel:
+        fuzz()
     assert stub_proxy.proc.poll() is None, "the proxy died"
+    parallel.check()
     # The well-formed session is untouched, and the proxy still serves it.
     assert stub_proxy.turns(session) == turns
     assert stub_proxy.threads(session) == threads
