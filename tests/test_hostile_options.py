@@ -105,3 +105,28 @@ def test_bad_option_stops_the_proxy_without_forwarding(
     assert proc.returncode != 0, output
     assert named in output, output
     assert hits == [], f"the proxy forwarded {hits} while misconfigured"
+
+
+OPEN_WARNING = "with no proxy authentication: anyone who can reach this port"
+
+
+@pytest.mark.parametrize(
+    ("extra", "warned"),
+    [
+        (["--listen-host", "0.0.0.0"], True),
+        (["--listen-host", "0.0.0.0", "--set", "proxyauth=trainer:secret"], False),
+        ([], False),  # start_proxy's own --listen-host 127.0.0.1
+    ],
+    ids=["all-interfaces", "all-interfaces-with-auth", "loopback"],
+)
+def test_listening_beyond_loopback_without_auth_is_warned(
+    stub: StubPolicy, confdir: Path, tmp_path: Path, extra: list[str], warned: bool
+) -> None:
+    from tests.conftest import start_proxy
+
+    proxy = start_proxy(stub.url, tmp_path / "out", confdir, extra=extra)
+    try:
+        log = proxy.log.read_text(errors="replace")
+    finally:
+        proxy.stop()
+    assert (OPEN_WARNING in log) == warned, log[-2000:]
