@@ -1,0 +1,142 @@
+"""``scripts/run_proxy.sh`` itself, with its embedded policy (issue 10, items 8 and 9): the
+default context fits Claude Code's first call (~11.5k tokens), and stopping the script, while
+vLLM is still starting or once it serves, leaves no vLLM server and no mitmdump behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, Proxy
+
+pytestmark = pytest.mark.vllm
+
+CLAUDE_CODE_FIRST_CALL_TOKENS = 11_500
+
+
+def _processes_with(fragment: bytes) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if fragment in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.2)
+
+
+class RunProxy:
+    """``scripts/run_proxy.sh`` started as a user would, its output in a log file."""
+
+    def __init__(self, tmp_path: Path, confdir: Path) -> None:
+        from rewriter import policy_server
+
+        self.port = policy_server.free_port()
+        self.log = tmp_path / "run_proxy.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["bash", "scripts/run_proxy.sh", "--port", str(self.port), "--out", str(tmp_path / "out"), "--confdir", str(confdir)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def vllm_port(self) -> str:
+        match = re.search(r"starting vLLM for .* at http://127\.0\.0\.1:(\d+)", self.output())
+        return match.group(1) if match else ""
+
+    def vllm_running(self) -> bool:
+        port = self.vllm_port()
+        if not port:
+            return False
+        servers = set(_processes_with(b"vllm.entrypoints.openai.api_server"))
+        return bool(servers & set(_processes_with(f"--port {port} ".encode())))
+
+    def mitmdump_running(self) -> bool:
+        return bool(_processes_with(f"--listen-port {self.port}".encode()))
+
+    def stop_and_check_nothing_is_left(self) -> None:
+        os.kill(self.proc.pid, signal.SIGTERM)  # the script only, as a supervisor would
+        self.proc.wait(60)
+        _wait_for("the vLLM server to stop", lambda: not self.vllm_running(), 60)
+        _wait_for("mitmdump to stop", lambda: not self.mitmdump_running(), 30)
+
+    def kill_all(self) -> None:
+        """After a failure too: nothing of this run may outlive the test."""
+        port = self.vllm_port()
+        leftovers = _processes_with(f"--port {port} ".encode()) if port else []
+        leftovers += _processes_with(f"--listen-port {self.port}".encode())
+        for pid in leftovers:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # vLLM runs in its own session, with its workers
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_stopping_run_proxy_while_the_embedded_policy_starts_leaves_nothing(
+    confdir: Path, tmp_path: Path
+) -> None:
+    run = RunProxy(tmp_path, confdir)
+    try:
+        _wait_for("vLLM to be started", run.vllm_running, 300)
+        assert "POLICY_URL=" not in run.output(), "vLLM was ready already: stop it sooner"
+        run.stop_and_check_nothing_is_left()
+    finally:
+        run.kill_all()
+
+
+def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
+    confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunProxy(tmp_path, confdir)
+    try:
+        _wait_for("the proxy", lambda: "agenttap: answering" in run.output(), 600)
+        policy_url = re.search(r"POLICY_URL=(\S+)", run.output())
+        assert policy_url, run.output()[-3000:]
+        with urllib.request.urlopen(f"{policy_url.group(1)}/v1/models", timeout=30) as resp:
+            (model,) = json.load(resp)["data"]
+        assert model["max_model_len"] >= 32768, model
+
+        proxy = Proxy(
+            port=run.port,
+            out=tmp_path / "out",
+            ca=confdir / "mitmproxy-ca-cert.pem",
+            log=run.log,
+            proc=run.proc,
+        )  # type: ignore[arg-type]
+        client = proxy.openai("run-proxy", monkeypatch)
+        # About as long as Claude Code's first call (its system prompt and tools): ~12.2k tokens.
+        words = " ".join(f"rule{i}" for i in range(2600))
+        resp = client.chat.completions.create(
+            model="claude-sonnet-4-5",
+            messages=[{"role": "system", "content": words}, {"role": "user", "content": "Hi"}],
+            max_tokens=8,
+        )
+        assert resp.usage is not None
+        print(f"run_proxy.sh embedded policy: a {resp.usage.prompt_tokens}-token prompt served")
+        assert resp.usage.prompt_tokens >= CLAUDE_CODE_FIRST_CALL_TOKENS
+        run.stop_and_check_nothing_is_left()
+    finally:
+        run.kill_all()
