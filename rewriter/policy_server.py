@@ -134,7 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    # While vLLM is being spawned a SIGTERM is only noted: raised inside Popen, it would leave
+    # the new server running with nothing holding its pid to stop it.
+    spawning, stop_asked = False, False
+
     def on_term(*_: object) -> None:
+        nonlocal stop_asked
+        if spawning:
+            stop_asked = True
+            return
         # Stopping here would deadlock with a proc.wait() below; unwind to the handler instead.
         raise KeyboardInterrupt
 
@@ -145,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         port = args.port or free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU)", flush=True)
-        proc = start_vllm(model, port, log_path=args.log, max_model_len=args.max_model_len)
+        spawning = True
+        try:
+            proc = start_vllm(model, port, log_path=args.log, max_model_len=args.max_model_len)
+        finally:
+            spawning = False
+        if stop_asked:
+            raise KeyboardInterrupt
         wait_ready(url, proc)
         print(f"POLICY_URL={url}", flush=True)
         return proc.wait()

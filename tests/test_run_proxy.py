@@ -95,12 +95,15 @@ class RunProxy:
             pass
 
 
+@pytest.mark.parametrize("loading_s", [0.0, 8.0], ids=["just-spawned", "loading"])
 def test_stopping_run_proxy_while_the_embedded_policy_starts_leaves_nothing(
-    confdir: Path, tmp_path: Path
+    confdir: Path, tmp_path: Path, loading_s: float
 ) -> None:
+    """Stopped the moment vLLM's process exists, and while it loads (cold start ~60 s)."""
     run = RunProxy(tmp_path, confdir)
     try:
         _wait_for("vLLM to be started", run.vllm_running, 300)
+        time.sleep(loading_s)
         assert "POLICY_URL=" not in run.output(), "vLLM was ready already: stop it sooner"
         run.stop_and_check_nothing_is_left()
     finally:
