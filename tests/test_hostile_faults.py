@@ -100,3 +100,37 @@ def test_a_call_whose_client_left_is_dropped_and_not_recorded(
     assert answer.status == 200, answer.body[:300]
     rows = stub_proxy.turns(session)
     assert [r["completion_text"] for r in rows] == ["back"]
+
+
+# protocol -> what its stream ends with when the policy stalls after the first token
+MID_STREAM_FAILURE = [
+    ("openai.chat", b'"error"'),
+    ("anthropic", b"event: error"),
+    ("openai.responses", b"event: response.failed"),
+]
+
+
+@pytest.mark.parametrize(("protocol", "marker"), MID_STREAM_FAILURE)
+def test_a_policy_that_stalls_mid_stream_ends_the_stream_with_the_providers_error(
+    impatient_proxy: Proxy, stub: StubPolicy, protocol: str, marker: bytes
+) -> None:
+    """The first tokens went out (200, events streamed); then the policy goes silent past
+    agenttap_policy_timeout. The stream ends with the provider's own error event (Responses:
+    response.failed), and no turn is recorded for a call the client never got whole."""
+    session = f"stall-{protocol}-{uuid.uuid4().hex[:6]}"
+    stub.replies.clear()
+    stub.script("One two three four five six.")
+    stub.chunk_delay_s = POLICY_TIMEOUT_S + 2.0
+    try:
+        answer = post(impatient_proxy, session, protocol, json.dumps(good_body(protocol, stream=True)).encode())
+    finally:
+        stub.chunk_delay_s = 0.0
+    assert answer.status == 200, answer.body[:300]
+    assert answer.content_type.startswith("text/event-stream")
+    assert marker in answer.body, answer.body[-600:]
+    assert b"did not answer in time" in answer.body, answer.body[-600:]
+    if protocol == "openai.responses":
+        body = answer.body
+        assert body.index(b"response.output_text.delta") < body.index(b"response.failed")
+        assert b"response.completed" not in body
+    assert impatient_proxy.turns(session, expect=0) == []
