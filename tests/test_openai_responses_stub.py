@@ -345,3 +345,27 @@ def test_websocket_mode(stub_proxy: Proxy, stub: StubPolicy, tok: Any) -> None:
     assert stub.requests[n + 1]["prompt"][: len(stub.requests[n]["prompt"]) + len(first_ids)] == (
         stub.requests[n]["prompt"] + first_ids
     )
+
+
+def test_codex_session_header_names_the_session_without_a_proxy_username(
+    stub_proxy: Proxy, stub: StubPolicy
+) -> None:
+    """Codex run with no proxy credentials: its own ``session-id`` header keeps its runs apart
+    (``codex:<id>``) instead of one shared ``anonymous`` session."""
+    import http.client
+    import ssl
+    import uuid
+
+    run = uuid.uuid4().hex
+    script(stub, "Hello from the policy.")
+    ctx = ssl.create_default_context(cafile=str(stub_proxy.ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", stub_proxy.port, context=ctx, timeout=60)
+    conn.set_tunnel("api.openai.com", 443)  # no Proxy-Authorization: no username
+    body = json.dumps({"model": "gpt-5", "input": "Say hello.", "store": False})
+    conn.request("POST", "/v1/responses", body=body, headers={"Content-Type": "application/json", "session-id": run, "Authorization": "Bearer sk-x"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:300]
+    assert json.loads(resp.read())["output"][-1]["content"][0]["text"] == "Hello from the policy."
+    conn.close()
+    (row,) = stub_proxy.turns(f"codex:{run}", expect=1)
+    assert row["session_id"] == f"codex:{run}" and row["completion_text"] == "Hello from the policy."
