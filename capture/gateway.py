@@ -23,6 +23,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +186,10 @@ class Gateway:
         urls = list(self.config.policy_urls)
         for _, servers in self.config.model_map:
             urls += servers
-        self._clients = {url: VLLMClient(url, self._http) for url in dict.fromkeys(urls)}
+        decode = partial(self.template.decode, skip_special_tokens=True)
+        self._clients = {
+            url: VLLMClient(url, self._http, decode=decode) for url in dict.fromkeys(urls)
+        }
         # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)

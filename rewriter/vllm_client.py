@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -162,16 +162,55 @@ class PolicyInfo:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+class ResumedText:
+    """Incremental text of a completion's ids (the classic prefix/read-offset detokenizer):
+    a piece is emitted once it no longer ends inside a character."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prefix: int, read: int) -> None:
+        self._decode = decode
+        self._prefix = prefix  # ids before this only give context to the next piece
+        self._read = read  # ids before this have had their text emitted
+
+    @classmethod
+    def start(
+        cls, decode: Callable[[list[int]], str], ids: list[int], emitted: str
+    ) -> ResumedText | None:
+        """Pick up after ``emitted``, the text given out for ``ids`` so far (a server holds
+        back a last incomplete character, so it may stand for a few ids less)."""
+        for read in range(len(ids), max(-1, len(ids) - 8), -1):
+            if decode(ids[:read]) == emitted:
+                return cls(decode, max(0, read - 6), read)
+        logger.warning("resumed generation: its text so far does not match its ids")
+        return None
+
+    def step(self, ids: list[int], final: bool = False) -> str:
+        before = self._decode(ids[self._prefix : self._read])
+        text = self._decode(ids[self._prefix :])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        return text[len(before) :]
+
+
 class VLLMClient:
     """``api``: ``auto`` (the generate endpoint where the server has it, else
     ``/v1/completions``), ``completions`` or ``generate``."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, api: str = "auto") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        api: str = "auto",
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """``decode``: the policy tokenizer's decode (special tokens skipped, as vLLM is asked
+        to); with it, the text of a generation resumed after an abort is computed here."""
         if api not in ("auto", "completions", "generate"):
             raise ValueError(f"api must be auto, completions or generate, not {api!r}")
         self.base_url = base_url.rstrip("/")
         self._session = session
         self._api = api
+        self._decode = decode
         self._info: PolicyInfo | None = None
 
     async def info(self) -> PolicyInfo:
@@ -299,6 +338,8 @@ class VLLMClient:
         (a paused server, a weight sync) is resubmitted with the tokens so far appended to the
         prompt and the remaining budget, and stitched: the caller sees one completion."""
         sampled: list[int] = []
+        emitted: list[str] = []  # the text yielded so far
+        resumed: ResumedText | None = None
         for resume in range(MAX_RESUMES + 1):
             before = len(sampled)
             budget = replace(
@@ -323,6 +364,9 @@ class VLLMClient:
                     (v, start + before, end + before) for v, start, end in delta.weight_versions
                 ]
                 sampled.extend(delta.token_ids)
+                if resumed is not None:
+                    delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
+                emitted.append(delta.text)
                 yield delta
             if not aborted:
                 return
@@ -330,6 +374,11 @@ class VLLMClient:
                 yield CompletionDelta("", [], [], finish_reason="length")
                 return
             logger.info("generation aborted by the policy server; resuming (%d)", resume + 1)
+            if self._decode is not None and resumed is None:
+                # vLLM detokenizes a resubmission from its prompt: where the tokens so far end
+                # inside a character (a byte-level token), its first text can repeat the whole
+                # prompt. From here on the text is decoded from the stitched ids instead.
+                resumed = ResumedText.start(self._decode, sampled, "".join(emitted))
         raise PolicyError(f"generation aborted {MAX_RESUMES + 1} times; giving up")
 
     async def _complete_once(

@@ -5,6 +5,7 @@ generations (a scripted generate-shaped server; the real vLLM is in
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -97,8 +98,13 @@ class GenerateServer:
         return resp
 
 
-async def _run(stream: bool) -> tuple[Completion, GenerateServer]:
-    server = GenerateServer()
+async def _run(
+    stream: bool,
+    server: GenerateServer | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    prompt: list[int] | None = None,
+) -> tuple[Completion, GenerateServer]:
+    server = server or GenerateServer()
     app = web.Application()
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/completions/render", server.render)
@@ -110,10 +116,10 @@ async def _run(stream: bool) -> tuple[Completion, GenerateServer]:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         async with aiohttp.ClientSession() as http:
-            client = VLLMClient(f"http://127.0.0.1:{port}", http)
+            client = VLLMClient(f"http://127.0.0.1:{port}", http, decode=decode)
             out = Completion()
             params = SamplingParams(max_tokens=7, temperature=1.0)
-            async for delta in client.stream_resuming([1, 2], params, stream=stream):
+            async for delta in client.stream_resuming(prompt or [1, 2], params, stream=stream):
                 out.extend(delta)
     finally:
         await runner.cleanup()
@@ -135,3 +141,60 @@ async def test_spans_of_a_resumed_generation_are_offset() -> None:
         # The server's defaults fill what the request left unset; the request's own win.
         assert (first["temperature"], first["top_k"], first["logprobs"]) == (1.0, 20, 0)
         assert server.bodies[0]["output_mode"] == "text"
+
+
+class SplitCharacterServer(GenerateServer):
+    """Real Qwen3 ids for "Hi 😀 there, 雪 ok"; the first generation is aborted after the first
+    of the three byte tokens of 雪. Its text is held back there, as vLLM holds back an
+    incomplete character; the resumed generation's first text repeats the whole prompt and the
+    completion so far, as vLLM's detokenizer does when a resubmitted prompt ends inside a
+    character (seen against the real vLLM)."""
+
+    IDS = [13048, 90316, 1052, 11, 18137, 249, 103, 5394]
+    TEXTS = ["Hi", " 😀", " there", ",", "", "", None, " ok"]
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        super().__init__()
+        self.decode = decode
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body:
+            return web.json_response({"error": {"message": "token_ids required"}}, status=400)
+        self.bodies.append(body)
+        first = len(self.bodies) == 1
+        span = range(0, 5) if first else range(5, 8)
+        choices: list[dict[str, Any]] = []
+        for i in span:
+            text = self.TEXTS[i]
+            if text is None:  # the quirk: the decoded prompt (tokens so far included) and 雪
+                text = self.decode(body["token_ids"] + self.IDS[5 : i + 1])
+            choices.append({"index": 0, "text": text, "token_ids": [self.IDS[i]], "finish_reason": None,
+                            "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}})  # fmt: skip
+        if first:
+            choices.append({"index": 0, "text": "", "token_ids": [], "logprobs": {"content": []}})
+        choices[-1]["finish_reason"] = "abort" if first else "stop"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for choice in choices:
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def test_resumed_text_is_decoded_from_the_stitched_ids(qwen3_dir: Any) -> None:
+    from rewriter.template import ChatTemplate
+
+    template = ChatTemplate(qwen3_dir)
+
+    def decode(ids: list[int]) -> str:
+        return template.decode(ids, skip_special_tokens=True)
+
+    prompt = template.encode("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
+    out, server = await _run(True, SplitCharacterServer(decode), decode, prompt)
+    assert out.token_ids == SplitCharacterServer.IDS
+    assert server.bodies[1]["token_ids"] == prompt + SplitCharacterServer.IDS[:5]
+    assert out.text == decode(SplitCharacterServer.IDS) == "Hi 😀 there, 雪 ok"
+    # Without the tokenizer the client can only pass on what the server said.
+    out, _ = await _run(True, SplitCharacterServer(decode), None, prompt)
+    assert out.text != "Hi 😀 there, 雪 ok" and "Say hi" in out.text
