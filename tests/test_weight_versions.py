@@ -90,12 +90,17 @@ class GenerateServer:
                 "weight_versions": spans,
             }
             return web.json_response({"choices": [whole]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for choice in choices:
-            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await stream_choices(request, choices)
+
+
+async def stream_choices(request: web.Request, choices: list[dict[str, Any]]) -> web.StreamResponse:
+    """vLLM's SSE: one chunk per choice, then [DONE]."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for choice in choices:
+        await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
 
 
 async def _run(
@@ -160,7 +165,7 @@ class SplitCharacterServer(GenerateServer):
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body:
-            return web.json_response({"error": {"message": "token_ids required"}}, status=400)
+            return await super().generate(request)  # the probe for the endpoint
         self.bodies.append(body)
         first = len(self.bodies) == 1
         span = range(0, 5) if first else range(5, 8)
@@ -174,12 +179,7 @@ class SplitCharacterServer(GenerateServer):
         if first:
             choices.append({"index": 0, "text": "", "token_ids": [], "logprobs": {"content": []}})
         choices[-1]["finish_reason"] = "abort" if first else "stop"
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for choice in choices:
-            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await stream_choices(request, choices)
 
 
 async def test_resumed_text_is_decoded_from_the_stitched_ids(qwen3_dir: Any) -> None:
