@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.records import SCHEMA_VERSION, TurnRecord
-from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
+from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows, written_turn_counts
 from capture.trajectory import (
     Assembly,
     Call,
@@ -229,25 +229,11 @@ class SessionStore:
     def _count_sharded_turns(self) -> None:
         """Turn indices the shards of earlier processes hold: a session written before a restart
         (idle, flushed, or recovered then) and going on after it keeps counting."""
-        import pyarrow.parquet as pq
+        for session_id, done in written_turn_counts(self.turns_dir).items():
+            self._count_written(session_id, done)
 
-        for shard in sorted(self.turns_dir.glob("*.parquet")):
-            try:
-                table = pq.read_table(shard, columns=["session_id", "turn_index"])
-                counted = table.group_by("session_id").aggregate([("turn_index", "max")])
-            except Exception as exc:
-                logger.warning("could not read the turn indices of %s (%s)", shard.name, exc)
-                continue
-            for session_id, last in zip(
-                counted.column("session_id").to_pylist(),
-                counted.column("turn_index_max").to_pylist(),
-                strict=True,
-            ):
-                if session_id is not None and last is not None:
-                    done = int(last) + 1
-                    self._sharded_turns[session_id] = max(
-                        self._sharded_turns.get(session_id, 0), done
-                    )
+    def _count_written(self, session_id: str, done: int) -> None:
+        self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
 
     def _recover_journal(self, journal: Path) -> list[Path]:
         turns: list[TurnRecord] = []
@@ -276,10 +262,8 @@ class SessionStore:
             return []
         rows, thread_of = export_rows(list(calls.values()))
         written = self._write(turns, rows, thread_of, journal.stem)
-        session_id = turns[0].session_id
         # A session that goes on after the restart keeps counting its calls.
-        done = max(t.turn_index for t in turns) + 1
-        self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
+        self._count_written(turns[0].session_id, max(t.turn_index for t in turns) + 1)
         logger.info("recovered %d calls from %s", len(turns), journal.name)
         return written
 

@@ -151,3 +151,24 @@ def write_rows(
     if chunk:
         flush()
     return paths
+
+
+def written_turn_counts(directory: Path) -> dict[str, int]:
+    """Per session, how many calls its turns shards in ``directory`` number (its highest
+    ``turn_index`` plus one). A shard that cannot be read is skipped with a warning."""
+    counts: dict[str, int] = {}
+    for shard in sorted(directory.glob("*.parquet")):
+        try:
+            table = pq.read_table(shard, columns=["session_id", "turn_index"])
+            last = table.group_by("session_id").aggregate([("turn_index", "max")])
+        except Exception as exc:
+            logger.warning("could not read the turn indices of %s (%s)", shard.name, exc)
+            continue
+        for session_id, index in zip(
+            last.column("session_id").to_pylist(),
+            last.column("turn_index_max").to_pylist(),
+            strict=True,
+        ):
+            if session_id is not None and index is not None:
+                counts[session_id] = max(counts.get(session_id, 0), int(index) + 1)
+    return counts
