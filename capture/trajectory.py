@@ -412,10 +412,14 @@ class ThreadSet:
         if assembly.parent is not None:
             assembly.parent.claims.pop(assembly.claim, None)
 
-    def _path_id_score(self, call: Call, id_calls: dict[int, Call]) -> int:
+    def _path_id_score(
+        self, call: Call, id_calls: dict[int, Call], path: list[Call] | None = None
+    ) -> int:
+        """How many of the calls the request's echoed ids name lie on ``call``'s path
+        (``path``: its ancestors, where the caller has them already)."""
         if not id_calls:
             return 0
-        on_path = set(map(id, call.ancestors()))
+        on_path = set(map(id, path if path is not None else call.ancestors()))
         return sum(1 for c in id_calls.values() if id(c) in on_path)
 
     def _consistent(self, cands: list[Call], id_calls: dict[int, Call]) -> list[Call]:
@@ -575,7 +579,7 @@ class ThreadSet:
             # call), the cut below must never drop the call the client's ids name.
             path = c.ancestors()
             on_path = sum(1 for a in path if a.conv and a.conv[-1] in asst_keys)
-            return (self._path_id_score(c, id_calls), on_path, c.uid)
+            return (self._path_id_score(c, id_calls, path), on_path, c.uid)
 
         ranked = sorted(cands.values(), key=prescore, reverse=True)[:MAX_REWRITE_CANDIDATES]
         best: tuple[tuple[int, ...], Call, dict[int, Call]] | None = None
