@@ -81,6 +81,20 @@ def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mitmconf")
 
 
+def processes_with(fragment: bytes) -> list[int]:
+    """Pids of the processes whose command line holds ``fragment`` (args joined by spaces,
+    each followed by one)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if fragment in cmdline:
+            found.append(int(pid))
+    return found
+
+
 def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from rewriter.template import ChatTemplate
 from tests.conftest import (
     REPO,
     Proxy,
+    processes_with,
     read_turns,
     record_turn,
 )
@@ -201,7 +202,6 @@ def test_the_proxy_starts_over_a_folder_with_a_bad_journal(
 
 
 def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_path: Path) -> None:
-    import os
     import re
     import signal
     import sys
@@ -217,14 +217,8 @@ def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_pat
     port = match.group(1)
 
     def vllm_running() -> bool:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"vllm.entrypoints.openai.api_server" in cmdline and f"--port {port}".encode() in cmdline:
-                return True
-        return False
+        servers = set(processes_with(b"vllm.entrypoints.openai.api_server"))
+        return bool(servers & set(processes_with(f"--port {port} ".encode())))
 
     deadline = time.monotonic() + 60
     while not vllm_running() and time.monotonic() < deadline:

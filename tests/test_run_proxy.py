@@ -16,23 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Proxy
+from tests.conftest import REPO, Proxy, processes_with
 
 pytestmark = pytest.mark.vllm
 
 CLAUDE_CODE_FIRST_CALL_TOKENS = 11_500
-
-
-def _processes_with(fragment: bytes) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if fragment in cmdline:
-            found.append(int(pid))
-    return found
 
 
 def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
@@ -67,11 +55,11 @@ class RunProxy:
         port = self.vllm_port()
         if not port:
             return False
-        servers = set(_processes_with(b"vllm.entrypoints.openai.api_server"))
-        return bool(servers & set(_processes_with(f"--port {port} ".encode())))
+        servers = set(processes_with(b"vllm.entrypoints.openai.api_server"))
+        return bool(servers & set(processes_with(f"--port {port} ".encode())))
 
     def mitmdump_running(self) -> bool:
-        return bool(_processes_with(f"--listen-port {self.port}".encode()))
+        return bool(processes_with(f"--listen-port {self.port}".encode()))
 
     def stop_and_check_nothing_is_left(self) -> None:
         os.kill(self.proc.pid, signal.SIGTERM)  # the script only, as a supervisor would
@@ -82,8 +70,8 @@ class RunProxy:
     def kill_all(self) -> None:
         """After a failure too: nothing of this run may outlive the test."""
         port = self.vllm_port()
-        leftovers = _processes_with(f"--port {port} ".encode()) if port else []
-        leftovers += _processes_with(f"--listen-port {self.port}".encode())
+        leftovers = processes_with(f"--port {port} ".encode()) if port else []
+        leftovers += processes_with(f"--listen-port {self.port}".encode())
         for pid in leftovers:
             try:
                 os.killpg(pid, signal.SIGKILL)  # vLLM runs in its own session, with its workers
