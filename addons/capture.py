@@ -23,7 +23,6 @@ import os
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
 # `capture` package; drop it, and make the repository importable when it is not installed.
@@ -43,16 +42,20 @@ from capture.gateway import (  # noqa: E402
     UNSUPPORTED_ENCODING_HEADER,
     Gateway,
     GatewayConfig,
-    parse_model_map,
     quote_session,
 )
-from capture.providers import registered  # noqa: E402
-from rewriter.parsers import check_parser_names  # noqa: E402
+from capture.options import (  # noqa: E402
+    Settings,
+    all_options,
+    as_text,
+    describe,
+    parse_settings,
+    parse_value,
+    unknown_names,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"
-DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 # Credentials a client sends to its provider: never forwarded, never logged.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
 SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
@@ -95,178 +98,87 @@ class AgentTap:
         self.gateway: Gateway | None = None
         # client connection id -> proxy username given on its CONNECT
         self._tunnel_sessions: dict[str, str] = {}
-        self.hosts: frozenset[str] = frozenset()
+        self._options = {o.name: o for o in all_options()}
+        # Every option, parsed (capture/options.py); None until configure has read them.
+        self.settings: Settings | None = None
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
-        # Numeric options (declared as text, see _add_number): name -> int / float, and parsed.
-        self._numbers: dict[str, type] = {}
-        self._parsed: dict[str, Any] = {}
-        self._defaults: dict[str, Any] = {}
-        self._positive: set[str] = set()  # numeric options that must be above zero
+        self._running = False
+        # Option values that could not be read when the addon loaded (kept: those values never
+        # reach mitmproxy, so no later configure can clear them).
+        self._load_error: str | None = None
         # Why the configuration cannot be used; while set, every flow is refused.
         self.broken: str | None = None
 
+    @property
+    def hosts(self) -> frozenset[str]:
+        return self.settings.hosts if self.settings is not None else frozenset()
+
     def load(self, loader: Loader) -> None:
-        loader.add_option("agenttap_policy_url", str, "", "vLLM server URL(s), comma-separated.")
-        loader.add_option("agenttap_tokenizer", str, "", "Folder of the policy's tokenizer.")
-        loader.add_option("agenttap_out", str, "agenttap-out", "Folder for journals and shards.")
-        loader.add_option(
-            "agenttap_tool_parser", str, "hermes", "Tool-call parser, as vLLM names it."
-        )
-        loader.add_option(
-            "agenttap_reasoning_parser", str, "qwen3", "Reasoning parser, as vLLM names it."
-        )
-        loader.add_option("agenttap_hosts", str, DEFAULT_HOSTS, "API hosts answered by the policy.")
-        self._add_number(
-            loader, "agenttap_idle_timeout", 300, "Seconds idle before a session is sharded."
-        )
-        # Zero would mean "refuse every body", "never time out" (a hung policy hangs its clients)
-        # and "no limit": never what a user means, so these take positive numbers only.
-        self._add_number(
-            loader,
-            "agenttap_max_body_bytes",
-            8 * 1024 * 1024,
-            "Largest request body accepted.",
-            positive=True,
-        )
-        self._add_number(
-            loader, "agenttap_policy_timeout", 300, "Seconds to wait for the policy.", positive=True
-        )
-        self._add_number(
-            loader, "agenttap_policy_connections", 1024, "Concurrent policy calls.", positive=True
-        )
-        loader.add_option(
-            "agenttap_model_map",
-            str,
-            "",
-            "Requested model names to policy servers: PATTERN=URL[|URL],... (fnmatch patterns; "
-            "unmatched names go to agenttap_policy_url).",
-        )
-        loader.add_option(
-            "agenttap_model_names",
-            str,
-            DEFAULT_MODEL_NAMES,
-            "Model names GET /v1/models lists, comma-separated (any name is served).",
-        )
-        # Each provider's own options (its normalization of scaffold noise, ...).
-        for provider in registered().values():
-            for option in provider.options:
-                if option.type in (int, float):
-                    self._add_number(loader, option.name, option.default, option.help)
-                else:
-                    loader.add_option(option.name, option.type, option.default, option.help)
+        # Declared as text, whatever they hold: see capture/options.py for why.
+        for option in self._options.values():
+            loader.add_option(option.name, str, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
-        self._take_repeated(loader.master.options)
+        self._take_deferred(loader.master.options)
 
-    def _take_repeated(self, options: optmanager.OptManager) -> None:
-        """mitmproxy applies ``--set agenttap_*`` values right after this ``load``; a name given
-        twice raises there, which makes it skip this addon and run as an open forwarding proxy.
-        Take such values out first and refuse every flow instead (the error logged at startup
-        makes mitmdump exit non-zero)."""
-        repeated = sorted(
-            name
-            for name, value in options.deferred.items()
-            if name.startswith("agenttap_") and len(getattr(value, "val", None) or []) > 1
-        )
-        for name in repeated:
-            options.deferred.pop(name)
-        if repeated:
-            self.broken = f"agenttap: {', '.join(repeated)} given more than once; set each once"
-            logger.error("%s", self.broken)
-
-    def _add_number(
-        self, loader: Loader, name: str, default: float, help: str, positive: bool = False
-    ) -> None:
-        """A numeric option, declared as text and parsed here: mitmproxy's own parsing of a
-        script's int option fails silently on a bad value (and leaves the default)."""
-        self._numbers[name] = type(default)
-        if positive:
-            self._positive.add(name)
-        self._defaults[name] = default
-        loader.add_option(name, str, str(default), help)
-
-    def number(self, name: str) -> Any:
-        return self._parsed[name]
-
-    def _check_numbers(self, updated: set[str]) -> None:
-        for name, kind in self._numbers.items():
-            if name not in updated and name in self._parsed:
-                continue
-            text = str(getattr(ctx.options, name)).strip()
-            try:
-                value = kind(text) if kind is float else int(text, 10)
-            except ValueError:
-                what = "a whole number" if kind is int else "a number"
-                raise exceptions.OptionsError(
-                    f"agenttap: --set {name}={text!r} is not {what} "
-                    f"(the default is --set {name}={self._defaults[name]})"
-                ) from None
-            if value < 0 or (kind is float and value != value):
-                raise exceptions.OptionsError(
-                    f"agenttap: --set {name}={text!r} must be zero or more"
-                )
-            if value == 0 and name in self._positive:
-                raise exceptions.OptionsError(
-                    f"agenttap: --set {name}=0 is not allowed: it must be more than zero "
-                    f"(the default is --set {name}={self._defaults[name]})"
-                )
-            self._parsed[name] = value
-
-    def _check_unknown(self) -> None:
-        """A misspelled agenttap option is an error, not an option quietly never read."""
-        unknown = sorted(k for k in ctx.options.deferred if k.startswith("agenttap"))
+    def _take_deferred(self, options: optmanager.OptManager) -> None:
+        """mitmproxy applies ``--set`` and ``config.yaml`` values of a script's options right
+        after its ``load``, with its own parsing; a value it cannot take there (a name given
+        twice, a text option with no value, a YAML number for a text option) makes it skip this
+        addon and run as an open forwarding proxy. So read them here first: each becomes one
+        checked text, or an error that refuses every flow (and, logged at startup, makes
+        mitmdump exit non-zero)."""
+        problems = []
+        unknown = unknown_names(options.deferred, self._options)
         if unknown:
-            known = sorted(k for k in ctx.options.keys() if k.startswith("agenttap_"))
-            raise exceptions.OptionsError(
-                f"agenttap: unknown option(s) {', '.join(unknown)}; agenttap's options are: "
-                + ", ".join(known)
-            )
+            problems.append(unknown)
+        for name in [n for n in options.deferred if n.startswith("agenttap")]:
+            value = options.deferred.pop(name)
+            option = self._options.get(name)
+            if option is None:
+                continue  # named in `unknown`
+            try:
+                text = as_text(value)
+            except ValueError as exc:
+                problems.append(describe(option, None, str(exc)))
+                continue
+            try:
+                parse_value(option, text)
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            options.deferred[name] = text
+        if problems:
+            self._load_error = self.broken = "; ".join(problems)
+            for problem in problems:
+                logger.error("%s", problem)
 
     def configure(self, updated: set[str]) -> None:
+        if self.settings is not None and not updated & self._options.keys():
+            return
         try:
-            self._check_unknown()
-            self._check_numbers(updated)
-        except exceptions.OptionsError as exc:
-            # Never run as a plain forwarding proxy with a configuration we could not read:
-            # every flow is refused until mitmproxy stops (the error stops it at startup).
-            self.broken = str(exc)
-            raise
-        if "agenttap_max_body_bytes" in updated:
-            # Bodies over the limit are streamed to the gateway, which refuses them after
-            # reading the limit: mitmproxy never holds a 400 MB body in memory.
-            limit = str(self.number("agenttap_max_body_bytes"))
-            if ctx.options.stream_large_bodies != limit:
-                ctx.options.update(stream_large_bodies=limit)
-        if "agenttap_hosts" in updated:
-            self.hosts = frozenset(
-                h.strip().lower() for h in ctx.options.agenttap_hosts.split(",") if h.strip()
-            )
-        if updated & {"agenttap_tool_parser", "agenttap_reasoning_parser"}:
-            try:
-                check_parser_names(
-                    ctx.options.agenttap_tool_parser, ctx.options.agenttap_reasoning_parser
-                )
-            except ValueError as exc:
-                raise exceptions.OptionsError(str(exc)) from None
-        try:
-            if "agenttap_model_map" in updated:
-                parse_model_map(ctx.options.agenttap_model_map)
-            for provider in registered().values():
-                names = {o.name for o in provider.options}
-                if names & updated:
-                    provider.check_options(
-                        {n: self._parsed.get(n, getattr(ctx.options, n)) for n in names}
-                    )
+            unknown = unknown_names(ctx.options.deferred, self._options)
+            if unknown:
+                raise ValueError(unknown)
+            settings = parse_settings({n: getattr(ctx.options, n) for n in self._options})
         except ValueError as exc:
-            raise exceptions.OptionsError(f"agenttap: {exc}") from None
-        if "agenttap_tokenizer" in updated and ctx.options.agenttap_tokenizer:
-            if not Path(ctx.options.agenttap_tokenizer).is_dir():
-                raise exceptions.OptionsError(
-                    f"agenttap_tokenizer: {ctx.options.agenttap_tokenizer} is not a folder"
-                )
+            # Never run as a plain forwarding proxy with a configuration we could not read:
+            # every flow is refused from here on.
+            self.broken = str(exc)
+            if not self._running:
+                logger.error("%s", exc)  # at startup: mitmdump exits non-zero
+                return
+            raise exceptions.OptionsError(str(exc)) from None  # later: the change is undone
+        self.settings = settings
+        self.broken = self._load_error
+        # Bodies over the limit are streamed to the gateway, which refuses them after reading
+        # the limit: mitmproxy never holds a 400 MB body in memory.
+        limit = str(settings.max_body_bytes)
+        if ctx.options.stream_large_bodies != limit:
+            ctx.options.update(stream_large_bodies=limit)
         if self.gateway is not None and updated & {
             "agenttap_policy_url",
             "agenttap_tokenizer",
@@ -275,36 +187,35 @@ class AgentTap:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
 
     async def running(self) -> None:
+        self._running = True
         try:
             await self._start_gateway()
         finally:
             self._ready.set()
 
     async def _start_gateway(self) -> None:
-        opts = ctx.options
-        if not opts.agenttap_policy_url or not opts.agenttap_tokenizer:
+        settings = self.settings
+        if settings is None or self.broken:
+            return  # every flow is refused; the error was logged
+        if not settings.policy_urls or settings.tokenizer is None:
             logger.error(
                 "agenttap: set agenttap_policy_url and agenttap_tokenizer "
                 "(or start through scripts/run_proxy.sh); API calls get 503 until then"
             )
             return
         config = GatewayConfig(
-            policy_urls=[u.strip() for u in opts.agenttap_policy_url.split(",") if u.strip()],
-            tokenizer_path=Path(opts.agenttap_tokenizer),
-            out_dir=Path(opts.agenttap_out),
-            tool_parser=opts.agenttap_tool_parser,
-            reasoning_parser=opts.agenttap_reasoning_parser,
-            idle_timeout_s=self.number("agenttap_idle_timeout"),
-            max_body_bytes=self.number("agenttap_max_body_bytes"),
-            policy_timeout_s=self.number("agenttap_policy_timeout"),
-            policy_max_connections=self.number("agenttap_policy_connections"),
-            model_map=parse_model_map(opts.agenttap_model_map),
-            model_names=[n.strip() for n in opts.agenttap_model_names.split(",") if n.strip()],
-            provider_options={
-                o.name: self._parsed[o.name] if o.name in self._parsed else getattr(opts, o.name)
-                for p in registered().values()
-                for o in p.options
-            },
+            policy_urls=settings.policy_urls,
+            tokenizer_path=settings.tokenizer,
+            out_dir=settings.out,
+            tool_parser=settings.tool_parser,
+            reasoning_parser=settings.reasoning_parser,
+            idle_timeout_s=settings.idle_timeout_s,
+            max_body_bytes=settings.max_body_bytes,
+            policy_timeout_s=settings.policy_timeout_s,
+            policy_max_connections=settings.policy_connections,
+            model_map=settings.model_map,
+            model_names=settings.model_names,
+            provider_options=settings.provider_options,
         )
         gateway = Gateway(config)
         await gateway.start()

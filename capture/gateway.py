@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from capture.options import parse_model_map  # noqa: F401 (its home before options.py)
 from capture.providers import registered
 from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.records import TurnRecord
@@ -91,27 +92,6 @@ RETRY_HEADER = "x-stainless-retry-count"
 def is_client_retry(headers: Any) -> bool:
     value = headers.get(RETRY_HEADER, "0").strip()
     return value.isdigit() and int(value) > 0
-
-
-def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
-    """``"claude-haiku-*=http://a:8000|http://b:8000,gpt-*=http://c:8000"`` -> rules.
-
-    Each requested model name goes to the servers of the first pattern (fnmatch) it matches;
-    names no rule matches go to the policy servers (``policy_urls``).
-    """
-    rules: list[tuple[str, list[str]]] = []
-    for item in spec.split(","):
-        if not item.strip():
-            continue
-        pattern, sep, urls = item.partition("=")
-        servers = [u.strip() for u in urls.split("|") if u.strip()]
-        if not sep or not pattern.strip() or not servers:
-            raise ValueError(
-                f"model map entry {item.strip()!r} is not PATTERN=URL[|URL...] "
-                "(e.g. claude-haiku-*=http://127.0.0.1:8001)"
-            )
-        rules.append((pattern.strip(), servers))
-    return rules
 
 
 @dataclass

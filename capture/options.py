@@ -1,0 +1,382 @@
+"""agenttap's options: declared once, parsed once, by pure functions.
+
+mitmproxy parses an addon's typed options itself, and a value it cannot parse (``--set
+agenttap_responses_websocket=no`` for a bool, ``--set agenttap_hosts`` with no value for a text
+option) makes it skip the whole addon and run on as a plain forwarding proxy: the agent's call,
+API key included, would go to the real provider. So every agenttap option is declared to
+mitmproxy as text, and its value is parsed here. Each parser raises ``ValueError`` worded for
+the user (the addon turns it into an ``OptionsError``, or refuses every flow); nothing here
+knows mitmproxy.
+
+Values users naturally write are read: YAML numbers and booleans in ``config.yaml``, and
+``true/false/yes/no/on/off/1/0`` for switches.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capture.providers import registered
+from rewriter.parsers import check_parser_names
+
+PREFIX = "agenttap_"
+DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"
+DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
+TRUE = frozenset({"true", "yes", "on", "1"})
+FALSE = frozenset({"false", "no", "off", "0"})
+
+
+# -- value parsers (text -> typed value, or ValueError) ----------------------------------------
+def parse_text(text: str) -> str:
+    return text.strip()
+
+
+def parse_whole(text: str, positive: bool = False) -> int:
+    """A whole number, zero or more (more than zero when ``positive``)."""
+    cleaned = text.strip().replace("_", "")
+    try:
+        value = int(cleaned, 10)
+    except ValueError:
+        # YAML may hand a whole number over as 30.0
+        try:
+            as_float = float(cleaned)
+        except ValueError:
+            raise ValueError("is not a whole number") from None
+        if not math.isfinite(as_float) or not as_float.is_integer():
+            raise ValueError("is not a whole number") from None
+        value = int(as_float)
+    _check_sign(value, positive)
+    return value
+
+
+def parse_seconds(text: str, positive: bool = False) -> float:
+    """A number of seconds (fractions allowed), zero or more (more than zero when ``positive``)."""
+    try:
+        value = float(text.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError("is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError("is not a finite number")
+    _check_sign(value, positive)
+    return int(value) if value.is_integer() else value
+
+
+def _check_sign(value: float, positive: bool) -> None:
+    if value < 0:
+        raise ValueError("must be zero or more")
+    if positive and value == 0:
+        raise ValueError("is not allowed: it must be more than zero")
+
+
+def parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE:
+        return True
+    if word in FALSE:
+        return False
+    raise ValueError("is not a switch: write true/false (yes/no, on/off and 1/0 work too)")
+
+
+def parse_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_urls(text: str) -> list[str]:
+    """Comma-separated http(s) URLs; empty: none given (the policy is not configured)."""
+    urls = parse_list(text)
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+        try:
+            parts.port  # noqa: B018 (a bad port raises here)
+        except ValueError:
+            raise ValueError(f"{url!r} has a bad port") from None
+    return urls
+
+
+def parse_hosts(text: str) -> frozenset[str]:
+    hosts = frozenset(h.lower() for h in parse_list(text))
+    if not hosts:
+        raise ValueError("lists no host; give at least one API host")
+    for host in hosts:
+        if not all(c.isalnum() or c in "-._" for c in host) or host.startswith("."):
+            raise ValueError(f"{host!r} is not a host name")
+    return hosts
+
+
+def parse_folder(text: str) -> Path | None:
+    """An existing folder; empty: not given."""
+    if not text.strip():
+        return None
+    path = Path(text.strip()).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder")
+    return path
+
+
+def parse_out_folder(text: str) -> Path:
+    """Where shards go: created if missing, so only a path that is a file is refused here."""
+    if not text.strip():
+        raise ValueError("is empty; give the output folder")
+    path = Path(text.strip()).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a folder")
+    return path
+
+
+def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
+    """``"claude-haiku-*=http://a:8000|http://b:8000,gpt-*=http://c:8000"`` -> rules.
+
+    Each requested model name goes to the servers of the first pattern (fnmatch) it matches;
+    names no rule matches go to the policy servers (``agenttap_policy_url``).
+    """
+    rules: list[tuple[str, list[str]]] = []
+    for item in spec.split(","):
+        if not item.strip():
+            continue
+        pattern, sep, urls = item.partition("=")
+        servers = [u.strip() for u in urls.split("|") if u.strip()]
+        if not sep or not pattern.strip() or not servers:
+            raise ValueError(
+                f"model map entry {item.strip()!r} is not PATTERN=URL[|URL...] "
+                "(e.g. claude-haiku-*=http://127.0.0.1:8001)"
+            )
+        rules.append((pattern.strip(), servers))
+    return rules
+
+
+def _parser_name(kind: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        name = text.strip()
+        if kind == "tool":
+            check_parser_names(name, "none")
+        else:
+            check_parser_names("none", name)
+        return name
+
+    return parse
+
+
+# -- the declarations -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One option: its name, its default as a user writes it, what it means and its format
+    (the help text mitmproxy shows), and the pure function that reads it."""
+
+    name: str
+    default: str
+    help: str
+    parse: Callable[[str], Any]
+
+
+CORE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "agenttap_policy_url",
+        "",
+        "vLLM server URL(s), comma-separated (http://HOST:PORT,...); a session sticks to one.",
+        parse_urls,
+    ),
+    Option(
+        "agenttap_tokenizer",
+        "",
+        "Folder of the policy's tokenizer (tokenizer.json, tokenizer_config.json).",
+        parse_folder,
+    ),
+    Option(
+        "agenttap_out",
+        "agenttap-out",
+        "Folder for journals and shards (created if missing).",
+        parse_out_folder,
+    ),
+    Option(
+        "agenttap_tool_parser",
+        "hermes",
+        "Tool-call parser, named as vLLM's --tool-call-parser (hermes, none).",
+        _parser_name("tool"),
+    ),
+    Option(
+        "agenttap_reasoning_parser",
+        "qwen3",
+        "Reasoning parser, named as vLLM's --reasoning-parser (qwen3, deepseek_r1, none).",
+        _parser_name("reasoning"),
+    ),
+    Option(
+        "agenttap_hosts",
+        DEFAULT_HOSTS,
+        "API hosts answered by the policy, comma-separated; every other host is refused.",
+        parse_hosts,
+    ),
+    Option(
+        "agenttap_idle_timeout",
+        "300",
+        "Seconds without a call after which a session is written as a shard (a whole number, "
+        "0 or more).",
+        parse_whole,
+    ),
+    # Zero would mean "refuse every body", "never time out" (a hung policy hangs its clients)
+    # and "no limit": never what a user means, so these take positive numbers only.
+    Option(
+        "agenttap_max_body_bytes",
+        str(8 * 1024 * 1024),
+        "Largest request body accepted, in bytes (a whole number above 0).",
+        lambda text: parse_whole(text, positive=True),
+    ),
+    Option(
+        "agenttap_policy_timeout",
+        "300",
+        "Seconds the policy may go without sending a new token before the call fails (a whole "
+        "number above 0).",
+        lambda text: parse_whole(text, positive=True),
+    ),
+    Option(
+        "agenttap_policy_connections",
+        "1024",
+        "Concurrent policy requests (a whole number above 0).",
+        lambda text: parse_whole(text, positive=True),
+    ),
+    Option(
+        "agenttap_model_map",
+        "",
+        "Requested model names to policy servers: PATTERN=URL[|URL],... (fnmatch patterns; "
+        "unmatched names go to agenttap_policy_url).",
+        parse_model_map,
+    ),
+    Option(
+        "agenttap_model_names",
+        DEFAULT_MODEL_NAMES,
+        "Model names GET /v1/models lists, comma-separated (any name is served).",
+        parse_list,
+    ),
+)
+
+_KIND_PARSERS: dict[type, Callable[[str], Any]] = {
+    int: parse_whole,
+    float: parse_seconds,
+    bool: parse_bool,
+    str: parse_text,
+}
+
+
+def provider_options() -> tuple[Option, ...]:
+    """Each registered provider's own options, read by the parser of their declared type."""
+    out = []
+    for provider in registered().values():
+        for option in provider.options:
+            default = option.default
+            text = ("true" if default else "false") if isinstance(default, bool) else str(default)
+            out.append(Option(option.name, text, option.help, _KIND_PARSERS[option.type]))
+    return tuple(out)
+
+
+def all_options() -> tuple[Option, ...]:
+    return CORE_OPTIONS + provider_options()
+
+
+# -- raw values ----------------------------------------------------------------------------------
+def as_text(value: Any) -> str:
+    """An option value as mitmproxy hands it over, as one text: ``--set`` values come as a list
+    of strings (empty: the name with no value; two: given twice), ``config.yaml`` values as
+    YAML scalars (numbers, booleans, null)."""
+    values = getattr(value, "val", None)  # mitmproxy's _UnconvertedStrings from --set
+    if values is not None:
+        if len(values) == 0:
+            raise ValueError("has no value")
+        if len(values) > 1:
+            raise ValueError("given more than once; set it once")
+        value = values[0]
+    if value is None:
+        raise ValueError("has no value")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"must be text, a number or true/false, not {type(value).__name__}")
+
+
+def describe(option: Option, text: str | None, problem: str) -> str:
+    """The error a user reads: which option, what was given, what it accepts. ``text`` None:
+    the value itself could not be read (no value, given twice)."""
+    if text is None:
+        given = option.name
+    else:
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        plain = shown and all(c.isalnum() or c in "-_.:/,|*=" for c in shown)
+        given = f"{option.name}={shown if plain else repr(shown)}"
+    default = f" (the default is --set {option.name}={option.default})" if option.default else ""
+    return f"agenttap: --set {given} {problem}. It takes: {option.help}{default}"
+
+
+def unknown_names(names: Iterable[str], known: Iterable[str]) -> str | None:
+    """An error naming the misspelled agenttap options among ``names``, or None."""
+    known_set = set(known)
+    unknown = sorted(n for n in names if n.startswith("agenttap") and n not in known_set)
+    if not unknown:
+        return None
+    return (
+        f"agenttap: unknown option(s) {', '.join(unknown)}; agenttap's options are: "
+        + ", ".join(sorted(known_set))
+    )
+
+
+# -- the typed configuration -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """Every agenttap option, parsed."""
+
+    policy_urls: list[str]
+    tokenizer: Path | None
+    out: Path
+    tool_parser: str
+    reasoning_parser: str
+    hosts: frozenset[str]
+    idle_timeout_s: float
+    max_body_bytes: int
+    policy_timeout_s: float
+    policy_connections: int
+    model_map: list[tuple[str, list[str]]]
+    model_names: list[str]
+    provider_options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_value(option: Option, text: str) -> Any:
+    try:
+        return option.parse(text)
+    except ValueError as exc:
+        raise ValueError(describe(option, text, str(exc))) from None
+
+
+def parse_settings(texts: Mapping[str, str]) -> Settings:
+    """All options from their texts (a missing one takes its default). Raises ValueError naming
+    the option and what it accepts."""
+    values = {o.name: parse_value(o, texts.get(o.name, o.default)) for o in all_options()}
+    for provider in registered().values():
+        own = {o.name: values[o.name] for o in provider.options}
+        try:
+            provider.check_options(own)
+        except ValueError as exc:
+            raise ValueError(f"agenttap: {exc}") from None
+    return Settings(
+        policy_urls=values["agenttap_policy_url"],
+        tokenizer=values["agenttap_tokenizer"],
+        out=values["agenttap_out"],
+        tool_parser=values["agenttap_tool_parser"],
+        reasoning_parser=values["agenttap_reasoning_parser"],
+        hosts=values["agenttap_hosts"],
+        idle_timeout_s=values["agenttap_idle_timeout"],
+        max_body_bytes=values["agenttap_max_body_bytes"],
+        policy_timeout_s=values["agenttap_policy_timeout"],
+        policy_connections=values["agenttap_policy_connections"],
+        model_map=values["agenttap_model_map"],
+        model_names=values["agenttap_model_names"],
+        provider_options={
+            o.name: values[o.name] for p in registered().values() for o in p.options
+        },
+    )
