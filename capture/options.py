@@ -362,7 +362,8 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         try:
             provider.check_options(own)
         except ValueError as exc:
-            raise ValueError(f"agenttap: {exc}") from None
+            names = ", ".join(f"--set {name}" for name in own)
+            raise ValueError(f"agenttap: {names}: {exc}") from None
     return Settings(
         policy_urls=values["agenttap_policy_url"],
         tokenizer=values["agenttap_tokenizer"],
