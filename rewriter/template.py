@@ -75,6 +75,11 @@ class ChatTemplate:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {path} has no chat_template")
         self.eos_token_id: int = self.tokenizer.eos_token_id
+        # The Rust tokenizer itself: its batch encoding releases the GIL and it is safe to share
+        # between threads, so a long prompt is tokenized off the event loop (capture/gateway.py)
+        # while other sessions' calls go on. None for a slow (Python) tokenizer.
+        self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._max_token_bytes: int | None = None
         self._tail = self._probe_assistant_tail()
 
     # -- rendering -------------------------------------------------------------------------
@@ -101,7 +106,36 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         # Chat templates write their own special tokens; never add a BOS here.
+        if self._backend is not None:
+            # encode_batch, not encode: only the batch call lets go of the GIL.
+            return list(self._backend.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab()
+            special = set(self.tokenizer.all_special_tokens) | set(
+                self.tokenizer.get_added_vocab()
+            )
+            # A byte-level vocabulary writes each byte as one character.
+            byte_level = self._backend is not None and '"ByteLevel"' in self._backend.to_str()
+            self._max_token_bytes = max(
+                (
+                    len(token)
+                    if byte_level and token not in special
+                    else len(token.encode("utf-8", "surrogatepass"))
+                    for token in vocab
+                ),
+                default=1,
+            )
+        return self._max_token_bytes
+
+    def min_tokens(self, text_bytes: int) -> int:
+        """At least how many tokens any text of ``text_bytes`` bytes takes: known before
+        tokenizing it, so an over-long prompt is refused without that cost."""
+        return text_bytes // max(1, self.max_token_bytes)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
