@@ -37,12 +37,14 @@ from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from capture.gateway import (  # noqa: E402
     HOST_HEADER,
+    OVERSIZED_HEADER,
     SESSION_HEADER,
     TOKEN_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
     Gateway,
     GatewayConfig,
     quote_session,
+    shrink_head,
 )
 from capture.options import (  # noqa: E402
     Settings,
@@ -266,13 +268,16 @@ class AgentTap:
         return True
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
+        # The CONNECT is logged too (flow_detail >= 2 prints its headers): keys go first. A
+        # proxyauth the user set has read its credentials already (it runs before scripts).
+        user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        _strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return  # proxyauth's 407
         host = flow.request.host.lower()
         if host not in self.hosts:
             self._refuse(flow, host)
             return
-        user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
         if user:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = user
@@ -328,7 +333,7 @@ class AgentTap:
             return
         host = flow.request.pretty_host.lower()
         if host == CONTROL_HOST and flow.request.scheme == "http":
-            self._control(flow)
+            await self._control(flow)
             return
         if host not in self.hosts:
             self._refuse(flow, host)
@@ -366,6 +371,13 @@ class AgentTap:
         ]
         flow.metadata["agenttap_host"] = host
         flow.metadata["agenttap_session"] = session_id
+        shrunk = shrink_head(req.path, list(req.headers.fields))
+        if shrunk is not None:
+            # Too large for the gateway to read: it is sent only framing and this mark, and
+            # answers with the provider's 431.
+            req.path, fields, note = shrunk
+            req.headers = http.Headers(fields)
+            req.headers[OVERSIZED_HEADER] = note
         req.headers[TOKEN_HEADER] = self.gateway.token
         req.headers[SESSION_HEADER] = quote_session(session_id)
         req.headers[HOST_HEADER] = host
@@ -379,7 +391,7 @@ class AgentTap:
         req.headers["Host"] = host
         flow.metadata["agenttap_routed"] = True
 
-    def _control(self, flow: http.HTTPFlow) -> None:
+    async def _control(self, flow: http.HTTPFlow) -> None:
         def answer(status: int, body: dict[str, object]) -> None:
             flow.response = http.Response.make(
                 status, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -396,7 +408,7 @@ class AgentTap:
             answer(503, {"error": "agenttap is not running: no policy server configured"})
             return
         session = flow.request.query.get("session")
-        written = self.gateway.flush(session)
+        written = await self.gateway.flush(session)
         logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
         answer(200, {"written": [str(p) for p in written]})
 
@@ -419,7 +431,11 @@ class AgentTap:
         req = flow.request
         for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER):
             req.headers.pop(name, None)
-        if UNSUPPORTED_ENCODING_HEADER in req.headers:
+        answered = flow.response is not None and flow.response.status_code < 400
+        if UNSUPPORTED_ENCODING_HEADER in req.headers and answered:
+            # Only a body the gateway read whole gets its encoding back: the dump (flow_detail
+            # >= 3) decodes it, and a refused one may be a gzip bomb. Left moved aside, a saved
+            # flow still replays alike (the gateway decodes by that header too).
             req.headers["Content-Encoding"] = req.headers.pop(UNSUPPORTED_ENCODING_HEADER)
         req.scheme = scheme
         req.host = host

@@ -377,7 +377,5 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         policy_connections=values["agenttap_policy_connections"],
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],
-        provider_options={
-            o.name: values[o.name] for p in registered().values() for o in p.options
-        },
+        provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

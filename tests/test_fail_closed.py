@@ -136,9 +136,15 @@ def test_plain_mitmdump_does_reach_the_stand_in(
     before = len(internet.hits)
     proc = subprocess.Popen(
         [
-            str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
-            "--mode", f"upstream:http://127.0.0.1:{internet.port}",
-            "--set", f"confdir={base_confdir}",
+            str(MITMDUMP),
+            "--listen-host",
+            "127.0.0.1",
+            "--listen-port",
+            str(port),
+            "--mode",
+            f"upstream:http://127.0.0.1:{internet.port}",
+            "--set",
+            f"confdir={base_confdir}",
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -79,7 +79,11 @@ def test_min_tokens_is_a_lower_bound(text: str) -> None:
 
 def test_min_tokens_bound_is_tight_for_the_longest_token() -> None:
     longest = max(
-        (t for t in TEMPLATE.tokenizer.get_vocab() if t not in TEMPLATE.tokenizer.get_added_vocab()),
+        (
+            t
+            for t in TEMPLATE.tokenizer.get_vocab()
+            if t not in TEMPLATE.tokenizer.get_added_vocab()
+        ),
         key=len,
     )
     text = TEMPLATE.decode(TEMPLATE.encode(TEMPLATE.tokenizer.convert_tokens_to_string([longest])))
