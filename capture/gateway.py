@@ -34,7 +34,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from capture.options import parse_model_map  # noqa: F401 (its home before options.py)
 from capture.providers import registered
 from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
-from capture.records import TurnRecord
+from capture.records import FailedCall, TurnRecord
 from capture.sessions import SessionStore, safe_text
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
@@ -167,8 +167,12 @@ class Gateway:
         for _, servers in self.config.model_map:
             urls += servers
         decode = partial(self.template.decode, skip_special_tokens=True)
+        # The policy timeout bounds time without a new token, not without a byte (keep-alives).
         self._clients = {
-            url: VLLMClient(url, self._http, decode=decode) for url in dict.fromkeys(urls)
+            url: VLLMClient(
+                url, self._http, decode=decode, progress_timeout_s=self.config.policy_timeout_s
+            )
+            for url in dict.fromkeys(urls)
         }
         # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
@@ -445,9 +449,12 @@ class Gateway:
         try:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
         except PolicyError as exc:
+            self._record_failure(turn, exc, 0)
             return provider.policy_error(exc)
         except POLICY_FAILURES as exc:
-            return provider.policy_error(policy_failure(turn.client, exc))
+            error = policy_failure(turn.client, exc)
+            self._record_failure(turn, error, 0)
+            return provider.policy_error(error)
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
@@ -468,24 +475,29 @@ class Gateway:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
         except PolicyError as exc:
+            self._record_failure(turn, exc, 0)
             return provider.policy_error(exc)
         except POLICY_FAILURES as exc:
-            return provider.policy_error(policy_failure(turn.client, exc))
+            error = policy_failure(turn.client, exc)
+            self._record_failure(turn, error, 0)
+            return provider.policy_error(error)
         await send(writer.start())
-        try:
-            delta = first
-            while delta is not None:
-                completion.extend(delta)
-                chunk = writer.events(parser.feed(delta.text))
-                if chunk:
-                    await send(chunk)
+        delta = first
+        while delta is not None:
+            completion.extend(delta)
+            chunk = writer.events(parser.feed(delta.text))
+            if chunk:
+                await send(chunk)
+            try:
+                # Only the policy's part is caught here: a client that left makes ``send``
+                # fail (or cancels this handler), which is no failure of the policy's.
                 delta = await anext(deltas, None)
-        except PolicyError as exc:
-            await send(writer.error(str(exc)))
-            return None
-        except POLICY_FAILURES as exc:
-            await send(writer.error(str(policy_failure(turn.client, exc))))
-            return None
+            except (PolicyError, *POLICY_FAILURES) as exc:
+                # Mid-stream the status line is gone: the provider's error event ends it.
+                error = exc if isinstance(exc, PolicyError) else policy_failure(turn.client, exc)
+                self._record_failure(turn, error, len(completion.token_ids))
+                await send(writer.error(str(error)))
+                return None
         tail = writer.events(parser.finish())
         reply = parser.reply()
         closing, reason = writer.finish(completion, reply)
@@ -494,6 +506,39 @@ class Gateway:
         await self._record(turn, completion, reason, reply)
         await send(writer.end())
         return None
+
+    def _record_failure(self, turn: _TurnContext, error: PolicyError, streamed: int) -> None:
+        """Journal a call the policy failed (see FailedCall); its tokens are never trained."""
+        parsed = turn.parsed
+        logger.warning(
+            "agenttap: session %r call %s failed at the policy after %d tokens: %s",
+            parsed.session_id,
+            parsed.response_id,
+            streamed,
+            error,
+        )
+        try:
+            self.store.record_failure(
+                FailedCall(
+                    session_id=parsed.session_id,
+                    request_id=parsed.response_id,
+                    protocol=turn.provider.name,
+                    requested_model=turn.chat.model,
+                    policy_model=turn.policy_model,
+                    backend=turn.client.base_url,
+                    user_agent=turn.user_agent,
+                    stream=turn.chat.stream,
+                    reason=str(error),
+                    policy_status=error.status,
+                    prompt_tokens=len(turn.prompt_ids),
+                    completion_tokens=streamed,
+                    started_at=turn.started,
+                    failed_at=time.time(),
+                )
+            )
+        except OSError:
+            # A full disk must not turn the client's error into a hang or a 500.
+            logger.exception("could not journal a failed call")
 
     async def _count_tokens(
         self, request: web.Request, call: Call, provider: Provider[Any]

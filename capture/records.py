@@ -44,3 +44,35 @@ class TurnRecord:
     def from_row(cls, row: dict[str, Any]) -> TurnRecord:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in row.items() if k in known})
+
+
+@dataclass
+class FailedCall:
+    """A call the policy failed (garbage, a cut or stalled stream, an error status): the client
+    got its provider's error, and nothing of it is trained. Kept so a session's failures can be
+    counted and looked into (``failed/`` shards), never in a thread row."""
+
+    session_id: str
+    request_id: str
+    protocol: str
+    requested_model: str
+    policy_model: str
+    backend: str
+    user_agent: str
+    stream: bool
+    reason: str  # the error as the client was told it
+    policy_status: int  # the policy's HTTP status; 0: it did not answer (properly)
+    prompt_tokens: int
+    # Tokens the client had been sent before the failure (a stream's); they are not trained.
+    completion_tokens: int
+    started_at: float
+    failed_at: float
+    schema_version: int = SCHEMA_VERSION
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> FailedCall:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in row.items() if k in known})

@@ -7,6 +7,9 @@ journal alone. A session becomes Parquet shards (``turns/`` one row per call, ``
 training row per thread) when it has been idle for ``idle_timeout_s`` or the proxy stops; only
 then is its journal removed. A proxy killed with ``kill -9`` leaves journals behind, and the next
 start turns them into shards.
+
+A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
+and written to ``failed/``: counted per session, never part of a thread row.
 """
 
 from __future__ import annotations
@@ -21,8 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capture.records import SCHEMA_VERSION, TurnRecord
-from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows, written_turn_counts
+from capture.records import SCHEMA_VERSION, FailedCall, TurnRecord
+from capture.shards import (
+    FAILED_SCHEMA,
+    THREAD_SCHEMA,
+    TURN_SCHEMA,
+    write_rows,
+    written_turn_counts,
+)
 from capture.trajectory import (
     Assembly,
     Call,
@@ -52,6 +61,8 @@ class Session:
     journal_path: Path
     threads: ThreadSet | None
     turns: list[TurnRecord] = field(default_factory=list)
+    # Calls of this session the policy failed since its last write (not trained).
+    failed: list[FailedCall] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
 
 
@@ -70,6 +81,7 @@ class SessionStore:
         self.journal_dir = out_dir / "journal"
         self.turns_dir = out_dir / "turns"
         self.threads_dir = out_dir / "threads"
+        self.failed_dir = out_dir / "failed"
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         self._sessions: dict[str, Session] = {}
         # Calls already sharded per session id: a scaffold that pauses past the idle timeout
@@ -138,13 +150,25 @@ class SessionStore:
             turn.metadata["assembly"] = assembly.kind
             # Enough to rebuild the call's place in the tree from the journal alone.
             entry = call_entry(call)
-        line = json.dumps({"turn": turn.to_row(), "call": entry}, separators=(",", ":")) + "\n"
-        with open(sess.journal_path, "a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _append(sess.journal_path, {"turn": turn.to_row(), "call": entry})
         sess.turns.append(turn)
         sess.last_active = time.monotonic()
+
+    def record_failure(self, failed: FailedCall) -> None:
+        """Journal a call the policy failed. Nothing of it reaches a thread: its tokens are
+        not trained, and the session's trained calls are untouched."""
+        failed.reason = safe_text(failed.reason)
+        failed.user_agent = safe_text(failed.user_agent)
+        failed.requested_model = safe_text(failed.requested_model)
+        sess = self.session(failed.session_id)
+        _append(sess.journal_path, {"failed": failed.to_row()})
+        sess.failed.append(failed)
+        sess.last_active = time.monotonic()
+
+    def failed_calls(self, session_id: str) -> int:
+        """How many of the session's calls the policy failed since its last write."""
+        sess = self._sessions.get(session_id)
+        return len(sess.failed) if sess is not None else 0
 
     def touch(self, session_id: str) -> None:
         self.session(session_id).last_active = time.monotonic()
@@ -159,7 +183,7 @@ class SessionStore:
         """Write the session's shards. ``keep_threads``: the session may go on (idle flush), so
         its threads stay in memory and a later call extends their exact ids."""
         sess = self._sessions.pop(session_id, None)
-        if sess is None or not sess.turns:
+        if sess is None or not (sess.turns or sess.failed):
             return []
         rows, thread_of = sess.threads.export() if sess.threads else ([], {})
         if keep_threads and sess.threads is not None:
@@ -167,14 +191,17 @@ class SessionStore:
             self._dormant.move_to_end(session_id)
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
-        paths = self._write(sess.turns, rows, thread_of, sess.journal_path.stem)
+        stem = sess.journal_path.stem
+        paths = self._write(sess.turns, rows, thread_of, stem)
+        paths += self._write_failed(sess.failed, stem)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
-            "session %r ended: %d calls in %d thread rows written to %s",
+            "session %r ended: %d calls in %d thread rows%s written to %s",
             session_id,
             len(sess.turns),
             len(rows),
+            f" ({len(sess.failed)} failed by the policy, in failed/)" if sess.failed else "",
             self.out_dir,
         )
         return paths
@@ -199,6 +226,11 @@ class SessionStore:
             shard_rows = [thread_row(session_id, row, by_request) for row in rows]
             paths += write_rows(self.threads_dir, shard_rows, THREAD_SCHEMA, "threads", stem=stem)
         return paths
+
+    def _write_failed(self, failed: list[FailedCall], stem: str) -> list[Path]:
+        # Named after the journal like the others: a repeated write replaces, never adds.
+        rows = [f.to_row() for f in failed]
+        return write_rows(self.failed_dir, rows, FAILED_SCHEMA, "failed", stem=stem)
 
     def close(self) -> list[Path]:
         return [p for sid in list(self._sessions) for p in self.end_session(sid)]
@@ -237,11 +269,15 @@ class SessionStore:
 
     def _recover_journal(self, journal: Path) -> list[Path]:
         turns: list[TurnRecord] = []
+        failed: list[FailedCall] = []
         calls: dict[str, Call] = {}
         # errors="replace": a damaged byte costs that line at most, never the journal.
         for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 entry = json.loads(line)
+                if "failed" in entry:
+                    failed.append(FailedCall.from_row(entry["failed"]))
+                    continue
                 turn = TurnRecord.from_row(entry["turn"])
             except Exception:
                 # A line cut short by the crash (that call had not completed), or damaged.
@@ -258,14 +294,24 @@ class SessionStore:
                         journal.name,
                         turn.request_id,
                     )
+        written = self._write_failed(failed, journal.stem)
         if not turns:
-            return []
+            return written
         rows, thread_of = export_rows(list(calls.values()))
-        written = self._write(turns, rows, thread_of, journal.stem)
+        written += self._write(turns, rows, thread_of, journal.stem)
         # A session that goes on after the restart keeps counting its calls.
         self._count_written(turns[0].session_id, max(t.turn_index for t in turns) + 1)
         logger.info("recovered %d calls from %s", len(turns), journal.name)
         return written
+
+
+def _append(journal: Path, entry: dict[str, Any]) -> None:
+    """One journal line, durable (flushed and fsynced) before this returns."""
+    line = json.dumps(entry, separators=(",", ":")) + "\n"
+    with open(journal, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def safe_text(text: str) -> str:

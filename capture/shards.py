@@ -117,6 +117,27 @@ THREAD_SCHEMA = pa.schema(
     ]
 )
 
+# Calls the policy failed (capture.records.FailedCall): never trained, kept to be counted.
+FAILED_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("session_id", pa.string()),
+        ("request_id", pa.string()),
+        ("protocol", pa.string()),
+        ("requested_model", pa.string()),
+        ("policy_model", pa.string()),
+        ("backend", pa.string()),
+        ("user_agent", pa.string()),
+        ("stream", pa.bool_()),
+        ("reason", pa.string()),
+        ("policy_status", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("started_at", pa.float64()),
+        ("failed_at", pa.float64()),
+    ]
+)
+
 # Rows are split so that one file stays near this size: shards roll over by size.
 SHARD_TARGET_BYTES = 128 * 1024 * 1024
 

@@ -13,6 +13,7 @@ version sampled which output tokens (``weight_versions``); it is used whenever t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from rewriter.canonical import SamplingParams
 
@@ -117,39 +119,110 @@ def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
 
 def _choice_delta(choice: dict[str, Any]) -> CompletionDelta:
     """A choice of ``/v1/completions``."""
-    lp = choice.get("logprobs") or {}
-    logprobs = [float(x) if x is not None else 0.0 for x in (lp.get("token_logprobs") or [])]
-    return _delta(choice, logprobs, [])
+    lp = _field(choice, "logprobs", dict) or {}
+    values = _field(lp, "token_logprobs", list) or []
+    return _delta(choice, [_logprob(x) for x in values], [])
 
 
 def _generate_delta(choice: dict[str, Any]) -> CompletionDelta:
     """A choice of ``/inference/v1/generate`` (``output_mode: text``); spans are the part's."""
-    content = (choice.get("logprobs") or {}).get("content") or []
-    spans = [
-        (str(s["version"]), int(s["start"]), int(s["end"]))
-        for s in choice.get("weight_versions") or []
-    ]
-    return _delta(choice, [float(x.get("logprob", 0.0)) for x in content], spans)
+    content = _field(_field(choice, "logprobs", dict) or {}, "content", list) or []
+    entries = [_object(x, "a logprobs.content entry") for x in content]
+    logprobs = [_logprob(x.get("logprob", 0.0)) for x in entries]
+    spans: list[WeightSpan] = []
+    for span in _field(choice, "weight_versions", list) or []:
+        span = _object(span, "a weight_versions span")
+        start, end = span.get("start"), span.get("end")
+        if not (isinstance(start, int) and isinstance(end, int)) or span.get("version") is None:
+            raise _malformed("a weight_versions span without version, start and end", span)
+        spans.append((str(span["version"]), int(start), int(end)))
+    return _delta(choice, logprobs, spans)
 
 
 def _delta(
     choice: dict[str, Any], logprobs: list[float], spans: list[WeightSpan]
 ) -> CompletionDelta:
     """The fields both endpoints spell alike, with the logprobs and spans each spells its way."""
-    ids = list(choice.get("token_ids") or [])
+    ids = _field(choice, "token_ids", list) or []
+    if not all(_is_int(x) and 0 <= x < 2**31 for x in ids):
+        raise _malformed("token_ids that are not token ids", ids)
     if len(logprobs) != len(ids):
         raise PolicyError(
             f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
-            "is it a vLLM server that returns token ids?"
+            "is it a vLLM server that returns token ids?",
+            BAD_ANSWER,
         )
+    stop_reason = choice.get("stop_reason")
+    if stop_reason is not None and not isinstance(stop_reason, str) and not _is_int(stop_reason):
+        raise _malformed("a stop_reason that is neither text nor a token id", stop_reason)
     return CompletionDelta(
-        text=choice.get("text") or "",
+        text=_field(choice, "text", str) or "",
         token_ids=ids,
         logprobs=logprobs,
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
+        finish_reason=_field(choice, "finish_reason", str),
+        stop_reason=stop_reason,
         weight_versions=spans,
     )
+
+
+# The status a PolicyError carries when the policy answered 200 with something that is not a
+# vLLM answer (garbage, wrong types): the providers answer it as their server error, not as
+# "unavailable, retry".
+BAD_ANSWER = 502
+
+
+def _snippet(value: Any) -> str:
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
+def _malformed(what: str, value: Any) -> PolicyError:
+    return PolicyError(
+        f"the policy server sent {what} ({_snippet(value)}); is it a vLLM server, and healthy?",
+        BAD_ANSWER,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _malformed(f"{what} that is not a JSON object", value)
+    return value
+
+
+def _field(obj: dict[str, Any], name: str, kind: type) -> Any:
+    """``obj[name]`` if absent, null or of type ``kind``; else the policy's answer is garbage."""
+    value = obj.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise _malformed(f"a {name!r} of the wrong type", value)
+    return value
+
+
+def _logprob(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _malformed("a logprob that is not a number", value)
+    return float(value)
+
+
+def _choices(data: Any) -> list[dict[str, Any]]:
+    """The choices of one answer (a whole body or a stream's chunk), checked for shape."""
+    data = _object(data, "an answer")
+    if "error" in data:
+        raise PolicyError(f"policy stream failed: {_snippet(data['error'])}")
+    choices = _field(data, "choices", list) or []
+    return [_object(c, "a choice") for c in choices]
+
+
+def _json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise _malformed(f"{what} that is not JSON", raw) from None
 
 
 @dataclass
@@ -202,39 +275,86 @@ class VLLMClient:
         session: aiohttp.ClientSession,
         api: str = "auto",
         decode: Callable[[list[int]], str] | None = None,
+        progress_timeout_s: float | None = None,
     ) -> None:
         """``decode``: the policy tokenizer's decode (special tokens skipped, as vLLM is asked
-        to); with it, the text of a generation resumed after an abort is computed here."""
+        to); with it, the text of a generation resumed after an abort is computed here.
+
+        ``progress_timeout_s``: the longest a generation may go without a new token (the first
+        one included) before it fails. The connection's own read timeout is reset by any byte,
+        so a stalled server sending keep-alives (blank lines, ``: ping``, chunks without
+        tokens) would never trip it; this deadline moves only when tokens or the finish do."""
         if api not in ("auto", "completions", "generate"):
             raise ValueError(f"api must be auto, completions or generate, not {api!r}")
         self.base_url = base_url.rstrip("/")
         self._session = session
         self._api = api
         self._decode = decode
+        self.progress_timeout_s = progress_timeout_s
         self._info: PolicyInfo | None = None
+        # The probe under way: concurrent first calls all wait for this one.
+        self._probing: asyncio.Task[PolicyInfo] | None = None
 
     async def info(self) -> PolicyInfo:
-        """The served model's name and context length (asked once, then remembered)."""
-        if self._info is None:
-            try:
+        """The served model's name and context length (asked once, then remembered).
+
+        Single-flight: callers arriving while the probe runs await that same probe (a burst of
+        first calls probes the server once, not once each). A failed probe is not remembered,
+        so a later call asks again; a caller that is cancelled (its client left) does not
+        cancel the probe the others wait for."""
+        if self._info is not None:
+            return self._info
+        if self._probing is None:
+            self._probing = asyncio.get_running_loop().create_task(self._probe())
+            self._probing.add_done_callback(self._probed)
+        return await asyncio.shield(self._probing)
+
+    def _probed(self, task: asyncio.Task[PolicyInfo]) -> None:
+        self._probing = None
+        if not task.cancelled() and task.exception() is None:  # retrieved: never "unhandled"
+            self._info = task.result()
+
+    async def _probe(self) -> PolicyInfo:
+        try:
+            async with asyncio.timeout(self.progress_timeout_s):
                 async with self._session.get(f"{self.base_url}/v1/models") as resp:
                     if resp.status != 200:
                         raise PolicyError(
                             f"{self.base_url}/v1/models answered {resp.status}", resp.status
                         )
-                    data = await resp.json()
-            except aiohttp.ClientError as exc:
-                raise PolicyError(
-                    f"cannot reach the policy server at {self.base_url}: {exc}"
-                ) from exc
-            model = data["data"][0]
-            info = PolicyInfo(model=model["id"], max_model_len=model.get("max_model_len"))
-            if self._api != "completions":
-                info.generate = self._api == "generate" or await self._has_generate()
-            if info.generate:
-                info.sampling_defaults = await self._sampling_defaults(info.model)
-            self._info = info
-        return self._info
+                    raw = await resp.read()
+        except TimeoutError as exc:
+            raise self._stalled() from exc
+        except aiohttp.ClientError as exc:
+            raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
+        listing = _field(_object(_json(raw, "a model listing"), "a model listing"), "data", list)
+        if not listing:
+            raise _malformed("a model listing without models", raw)
+        model = _object(listing[0], "a model")
+        name, max_len = model.get("id"), model.get("max_model_len")
+        if not isinstance(name, str) or not (max_len is None or _is_int(max_len)):
+            raise _malformed("a model without a name or with a bad max_model_len", model)
+        info = PolicyInfo(model=name, max_model_len=max_len)
+        if self._api != "completions":
+            info.generate = self._api == "generate" or await self._has_generate()
+        if info.generate:
+            info.sampling_defaults = await self._sampling_defaults(info.model)
+        self._info = info
+        return info
+
+    def _stalled(self) -> PolicyError:
+        limit = self.progress_timeout_s
+        why = f" (no new token for {limit:g} s)" if limit else ""
+        return PolicyError(
+            f"the policy server at {self.base_url} did not answer in time{why}; "
+            "option agenttap_policy_timeout"
+        )
+
+    def _deadline(self) -> float | None:
+        """When a generation that makes no progress from now on fails (None: never)."""
+        if self.progress_timeout_s is None:
+            return None
+        return asyncio.get_running_loop().time() + self.progress_timeout_s
 
     async def _has_generate(self) -> bool:
         """Whether the server serves the generate endpoint: an empty body is refused as
@@ -385,31 +505,76 @@ class VLLMClient:
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[CompletionDelta]:
         path, body = await self._body(prompt_ids, params, stream=False)
-        resp = await self._post(path, body)
-        async with resp:
-            data = await resp.json()
+        # A whole answer's tokens all come at once: the body must be in within the timeout
+        # (a server trickling whitespace into it makes no progress).
+        try:
+            async with asyncio.timeout_at(self._deadline()):
+                resp = await self._post(path, body)
+                async with resp:
+                    raw = await resp.read()
+        except TimeoutError as exc:
+            raise self._stalled() from exc
         parse = _generate_delta if path == GENERATE_PATH else _choice_delta
-        yield parse(data["choices"][0])
+        choices = _choices(_json(raw, "an answer"))
+        if not choices:
+            raise _malformed("an answer without choices", raw)
+        delta = parse(choices[0])
+        if delta.finish_reason is None:
+            raise _malformed("an answer whose generation did not finish (no finish_reason)", raw)
+        yield delta
 
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[CompletionDelta]:
+        """One generation's pieces as the server sends them. Whatever is not vLLM's SSE (a
+        line that is not JSON, a chunk of the wrong shape), a stream that ends before the
+        generation did (no finish_reason, no ``[DONE]``) and a stream without a new token for
+        ``progress_timeout_s`` raise PolicyError: the caller answers it as an error, never
+        as a complete answer."""
         path, body = await self._body(prompt_ids, params, stream=True)
         parse = _generate_delta if path == GENERATE_PATH else _choice_delta
-        resp = await self._post(path, body)
+        deadline = self._deadline()
+        try:
+            async with asyncio.timeout_at(deadline):
+                resp = await self._post(path, body)
+        except TimeoutError as exc:
+            raise self._stalled() from exc
+        finished = False
         async with resp:
-            async for raw in resp.content:
+            while True:
+                try:
+                    # Bounded per read, never across a yield: the caller's own awaits (writing
+                    # to a slow client) are not the policy's time.
+                    async with asyncio.timeout_at(deadline):
+                        raw = await resp.content.readline()
+                except TimeoutError as exc:  # ours, or the connection's read timeout
+                    raise self._stalled() from exc
+                except (ValueError, HttpProcessingError) as exc:  # a line past aiohttp's limit
+                    raise _malformed("an over-long line", str(exc)) from None
+                if not raw:
+                    break
                 line = raw.strip()
                 if not line.startswith(b"data:"):
-                    continue
+                    continue  # blank lines, SSE comments (": ping"), event names
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    raise PolicyError(f"policy stream failed: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    yield parse(choice)
+                for choice in _choices(_json(payload, "a stream line")):
+                    delta = parse(choice)
+                    if delta.token_ids or delta.finish_reason is not None:
+                        deadline = self._deadline()
+                        finished = finished or delta.finish_reason is not None
+                    elif not (delta.text or delta.weight_versions):
+                        # A keep-alive: not passed on, so that a caller waiting for the first
+                        # piece before it answers (a status line) still waits for a real one.
+                        continue
+                    yield delta
+        if not finished:
+            # Status 0: the server went away mid-generation (a crash, a restart): retryable.
+            raise PolicyError(
+                f"the policy server at {self.base_url} ended its stream before the generation "
+                "finished (no finish_reason, no [DONE]); the answer is incomplete"
+            )
 
     async def prompt_logprobs(self, ids: list[int]) -> list[float | None]:
         """Log-probability of each token of ``ids`` given the ones before it (entry 0: None)."""
@@ -421,11 +586,19 @@ class VLLMClient:
             "prompt_logprobs": 0,
             "return_token_ids": True,
         }
-        resp = await self._post("/v1/completions", body)
-        async with resp:
-            data = await resp.json()
-        entries = data["choices"][0]["prompt_logprobs"]
-        out: list[float | None] = []
-        for token, entry in zip(ids, entries, strict=True):
-            out.append(None if entry is None else float(entry[str(token)]["logprob"]))
+        try:
+            async with asyncio.timeout_at(self._deadline()):
+                resp = await self._post("/v1/completions", body)
+                async with resp:
+                    raw = await resp.read()
+        except TimeoutError as exc:
+            raise self._stalled() from exc
+        choices = _choices(_json(raw, "an answer"))
+        try:
+            entries = choices[0]["prompt_logprobs"]
+            out: list[float | None] = []
+            for token, entry in zip(ids, entries, strict=True):
+                out.append(None if entry is None else _logprob(entry[str(token)]["logprob"]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _malformed("prompt_logprobs that do not match the prompt", raw[:200]) from None
         return out

@@ -35,10 +35,12 @@ def post(
     body: bytes,
     headers: dict[str, str] | None = None,
     timeout: float = 60,
+    path: str | None = None,
 ) -> Answer:
-    """POST exact bytes to the protocol's endpoint through the proxy (CONNECT, then TLS trusting
-    only the proxy's CA), as a client with its own HTTP stack would."""
-    host, path = ENDPOINTS[protocol]
+    """POST exact bytes to the protocol's endpoint (or ``path`` on its host) through the proxy
+    (CONNECT, then TLS trusting only the proxy's CA), as a client with its own HTTP stack
+    would."""
+    host, path = ENDPOINTS[protocol][0], path or ENDPOINTS[protocol][1]
     ctx = ssl.create_default_context(cafile=str(proxy.ca))
     conn = http.client.HTTPSConnection("127.0.0.1", proxy.port, context=ctx, timeout=timeout)
     auth = base64.b64encode(f"{session}:x".encode()).decode()

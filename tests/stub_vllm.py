@@ -5,6 +5,12 @@ same streaming chunks; ``tests/test_stub_contract.py`` checks this against the r
 the completion is the next scripted text, tokenized with the real tokenizer and ended with EOS.
 Like vLLM it clamps ``max_tokens`` to the context left (but refuses one over the whole context)
 and refuses over-long prompts and unknown model names. ``chunk_tokens`` > 1 streams several tokens per chunk, as a lagging vLLM does.
+
+A faulty policy, for the tests that need one: set ``fault`` (reset it after) and every completion
+goes wrong after ``fault_after`` streamed chunks: ``garbage`` sends ``garbage`` as a stream line's
+payload (as the whole body when not streaming), ``truncate`` ends the body there (a whole body is
+cut in half), ``stall`` sends nothing more, ``keepalive`` sends only keep-alives (blank lines,
+``: ping`` comments, chunks without tokens; whitespace into a whole body) until the caller leaves.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ class StubPolicy:
         self.abandoned = 0
         self.abandoned_at: set[int] = set()  # indices in ``requests`` of the abandoned ones
         self.chunk_tokens = 1
+        self.fault: str | None = None  # None, "garbage", "truncate", "stall" or "keepalive"
+        self.fault_after = 0
+        self.garbage = b"{not json"
+        self.keepalive_every_s = 0.1
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -206,6 +216,8 @@ class StubPolicy:
             # The last token's text shrinks so the text ends where the stop string began.
             texts[-1] = texts[-1][: max(0, len(texts[-1]) - (len(full) - cut))]
         logprobs = [self._logprob(i, t) for i, t in enumerate(ids)]
+        if not body.get("stream") and self.fault in ("garbage", "keepalive"):
+            return await self._whole_fault(request)
         if not body.get("stream"):
             offsets, pos = [], 0
             for t in texts:
@@ -229,7 +241,7 @@ class StubPolicy:
                 "prompt_token_ids": prompt,
                 "routed_experts": None,
             }
-            return web.json_response(
+            whole = web.json_response(
                 {
                     "id": rid,
                     "object": "text_completion",
@@ -251,6 +263,10 @@ class StubPolicy:
                 },
                 dumps=_dumps,
             )
+            if self.fault == "truncate":
+                assert isinstance(whole.body, bytes)
+                whole.body = whole.body[: len(whole.body) // 2]
+            return whole
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -260,6 +276,8 @@ class StubPolicy:
         starts = range(0, len(ids), size)
         pos = 0
         for i, start in enumerate(starts):
+            if self.fault and i == self.fault_after:
+                return await self._stream_fault(request, resp)
             part = range(start, min(start + size, len(ids)))
             offsets = []
             for j in part:
@@ -315,6 +333,48 @@ class StubPolicy:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _whole_fault(self, request: web.Request) -> web.StreamResponse:
+        if self.fault == "garbage":
+            return web.Response(body=self.garbage, content_type="application/json")
+        # keepalive: a chunked 200 whose body never gets past leading whitespace.
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await self._keep_alive(request, resp, [b" "])
+        return resp
+
+    async def _stream_fault(
+        self, request: web.Request, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        if self.fault == "garbage":
+            await resp.write(b"data: " + self.garbage + b"\n\n")
+        elif self.fault == "stall":
+            await self._keep_alive(request, resp, [])
+        elif self.fault == "keepalive":
+            empty = {"choices": [{"index": 0, "text": "", "token_ids": [], "logprobs": None,
+                                  "finish_reason": None}]}  # fmt: skip
+            alive = [b"\n", b": ping\n\n", b"data: " + _dumps(empty).encode() + b"\n\n"]
+            await self._keep_alive(request, resp, alive)
+        # truncate, and the others once the caller has gone: the body ends here.
+        try:
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp
+
+    async def _keep_alive(
+        self, request: web.Request, resp: web.StreamResponse, beats: list[bytes]
+    ) -> None:
+        """Send ``beats`` in turn (nothing if empty) until the caller hangs up (at most 2 min)."""
+        for n in range(int(120 / self.keepalive_every_s)):
+            if request.transport is None or request.transport.is_closing():
+                return
+            if beats:
+                try:
+                    await resp.write(beats[n % len(beats)])
+                except ConnectionError:
+                    return
+            await asyncio.sleep(self.keepalive_every_s)
 
     def start(self) -> str:
         """Serve on 127.0.0.1 from a background thread; returns the base URL."""
