@@ -35,6 +35,7 @@ from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp  # noqa
 from mitmproxy.addonmanager import Loader  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
+from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from capture.gateway import (  # noqa: E402
     HOST_HEADER,
     OVERSIZED_HEADER,
@@ -454,4 +455,9 @@ class AgentTap:
         self._restore(flow)
 
 
-addons = [AgentTap()]
+def _client_timeout(tap: AgentTap) -> float | None:
+    return tap.settings.client_timeout_s if tap.settings is not None else None
+
+
+_tap = AgentTap()
+addons = [_tap, ClientTimeouts(lambda: _client_timeout(_tap))]

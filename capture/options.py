@@ -241,6 +241,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         lambda text: parse_whole(text, positive=True),
     ),
     Option(
+        "agenttap_client_timeout",
+        "60",
+        "Seconds a client connection may take to send a whole request (headers and body) after "
+        "it opens or after its previous answer ended; then it is closed (a whole number above "
+        "0). Answers and WebSocket sessions are not bounded by it.",
+        lambda text: parse_whole(text, positive=True),
+    ),
+    Option(
         "agenttap_model_map",
         "",
         "Requested model names to policy servers: PATTERN=URL[|URL],... (fnmatch patterns; "
@@ -341,6 +349,7 @@ class Settings:
     max_body_bytes: int
     policy_timeout_s: float
     policy_connections: int
+    client_timeout_s: int
     model_map: list[tuple[str, list[str]]]
     model_names: list[str]
     provider_options: dict[str, Any] = field(default_factory=dict)
@@ -375,6 +384,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         max_body_bytes=values["agenttap_max_body_bytes"],
         policy_timeout_s=values["agenttap_policy_timeout"],
         policy_connections=values["agenttap_policy_connections"],
+        client_timeout_s=values["agenttap_client_timeout"],
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
