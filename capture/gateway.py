@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import json
 import logging
 import os
-import re
 import secrets
 import time
 import urllib.parse
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,7 +33,15 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from capture.options import parse_model_map  # noqa: F401 (its home before options.py)
 from capture.providers import registered
-from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
+from capture.providers.base import (
+    MALFORMED,
+    Call,
+    Provider,
+    ProviderTurn,
+    Route,
+    RouteKind,
+    malformed_message,
+)
 from capture.records import FailedCall, TurnRecord
 from capture.sessions import SessionStore, safe_text
 from capture.trajectory import Assembly
@@ -53,9 +61,45 @@ DEFAULT_PROVIDER = "openai.chat"
 
 # The client's Content-Encoding, moved here by the addon so that the gateway decodes the body.
 UNSUPPORTED_ENCODING_HEADER = "X-Agenttap-Content-Encoding"
-# What a request of an unexpected shape raises where a parser or the chat template meets it
-# (a string where an object belongs, a lone surrogate, nesting past Python's recursion limit).
-MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError)
+
+# Request heads (request target and header fields) the proxy passes on. The providers' own front
+# ends take tens of kB of headers, so a client sending that much is served; past these limits the
+# addon passes the gateway only what framing needs (``shrink_head``) and marks the request with
+# OVERSIZED_HEADER, and the client gets its provider's 431 instead of aiohttp's text/plain 400.
+MAX_HEAD_BYTES = 256 * 1024
+MAX_HEAD_FIELDS = 512
+OVERSIZED_HEADER = "X-Agenttap-Oversized-Head"
+# What the gateway's HTTP parser reads: the limits above plus the headers the addon adds.
+_PARSER_HEAD_BYTES = MAX_HEAD_BYTES + 16 * 1024
+_PARSER_HEAD_FIELDS = MAX_HEAD_FIELDS + 16
+# Fields an oversized request keeps on its way to the gateway (HTTP framing and the WebSocket
+# handshake), when short.
+_FRAMING = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"content-type",
+        b"connection",
+        b"upgrade",
+        b"sec-websocket-key",
+        b"sec-websocket-version",
+    }
+)
+
+
+def shrink_head(
+    target: str, fields: list[tuple[bytes, bytes]]
+) -> tuple[str, list[tuple[bytes, bytes]], str] | None:
+    """None when a request head (its target, its header fields) is within the limits; else the
+    target and fields to pass on instead, and what was too large (for the client's error)."""
+    size = len(target) + sum(len(name) + len(value) + 4 for name, value in fields)
+    if size <= MAX_HEAD_BYTES and len(fields) <= MAX_HEAD_FIELDS:
+        return None
+    note = f"{size} bytes in {len(fields)} header fields"
+    kept = [(n, v) for n, v in fields if n.lower() in _FRAMING and len(v) <= 1024]
+    # The path alone still routes the call (whose provider words the error); the query goes.
+    return target.split("?", 1)[0][:8192], kept, note
 
 
 def _malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
@@ -64,12 +108,7 @@ def _malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
     # The client's mistake, not ours: one line; the traceback only at debug level.
     logger.warning("refused a request that could not be read: %r", exc)
     logger.debug("where it could not be read", exc_info=exc)
-    return provider.error(
-        400,
-        f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
-        "check it against the API reference.",
-        None,
-    )
+    return provider.error(400, malformed_message(exc), None)
 
 
 def quote_session(session_id: str) -> str:
@@ -151,9 +190,18 @@ class Gateway:
         )
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        # Prompt assembly runs here, off the event loop (see assemble).
+        self._render_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agenttap-render")
+        self._session_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> int:
+        # Read once from the vocabulary (a fraction of a second), before any call needs it.
+        await asyncio.get_running_loop().run_in_executor(
+            self._render_pool, lambda: self.template.max_token_bytes
+        )
         recovered = self.store.recover()
         if recovered:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
@@ -179,7 +227,14 @@ class Gateway:
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a client that leaves cancels its handler, so the policy request
         # is dropped (vLLM aborts it) and the turn is not recorded as completed.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            max_line_size=_PARSER_HEAD_BYTES,
+            max_field_size=_PARSER_HEAD_BYTES,
+            max_headers=_PARSER_HEAD_FIELDS,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -195,14 +250,43 @@ class Gateway:
             await self._runner.cleanup()
         if self._http:
             await self._http.close()
+        # Assemblies still running in the workers finish before the sessions are written.
+        await asyncio.get_running_loop().run_in_executor(None, self._render_pool.shutdown)
         self.store.close()
 
-    def flush(self, session_id: str | None = None) -> list[Path]:
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config.max_body_bytes
+
+    async def flush(self, session_id: str | None = None) -> list[Path]:
         """Write a session's shards now (all sessions: None). The session may go on: its next
         call extends the written rows' exact ids, in a new row parented to them."""
         store = self.store
         sessions = [session_id] if session_id is not None else store.session_ids()
-        return [p for sid in sessions for p in store.end_session(sid, keep_threads=True)]
+        written = []
+        for sid in sessions:
+            # Not while a worker thread is placing a call in that session's tree.
+            async with self.session_lock(sid):
+                written += store.end_session(sid, keep_threads=True)
+        return written
+
+    def session_lock(self, session_id: str) -> asyncio.Lock:
+        """Held while a session's tree changes: an assembly in a worker thread, a record, a
+        flush. First come, first served, so a session's calls are placed in arrival order."""
+        lock = self._session_locks.get(session_id)
+        if lock is None:
+            lock = self._session_locks[session_id] = asyncio.Lock()
+        return lock
+
+    async def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
+        """Place a request in its session's tree and build its prompt ids, in a worker thread:
+        rendering and tokenizing a long prompt takes a second or more, and the event loop
+        serves every other session meanwhile (the tokenizer releases the GIL)."""
+        async with self.session_lock(session_id):
+            self.store.session(session_id)  # created here, never from a worker thread
+            return await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, self.store.assemble, session_id, chat
+            )
 
     async def _sweep(self) -> None:
         while True:
@@ -210,7 +294,8 @@ class Gateway:
                 min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2))
             )
             try:
-                self.store.flush_idle()
+                busy = {sid for sid, lock in self._session_locks.items() if lock.locked()}
+                self.store.flush_idle(skip=busy)
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it
                 logger.exception("could not write the shard of an idle session")
 
@@ -245,6 +330,14 @@ class Gateway:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
         call = Call.of(request, request.headers.get(HOST_HEADER, ""))
         provider, route = self._route(call)
+        oversized = request.headers.get(OVERSIZED_HEADER)
+        if oversized:
+            return provider.error(
+                431,
+                f"Request header fields too large ({oversized[:80]}): this proxy accepts a "
+                f"request target and headers of at most {MAX_HEAD_BYTES} bytes in at most "
+                f"{MAX_HEAD_FIELDS} fields.",
+            )
         if route is None:
             return provider.error(
                 404,
@@ -296,7 +389,6 @@ class Gateway:
         except RequestPayloadError as exc:
             raise RequestError(f"The request body could not be read: {exc}", status=400) from None
         if encoding in ("", "identity"):
-            check_text(raw)
             return raw
         # gzip (wbits 16+) or zlib/raw deflate (wbits 32+ detects a header); bounded output.
         inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else 47)
@@ -314,7 +406,6 @@ class Gateway:
             raise RequestError(
                 f"The request body is a truncated {encoding} stream; send it whole.", status=400
             )
-        check_text(body)
         return body
 
     def _too_large_message(self, size: int | None) -> str:
@@ -417,8 +508,13 @@ class Gateway:
         try:
             self._remember_model(parsed.session_id, chat.model)
             client = self.client_for(parsed.session_id, chat.model)
-            assembly = self.store.assemble(parsed.session_id, chat)
             info = await client.info()
+            if info.max_model_len:
+                # Refused before any rendering when the text alone cannot fit the context.
+                at_least = self.template.min_tokens(prompt_text_bytes(chat))
+                if at_least >= info.max_model_len:
+                    return provider.prompt_too_long(at_least, info.max_model_len)
+            assembly = await self.assemble(parsed.session_id, chat)
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
@@ -547,7 +643,7 @@ class Gateway:
         session_id = self.session_id(request, provider)
         try:
             chat = provider.count_tokens(call, await self._read_body(request), session_id)
-            assembly = self.store.assemble(session_id, chat)
+            assembly = await self.assemble(session_id, chat)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
         except MALFORMED as exc:
@@ -612,13 +708,14 @@ class Gateway:
                 for v, start, end in completion.weight_versions
             ],
         )
-        self.store.record(
-            record,
-            turn.assembly,
-            turn.provider.recorded_reply(parsed, reply),
-            rescored=rescored,
-            constrained=constrained,
-        )
+        async with self.session_lock(parsed.session_id):
+            self.store.record(
+                record,
+                turn.assembly,
+                turn.provider.recorded_reply(parsed, reply),
+                rescored=rescored,
+                constrained=constrained,
+            )
         turn.provider.finished(parsed, reply, completion)
         return record
 
@@ -629,6 +726,14 @@ MAX_MODELS_PER_SESSION = 32
 MAX_SESSIONS_WITH_MODELS = 10_000
 
 
+def prompt_text_bytes(chat: ChatRequest) -> int:
+    """UTF-8 bytes of the text a prompt renders verbatim: every message but the assistant's
+    (those the prompt may hold as the ids the policy sampled, which a client can send back
+    longer, re-serialized)."""
+    verbatim = (m.content for m in chat.messages if m.role != "assistant")
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text in verbatim)
+
+
 def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
     if isinstance(exc, TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
         return PolicyError(
@@ -636,27 +741,6 @@ def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
             "option agenttap_policy_timeout"
         )
     return PolicyError(f"the connection to the policy server at {client.base_url} failed: {exc}")
-
-
-# \\ud800-\\udfff escapes: a lone one decodes to text that cannot be written as UTF-8.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def check_text(body: bytes) -> None:
-    """Refuse JSON whose strings hold lone UTF-16 surrogates: such text can be neither journaled
-    nor written to Parquet. Paired escapes (emoji) are fine; the full check runs only when an
-    escape in the surrogate range appears at all."""
-    if not _SURROGATE_ESCAPE.search(body):
-        return
-    try:
-        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(
-            "Invalid request body: a JSON string holds a lone UTF-16 surrogate escape "
-            "(\\ud800-\\udfff without its pair), which is not text."
-        ) from None
-    except (ValueError, RecursionError):
-        return  # not JSON: the provider's parser words that error
 
 
 @dataclass

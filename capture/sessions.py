@@ -20,6 +20,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,9 +175,14 @@ class SessionStore:
         self.session(session_id).last_active = time.monotonic()
 
     # -- ending sessions -------------------------------------------------------------------
-    def flush_idle(self, now: float | None = None) -> list[Path]:
+    def flush_idle(self, now: float | None = None, skip: Set[str] = frozenset()) -> list[Path]:
+        """Write the sessions idle past the timeout, but those in ``skip`` (busy)."""
         now = time.monotonic() if now is None else now
-        idle = [s for s in self._sessions.values() if now - s.last_active >= self.idle_timeout_s]
+        idle = [
+            s
+            for s in self._sessions.values()
+            if now - s.last_active >= self.idle_timeout_s and s.session_id not in skip
+        ]
         return [p for s in idle for p in self.end_session(s.session_id, keep_threads=True)]
 
     def end_session(self, session_id: str, keep_threads: bool = False) -> list[Path]:

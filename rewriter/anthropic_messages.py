@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rewriter import jsonbody
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -304,8 +305,8 @@ def parse_request(
     """A Messages request (or a ``count_tokens`` one, which has no ``max_tokens``)."""
     normalization = normalization or Normalization()
     try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = jsonbody.loads(body)
+    except jsonbody.JSONBodyError as exc:
         raise RequestError(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise RequestError("The request body must be a JSON object.")

@@ -19,6 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rewriter import jsonbody
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -130,7 +131,7 @@ def _number(
         return None
     where = f"generation_config.{_snake(name)}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{where}: expected a number, got {value!r}.", param=where)
+        raise RequestError(f"{where}: expected a number, got {value!r:.60}.", param=where)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise RequestError(f"{where}: {value} is out of range {bounds}.", param=where)
@@ -143,11 +144,13 @@ def _integer(config: dict[str, Any], name: str, *, low: int) -> int | None:
         return None
     where = f"generation_config.{_snake(name)}"
     if isinstance(value, bool) or not isinstance(value, int):
-        # Proto JSON allows int64 as a string.
-        if isinstance(value, str) and value.lstrip("-").isdigit():
+        # Proto JSON allows int64 as a string (ASCII digits only; int() takes others too).
+        if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,19}", value):
             value = int(value)
         else:
-            raise RequestError(f"{where}: expected an integer, got {value!r}.", param=where)
+            raise RequestError(f"{where}: expected an integer, got {value!r:.60}.", param=where)
+    if not jsonbody.INT_MIN <= value <= jsonbody.INT_MAX:
+        raise RequestError(f"{where}: {value} is out of the int64 range.", param=where)
     if value < low:
         raise RequestError(f"{where}: must be at least {low} (got {value}).", param=where)
     return int(value)
@@ -512,8 +515,8 @@ def _enable_thinking(thinking: dict[str, Any]) -> bool | None:
 
 def _load(body: bytes) -> dict[str, Any]:
     try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = jsonbody.loads(body)
+    except jsonbody.JSONBodyError as exc:
         raise RequestError(f"Invalid JSON payload received. {exc}.") from None
     if not isinstance(raw, dict):
         raise RequestError("Invalid JSON payload received. The body must be a JSON object.")

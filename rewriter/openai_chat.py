@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rewriter import jsonbody
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -117,8 +118,8 @@ def _format_validation_error(exc: ValidationError) -> RequestError:
 def load_json_object(body: bytes) -> dict[str, Any]:
     """A request body as a JSON object, or OpenAI's 400 saying why not (Chat and Responses)."""
     try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = jsonbody.loads(body)
+    except jsonbody.JSONBodyError as exc:
         raise RequestError(
             f"We could not parse the JSON body of your request ({exc}). The body must be a JSON "
             "object."

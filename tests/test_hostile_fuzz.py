@@ -1,183 +1,242 @@
-"""Issue 10: fuzzed requests per protocol through a real mitmdump answered by the stub policy.
+"""Fuzzed requests for every provider, and the Responses API's WebSocket mode, through a real
+mitmdump answered by the stub policy (issues 10 and 14; strategies in ``tests/fuzzing.py``).
 
-Every answer is below 500; every error is the provider's own JSON error shape; a streamed 200
-is never empty; the proxy stays up; and a well-formed session recorded before the fuzz keeps
-exactly its shard rows. Bounded for CI (a fixed number of derandomized examples per protocol);
-counts by status are printed (run with -s to see them)."""
+For every answer: no 5xx, every error in the provider's own format and status, a 200 a real
+answer; on the WebSocket, refusals are error events or 1007/1008/1009 closes and the connection
+keeps answering. The proxy stays up, a well-formed session recorded before the fuzz keeps exactly
+its rows, and one calling all through it is answered and recorded whole.
+
+Bounded for CI: AGENTTAP_FUZZ_EXAMPLES per provider (default 120, about 20 s each on a shared
+2-core box), derandomized (the same examples every run). ``bench/fuzz.py`` runs 10,000 and more.
+Counts by status are printed by the last test (run with -s)."""
 
 from __future__ import annotations
 
-import base64
-import http.client
 import json
-import ssl
-import zlib
+import os
+import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Proxy, read_turns, start_proxy
+from tests import fuzzing
+from tests.conftest import Proxy, start_proxy
+from tests.fuzzing import PROVIDERS, WEBSOCKET, Frame, Raw, Request
+from tests.hostile import assert_provider_error, good_body, post
 from tests.stub_vllm import StubPolicy
 
-EXAMPLES = 150
-
-PROTOCOLS: dict[str, dict[str, Any]] = {
-    "openai": {
-        "host": "api.openai.com",
-        "path": "/v1/chat/completions",
-        "base": {"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]},
-        "keys": ["model", "messages", "stream", "tools", "tool_choice", "response_format",
-                 "max_tokens", "max_completion_tokens", "temperature", "n", "stop",
-                 "stream_options", "reasoning_effort"],
-    },
-    "anthropic": {
-        "host": "api.anthropic.com",
-        "path": "/v1/messages",
-        "base": {"model": "claude-sonnet-4-5", "max_tokens": 64,
-                 "messages": [{"role": "user", "content": "Hi"}]},
-        "keys": ["model", "messages", "stream", "tools", "tool_choice", "system", "max_tokens",
-                 "thinking", "output_config", "temperature", "stop_sequences", "metadata"],
-    },
-}  # fmt: skip
-
-COUNTS: dict[str, Counter[str]] = {name: Counter() for name in PROTOCOLS}
-
-text = st.one_of(
-    st.text(max_size=20),
-    st.sampled_from(["\ud800", "a\udfffb", "\x00", "\u202e", "💥" * 5]),
-)
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | text,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
-    max_leaves=12,
-)
-# Shapes the issue found answered with 500s, mixed into the fuzz.
-known_bad = st.sampled_from(
-    [
-        {"messages": [{"role": "user", "content": [{"type": "tool_result",
-                                                    "tool_use_id": "t", "content": 5}]}]},
-        {"tools": [{"name": "f", "input_schema": "not an object"}]},
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
-        {"response_format": {"type": "json_schema", "json_schema": "a string"}},
-        {"output_config": {"format": "a string"}},
-        {"model": "\ud800"},
-        {"messages": [{"role": "user", "content": "\ud800"}]},
-    ]
-)  # fmt: skip
-
-
-def _nested(depth: int) -> bytes:
-    return b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
-
-
-@st.composite
-def requests(draw: st.DrawFn, protocol: str) -> tuple[bytes, dict[str, str], bool]:
-    spec = PROTOCOLS[protocol]
-    kind = draw(st.sampled_from(["mutate", "known", "bytes", "encoding", "nesting"]))
-    headers: dict[str, str] = {}
-    body = dict(spec["base"])
-    if kind == "mutate":
-        for key in draw(st.lists(st.sampled_from(spec["keys"]), min_size=1, max_size=3)):
-            body[key] = draw(json_values)
-    elif kind == "known":
-        body.update(draw(known_bad))
-    stream = body.get("stream") is True
-    if kind == "bytes":
-        return draw(st.binary(max_size=200)), headers, False
-    if kind == "nesting":
-        return _nested(draw(st.integers(50, 100_000))), headers, False
-    raw = json.dumps(body).encode()
-    if kind == "encoding":
-        encoding = draw(st.sampled_from(["gzip", "deflate", "br", "zstd", "x-bogus"]))
-        headers["Content-Encoding"] = encoding
-        if encoding == "deflate" and draw(st.booleans()):
-            raw = zlib.compress(raw)[: draw(st.integers(0, 20))]  # truncated stream
-        else:
-            raw = draw(st.binary(max_size=100))
-    return raw, headers, stream
-
-
-def post(proxy: Proxy, host: str, path: str, body: bytes, headers: dict[str, str]) -> tuple:
-    ctx = ssl.create_default_context(cafile=str(proxy.ca))
-    conn = http.client.HTTPSConnection("127.0.0.1", proxy.port, context=ctx, timeout=60)
-    auth = base64.b64encode(b"fuzz:x").decode()
-    conn.set_tunnel(host, 443, headers={"Proxy-Authorization": f"Basic {auth}"})
-    sent = {"Content-Type": "application/json", "x-api-key": "sk-fuzz", "anthropic-version": "1"}
-    sent.update(headers)
-    try:
-        conn.request("POST", path, body=body, headers=sent)
-        resp = conn.getresponse()
-        return resp.status, resp.getheader("Content-Type") or "", resp.read()
-    finally:
-        conn.close()
-
-
-def check_error_shape(protocol: str, body: bytes) -> None:
-    data = json.loads(body)
-    if protocol == "openai":
-        assert set(data) == {"error"}, data
-        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
-    else:
-        assert data["type"] == "error", data
-        assert isinstance(data["error"]["type"], str)
-        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+EXAMPLES = int(os.environ.get("AGENTTAP_FUZZ_EXAMPLES", "120"))
+# A small body limit: huge strings and WebSocket messages cross it cheaply (413 / close 1009).
+MAX_BODY = 512 * 1024
+COUNTS: dict[str, Counter[str]] = {name: Counter() for name in [*PROVIDERS, WEBSOCKET]}
 
 
 @pytest.fixture(scope="module")
 def fuzz_proxy(
     stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Proxy]:
-    proxy = start_proxy(stub.url, tmp_path_factory.mktemp("fuzz") / "out", confdir)
+    out = tmp_path_factory.mktemp("fuzz") / "out"
+    proxy = start_proxy(
+        stub.url, out, confdir, extra=["--set", f"agenttap_max_body_bytes={MAX_BODY}"]
+    )
     yield proxy
     proxy.stop()
-    for name, counts in COUNTS.items():
-        print(
-            f"\nfuzz {name}: {sum(counts.values())} requests, by status {dict(sorted(counts.items()))}"
+
+
+def witness(proxy: Proxy, protocol: str) -> tuple[str, list[dict], list[dict]]:
+    """A well-formed session recorded before the fuzzing: its rows must not change."""
+    session = f"fuzz-witness-{protocol}-{uuid.uuid4().hex[:6]}"
+    answer = post(proxy, session, protocol, json.dumps(good_body(protocol)).encode())
+    assert answer.status == 200, answer.body[:300]
+    return session, proxy.turns(session), proxy.threads(session)
+
+
+def check_witness(proxy: Proxy, protocol: str, before: tuple[str, list[dict], list[dict]]) -> None:
+    session, turns, threads = before
+    assert proxy.proc.poll() is None, "the proxy died"
+    assert proxy.turns(session) == turns
+    assert proxy.threads(session) == threads
+    again = post(proxy, session, protocol, json.dumps(good_body(protocol, "again")).encode())
+    assert again.status == 200, again.body[:300]
+
+
+class ParallelSession:
+    """A well-formed session that keeps calling (alternately streamed and whole) while the fuzz
+    runs on the same proxy: each of its calls must be answered and recorded whole."""
+
+    def __init__(self, proxy: Proxy, protocol: str, most: int = 40) -> None:
+        self.proxy, self.protocol, self.most = proxy, protocol, most
+        self.session = f"fuzz-parallel-{protocol}-{uuid.uuid4().hex[:6]}"
+        self.statuses: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and len(self.statuses) < self.most:
+                n = len(self.statuses)
+                body = good_body(self.protocol, f"parallel question {n}", stream=n % 2 == 1)
+                answer = post(self.proxy, self.session, self.protocol, json.dumps(body).encode())
+                self.statuses.append(answer.status)
+                if answer.status == 200 and answer.content_type.startswith("text/event-stream"):
+                    assert answer.body.strip(), "a streamed 200 with an empty body"
+                self._stop.wait(0.05)
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> ParallelSession:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def check(self) -> None:
+        assert not self.errors, self.errors
+        assert self.statuses and set(self.statuses) == {200}, Counter(self.statuses)
+        turns = self.proxy.turns(self.session, expect=len(self.statuses))
+        threads = self.proxy.threads(self.session, expect=len(self.statuses))
+        # Each call a conversation of its own: one row each, training exactly that call.
+        assert len(turns) == len(threads) == len(self.statuses)
+        assert sorted(r for t in threads for r in t["trained_request_ids"]) == sorted(
+            t["request_id"] for t in turns
         )
+        for row in threads:
+            assert sum(row["loss_mask"]) == sum(
+                len(t["completion_ids"])
+                for t in turns
+                if t["request_id"] in row["trained_request_ids"]
+            )
 
 
-@pytest.mark.parametrize("protocol", list(PROTOCOLS))
-def test_fuzzed_requests_get_provider_errors_and_harm_no_session(
-    protocol: str, fuzz_proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fuzzed_requests(fuzz_proxy: Proxy, provider: str) -> None:
+    before = witness(fuzz_proxy, provider)
+    parallel = ParallelSession(fuzz_proxy, provider)
+
+    def one(request: Request) -> None:
+        answer = fuzzing.post(fuzz_proxy, request)
+        COUNTS[provider][str(answer.status)] += 1
+        fuzzing.check_http(request, answer)
+
+    with parallel:
+        fuzzing.run_examples(fuzzing.requests(provider), one, EXAMPLES)
+    parallel.check()
+    check_witness(fuzz_proxy, provider, before)
+
+
+def test_fuzzed_websocket_messages(fuzz_proxy: Proxy) -> None:
+    before = witness(fuzz_proxy, "openai.responses")
+
+    def one(messages: list[Frame]) -> None:
+        exchange = fuzzing.converse(fuzz_proxy, "fuzz-ws", messages)
+        COUNTS[WEBSOCKET].update(exchange.outcomes())
+        fuzzing.check_websocket(messages, exchange)
+
+    frames = st.lists(fuzzing.frames(MAX_BODY), min_size=1, max_size=3)
+    fuzzing.run_examples(frames, one, EXAMPLES // 2)
+    check_witness(fuzz_proxy, "openai.responses", before)
+
+
+# -- every number every provider reads ----------------------------------------------------------
+
+
+def _body_with(provider: str, path: tuple[Any, ...], literal: str) -> bytes:
+    body = fuzzing.replaced(fuzzing.SEEDS[provider], path, Raw(literal))
+    if provider != "gemini":
+        body["stream"] = False
+    return fuzzing.dumps(body).encode()
+
+
+CASES = [(p, path) for p in PROVIDERS for path in fuzzing.NUMBERS[p]]
+
+
+@pytest.mark.parametrize("provider, path", CASES, ids=[f"{p}:{'.'.join(x)}" for p, x in CASES])
+def test_numbers_out_of_range_are_the_clients_error(
+    fuzz_proxy: Proxy, provider: str, path: tuple[Any, ...]
 ) -> None:
-    steady = f"steady-{protocol}"
-    if protocol == "openai":
-        client = fuzz_proxy.openai(steady, monkeypatch)
-        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "Hi"}])
-    else:
-        client = fuzz_proxy.anthropic(steady, monkeypatch)
-        client.messages.create(
-            model="claude-sonnet-4-5", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
-        )
-    before = fuzz_proxy.turns(steady)
-    spec = PROTOCOLS[protocol]
+    """1e999 (JSON's infinity), NaN, Infinity and integers past 64 bits in any number a provider
+    reads: a 400 in its format naming the value (Gemini topK 1e999 was a 500); the edges of
+    what is fine are never a 5xx."""
+    target = fuzzing.ROUTES[provider][1][0]
+    for literal in fuzzing.NON_FINITE + fuzzing.HUGE_INTEGERS:
+        request = Request(provider, target, _body_with(provider, path, literal), what=literal)
+        answer = fuzzing.post(fuzz_proxy, request)
+        assert answer.status == 400, (literal, answer.status, answer.body[:300])
+        error = assert_provider_error(provider, answer)
+        assert literal[:20] in error["message"], error
+    for literal in fuzzing.EDGE_NUMBERS:
+        request = Request(provider, target, _body_with(provider, path, literal), what=literal)
+        answer = fuzzing.post(fuzz_proxy, request)
+        fuzzing.check_http(request, answer)
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(requests(protocol))
-    def one(case: tuple[bytes, dict[str, str], bool]) -> None:
-        body, headers, stream = case
-        status, content_type, answer = post(fuzz_proxy, spec["host"], spec["path"], body, headers)
-        COUNTS[protocol][str(status)] += 1
-        assert status < 500, (status, body[:300], answer[:300])
-        if status >= 400:
-            assert content_type.startswith("application/json"), (status, answer[:300])
-            check_error_shape(protocol, answer)
-        elif stream:
-            assert answer, "a streamed 200 with an empty body"
 
-    one()
-    assert fuzz_proxy.proc.poll() is None, "the proxy died during the fuzz"
-    after = read_turns(fuzz_proxy.out, steady)
-    key = ("request_id", "prompt_ids", "completion_ids")
-    assert [[r[k] for k in key] for r in after] == [[r[k] for k in key] for r in before]
+def test_bad_websocket_messages_get_error_events_on_a_live_connection(fuzz_proxy: Proxy) -> None:
+    """A lone surrogate or deep nesting in a Responses WebSocket message closed the socket with
+    1002 (an HTTP 500 written into the WebSocket stream); now each bad message gets an error
+    event in OpenAI's format and the same connection answers the next one. A message over the
+    body limit is refused with close 1009, invalid UTF-8 in a text frame with 1007."""
+    seed = {"type": "response.create", **fuzzing.SEEDS[WEBSOCKET], "stream": True}
+    bad = [
+        Frame(text=json.dumps({**seed, "instructions": "\ud800"}), what="lone surrogate"),
+        Frame(text=json.dumps({**seed, "input": [{"\udfff": 1}]}), what="surrogate key"),
+        Frame(text=fuzzing.dumps({**seed, "input": fuzzing.nesting(5_000, "list")}), what="deep"),
+        Frame(text=fuzzing.dumps({**seed, "input": fuzzing.nesting(101, "dict")}), what="101"),
+        Frame(text=fuzzing.dumps({**seed, "temperature": Raw("1e999")}), what="1e999"),
+        Frame(text=fuzzing.dumps({**seed, "max_output_tokens": Raw("NaN")}), what="NaN"),
+        Frame(text=json.dumps({**seed, "input": [{"role": "user", "content": 5}]}), what="type"),
+        Frame(data=b'{"type": "response.create"}', binary=True, what="binary"),
+        Frame(text="[1, 2", what="not JSON"),
+    ]
+    exchange = fuzzing.converse(fuzz_proxy, "ws-bad", bad)
+    fuzzing.check_websocket(bad, exchange)
+    assert exchange.close is None and exchange.alive
+    for frame, events in zip(bad, exchange.events, strict=False):
+        assert [e["type"] for e in events] == ["error"], (frame, events)
+        assert events[0]["status"] == 400, (frame, events)
+    assert "lone UTF-16 surrogate" in exchange.events[0][0]["error"]["message"]
+    assert "deeper than 100 levels" in exchange.events[2][0]["error"]["message"]
+    assert "1e999" in exchange.events[4][0]["error"]["message"]
+
+    too_big = '{"type": "response.create", "input": "' + "x" * MAX_BODY + '"}'
+    assert fuzzing.converse(fuzz_proxy, "ws-big", [Frame(text=too_big)]).close == 1009
+    invalid = Frame(data=b'{"type": "response.create", "input": "\xff"}', what="bad UTF-8")
+    assert fuzzing.converse(fuzz_proxy, "ws-utf8", [invalid]).close == 1007
+
+
+def test_websocket_events_keep_unicode_line_separators_inside_their_json(
+    fuzz_proxy: Proxy,
+) -> None:
+    """Events were split into WebSocket messages with str.splitlines, which also breaks at
+    U+2028, U+2029 and U+0085: JSON leaves them raw inside strings, so an event echoing them
+    (the response's instructions, metadata) went out as two halves that are not JSON."""
+    text = "line\u2028separator\u2029paragraph\x85next"
+    message = {
+        "type": "response.create",
+        "model": "gpt-5",
+        "store": False,
+        "input": "Hi",
+        "instructions": text,
+        "metadata": {"note": text},
+    }
+    exchange = fuzzing.converse(fuzz_proxy, "ws-lines", [Frame(text=json.dumps(message))])
+    fuzzing.check_websocket([], exchange)
+    completed = exchange.events[0][-1]
+    assert completed["type"] == "response.completed"
+    assert completed["response"]["instructions"] == text
+    assert completed["response"]["metadata"] == {"note": text}
+
+
+def test_zz_report_fuzz_counts() -> None:
+    """The closing note's numbers: fuzzed requests by provider and status."""
+    assert any(COUNTS.values()), "no fuzzed request ran"
+    for name, counts in COUNTS.items():
+        print(f"fuzz {name}: {sum(counts.values())} answers, {dict(sorted(counts.items()))}")
+        assert not [k for k in counts if k[:1] == "5"], counts

@@ -143,6 +143,20 @@ class ProviderOption:
     help: str
 
 
+# What a request of an unexpected shape raises where a parser or the chat template meets it
+# (a string where an object belongs, say): the client's error, answered with a 400 saying so.
+# Anything else escaping a turn is a defect of ours: a 500, logged with its traceback.
+MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError)
+
+
+def malformed_message(exc: BaseException) -> str:
+    """What the client is told about a request that raised one of ``MALFORMED``."""
+    return (
+        f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
+        "check it against the API reference."
+    )
+
+
 def sse(obj: dict[str, Any], event: str | None = None) -> bytes:
     """One server-sent event; ``event`` adds an ``event:`` line (Anthropic, Responses)."""
     head = f"event: {event}\n".encode() if event else b""
@@ -222,6 +236,11 @@ class Provider[T: ProviderTurn](ABC):
 
 class TurnRunner(Protocol):
     """What the gateway lends a provider that drives turns itself (a WebSocket session)."""
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body (so: WebSocket message) the proxy reads."""
+        ...
 
     def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
         """The session a request belongs to (proxy username, else the client's header)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import WSMsgType, web
 
 from capture.providers.base import (
+    MALFORMED,
     Call,
     Provider,
     ProviderOption,
@@ -26,11 +27,12 @@ from capture.providers.base import (
     RouteKind,
     StreamWriter,
     TurnRunner,
+    malformed_message,
     register,
     sse,
 )
 from capture.providers.openai_chat import OpenAIErrors, openai_models_body
-from rewriter import openai_responses
+from rewriter import jsonbody, openai_responses
 from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
 from rewriter.openai_responses import Context, EventWriter, ResponsesRequest
 from rewriter.parsers import ParseEvent
@@ -204,17 +206,23 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         self, request: web.Request, call: Call, runner: TurnRunner
     ) -> web.StreamResponse:
         """Codex's WebSocket mode: each ``response.create`` message is one turn, answered with
-        the same events as the SSE stream, one JSON message each."""
-        ws = web.WebSocketResponse(heartbeat=None, max_msg_size=0)
+        the same events as the SSE stream, one JSON message each. A bad message gets an error
+        event and the connection stays open; one over the body limit is refused the
+        WebSocket's own way (close 1009, message too big)."""
+        ws = web.WebSocketResponse(heartbeat=None, max_msg_size=runner.max_body_bytes)
         await ws.prepare(request)
+        # The handshake is answered: from here on nothing may escape as an HTTP response, which
+        # would land inside the WebSocket stream (the client would see a protocol error).
         connection: OrderedDict[str, Context] = OrderedDict()
         session_id = runner.session_id(request, self)
         user_agent = request.headers.get("User-Agent", "")
 
         async def send(chunk: bytes) -> None:
-            for line in chunk.decode().splitlines():
+            # One event per line; split on LF only: str.splitlines would also split at U+2028
+            # and other line breaks that JSON leaves unescaped inside strings.
+            for line in chunk.split(b"\n"):
                 if line:
-                    await ws.send_str(line)
+                    await ws.send_str(line.decode())
 
         async for msg in ws:
             if msg.type != WSMsgType.TEXT:
@@ -222,33 +230,67 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
                     await ws.send_str(json.dumps(_ws_error(400, "send JSON text messages")))
                 continue
             try:
-                message = json.loads(msg.data)
-                if not isinstance(message, dict) or message.get("type") != "response.create":
-                    raise RequestError(
-                        "Each WebSocket message must be a JSON object of type 'response.create'.",
-                        param="type",
-                    )
-                fields = {k: v for k, v in message.items() if k != "type"}
-                # Some clients nest the request under "response".
-                if isinstance(fields.get("response"), dict) and "model" not in fields:
-                    fields = fields["response"]
-                turn = self._parse(fields, session_id, connection)
-            except json.JSONDecodeError as exc:
-                await ws.send_str(json.dumps(_ws_error(400, f"message is not JSON ({exc})")))
-                continue
-            except RequestError as exc:
-                await ws.send_str(json.dumps(_ws_error(exc.status, exc.message, exc.param)))
-                continue
-            if not turn.request.generate:
-                # Codex's prewarm: nothing to generate; a later call may continue from it.
-                _remember(connection, turn.response_id, turn.request.context)
-                await send(_ResponseEvents(turn, 0).warmup())
-                continue
-            refused = await runner.run_turn(self, turn, send, user_agent)
-            if refused is not None:
-                body = json.loads(refused.body) if isinstance(refused.body, bytes) else {}
-                await ws.send_str(json.dumps({"type": "error", "status": refused.status, **body}))
+                await self._ws_message(msg.data, session_id, connection, runner, send, user_agent)
+            except ConnectionError:
+                break  # the client left mid-answer
+            except Exception:
+                # A defect of ours, not the client's: its answer says so, the log has the
+                # traceback, and the connection stays usable for the next message.
+                logger.exception("agenttap: internal error on a Responses WebSocket message")
+                if ws.closed:
+                    break
+                error = _ws_error(
+                    500, "agenttap: internal error in the proxy; its log has the details."
+                )
+                await ws.send_str(json.dumps(error))
         return ws
+
+    async def _ws_message(
+        self,
+        data: str,
+        session_id: str,
+        connection: OrderedDict[str, Context],
+        runner: TurnRunner,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str,
+    ) -> None:
+        try:
+            message = jsonbody.loads(data)
+            if not isinstance(message, dict) or message.get("type") != "response.create":
+                raise RequestError(
+                    "Each WebSocket message must be a JSON object of type 'response.create'.",
+                    param="type",
+                )
+            fields = {k: v for k, v in message.items() if k != "type"}
+            # Some clients nest the request under "response".
+            if isinstance(fields.get("response"), dict) and "model" not in fields:
+                fields = fields["response"]
+            turn = self._parse(fields, session_id, connection)
+        except jsonbody.JSONBodyError as exc:
+            await send(
+                _ws_event(_ws_error(400, f"The message is not JSON this proxy reads: {exc}."))
+            )
+            return
+        except RequestError as exc:
+            await send(_ws_event(_ws_error(exc.status, exc.message, exc.param)))
+            return
+        except MALFORMED as exc:
+            logger.warning("refused a WebSocket message that could not be read: %r", exc)
+            await send(_ws_event(_ws_error(400, malformed_message(exc))))
+            return
+        if not turn.request.generate:
+            # Codex's prewarm: nothing to generate; a later call may continue from it.
+            _remember(connection, turn.response_id, turn.request.context)
+            await send(_ResponseEvents(turn, 0).warmup())
+            return
+        refused = await runner.run_turn(self, turn, send, user_agent)
+        if refused is not None:
+            body = json.loads(refused.body) if isinstance(refused.body, bytes) else {}
+            await send(_ws_event({"type": "error", "status": refused.status, **body}))
+
+
+def _ws_event(event: dict[str, Any]) -> bytes:
+    return json.dumps(event).encode() + b"\n"
 
 
 def _remember(memory: OrderedDict[str, Context], response_id: str, conversation: Context) -> None:
