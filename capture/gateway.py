@@ -69,6 +69,8 @@ UNSUPPORTED_ENCODING_HEADER = "X-Agenttap-Content-Encoding"
 MAX_HEAD_BYTES = 256 * 1024
 MAX_HEAD_FIELDS = 512
 OVERSIZED_HEADER = "X-Agenttap-Oversized-Head"
+# Pending connections the gateway's listener queues (see start).
+GATEWAY_BACKLOG = 4096
 # What the gateway's HTTP parser reads: the limits above plus the headers the addon adds.
 _PARSER_HEAD_BYTES = MAX_HEAD_BYTES + 16 * 1024
 _PARSER_HEAD_FIELDS = MAX_HEAD_FIELDS + 16
@@ -236,7 +238,11 @@ class Gateway:
             max_headers=_PARSER_HEAD_FIELDS,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        # Every proxied call is one connection from mitmproxy: with the default backlog (128) a
+        # burst of a thousand new calls overflowed the accept queue, and the kernel's dropped
+        # handshakes reached clients as 502s (bench/concurrency.py). The kernel caps this at
+        # net.core.somaxconn.
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=GATEWAY_BACKLOG)
         await site.start()
         server: Any = site._server  # aiohttp exposes the bound port only here
         self.port = int(server.sockets[0].getsockname()[1])

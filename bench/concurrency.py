@@ -1,0 +1,168 @@
+"""Many streaming clients at once through one proxy: does every one get its whole answer?
+
+    .venv/bin/python bench/concurrency.py [--clients 1200] [--runs 5] [--timeout 240]
+
+Starts the scripted stub policy (tests/stub_vllm.py, in a process of its own, with vLLM's
+listen backlog) and a real mitmdump with the addon, then, per run, opens ``--clients`` streaming
+chat-completions calls at once, each its own session, over HTTPS through the proxy (CONNECT,
+TLS trusting the proxy's CA) on loopback, and reads each stream to its end. A call is ``ok``
+when its status is 200 and its stream ends with ``data: [DONE]`` after a finish_reason. Prints a
+table per run (status / outcome counts, latency percentiles) and exits non-zero if any call was
+not ok. Each run is bounded by ``--timeout`` seconds; the file-descriptor soft limit is raised to
+the hard one first (each call holds about five descriptors across the three processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import resource
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+
+from tests.conftest import QWEN3, Proxy, start_proxy  # noqa: E402
+
+REPLY = "one two three four five six seven eight nine ten eleven twelve"
+
+
+def raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def serve_stub(chunk_delay: float) -> None:
+    """The stub policy in this process, until stdin closes (``--serve-stub``)."""
+    from tests.stub_vllm import StubPolicy
+
+    stub = StubPolicy(str(QWEN3))
+    stub.default_reply = REPLY
+    stub.chunk_delay_s = chunk_delay
+    print(stub.start(), flush=True)
+    sys.stdin.read()
+    stub.stop()
+
+
+async def one_call(
+    http: aiohttp.ClientSession, proxy: Proxy, i: int, run: int, timeout: float
+) -> tuple[str, float]:
+    """(outcome, seconds): outcome is ``ok``, ``HTTP <status>``, ``200 error event``,
+    ``200 cut short`` or the exception's type."""
+    body = {
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": f"Count for client {i}."}],
+        "stream": True,
+    }
+    began = time.monotonic()
+    try:
+        async with http.post(
+            "https://api.openai.com/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer sk-bench"},
+            proxy=f"http://127.0.0.1:{proxy.port}",
+            proxy_auth=aiohttp.BasicAuth(f"bench-{run}-{i}", "x"),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            raw = await resp.read()
+            took = time.monotonic() - began
+            if resp.status != 200:
+                return f"HTTP {resp.status}", took
+    except Exception as exc:  # every failure is counted by kind, none ends the run
+        return type(exc).__name__, time.monotonic() - began
+    events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    if not events or events[-1] != b"[DONE]":
+        return "200 cut short", took
+    chunks = [json.loads(e) for e in events[:-1]]
+    if any("error" in c for c in chunks):
+        return "200 error event", took
+    if not any(ch.get("finish_reason") for c in chunks for ch in c.get("choices", [])):
+        return "200 cut short", took
+    return "ok", took
+
+
+async def one_run(proxy: Proxy, clients: int, run: int, timeout: float) -> dict[str, object]:
+    ctx = ssl.create_default_context(cafile=str(proxy.ca))
+    # No pool limit: every call its own connection (its own CONNECT), all at once.
+    connector = aiohttp.TCPConnector(limit=0, ssl=ctx)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        began = time.monotonic()
+        results = await asyncio.gather(
+            *(one_call(http, proxy, i, run, timeout) for i in range(clients))
+        )
+        wall = time.monotonic() - began
+    outcomes = collections.Counter(o for o, _ in results)
+    times = sorted(t for _, t in results)
+
+    def pct(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))]
+
+    return {
+        "run": run,
+        "outcomes": dict(outcomes),
+        "wall_s": round(wall, 1),
+        "p50_s": round(pct(0.5), 2),
+        "p99_s": round(pct(0.99), 2),
+        "max_s": round(times[-1], 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=1200)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per run, at most")
+    parser.add_argument("--chunk-delay", type=float, default=0.02, help="stub: s between tokens")
+    parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    limit = raise_fd_limit()
+    if args.serve_stub:
+        serve_stub(args.chunk_delay)
+        return 0
+    print(f"file descriptors: soft limit {limit}", flush=True)
+    stub = subprocess.Popen(
+        [sys.executable, __file__, "--serve-stub", "--chunk-delay", str(args.chunk_delay)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stub.stdout is not None
+    url = stub.stdout.readline().strip()
+    tmp = Path(tempfile.mkdtemp(prefix="agenttap-concurrency-"))
+    proxy = start_proxy(url, tmp / "out", tmp / "conf", QWEN3)
+    rows = []
+    try:
+        for run in range(1, args.runs + 1):
+            row = asyncio.run(one_run(proxy, args.clients, run, args.timeout))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            proxy.flush()  # write the run's sessions, as a trainer's idle flush would
+    finally:
+        proxy.stop()
+        stub.communicate("", timeout=30)
+    bad = sum(n for r in rows for o, n in r["outcomes"].items() if o != "ok")  # type: ignore[attr-defined]
+    print(f"\n{'run':>4} {'ok':>6} {'not ok':>7} {'wall s':>7} {'p50 s':>6} {'p99 s':>6}  other")
+    for r in rows:
+        outcomes = dict(r["outcomes"])  # type: ignore[call-overload]
+        ok = outcomes.pop("ok", 0)
+        print(
+            f"{r['run']:>4} {ok:>6} {sum(outcomes.values()):>7} {r['wall_s']:>7} "
+            f"{r['p50_s']:>6} {r['p99_s']:>6}  {outcomes or ''}"
+        )
+    print(f"\n{args.clients} clients x {args.runs} runs: {bad} calls not ok; log: {proxy.log}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
