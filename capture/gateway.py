@@ -320,15 +320,21 @@ class Gateway:
     def _route(self, call: Call) -> tuple[Provider[Any], Route | None]:
         """The provider that answers ``call`` and its route; the route is None when nobody
         serves it (the host's owner then answers 404 in its format)."""
-        owners = [p for p in self.providers if p.owns(call)]
+        owners = self._owners(call)
         for provider in owners + [p for p in self.providers if p not in owners]:
             route = provider.match(call)
             if route is not None:
                 return provider, route
         return (owners[0] if owners else self.default_provider), None
 
+    def _owners(self, call: Call) -> list[Provider[Any]]:
+        """The providers that claim ``call``, the owners of its host first: a header may claim
+        a call too (``anthropic-version``), but a Gemini host's 404 is Gemini's."""
+        owners = [p for p in self.providers if p.owns(call)]
+        return sorted(owners, key=lambda p: not p.owns_host(call.host))
+
     def _served(self, call: Call) -> str:
-        owners = [p for p in self.providers if p.owns(call)] or [self.default_provider]
+        owners = self._owners(call) or [self.default_provider]
         return "; ".join(p.served for p in owners)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:

@@ -144,6 +144,16 @@ def test_gemini_routes(
         ("GET", "api.anthropic.com", "/v1/nonsense", {}, False, ("anthropic.messages", None)),
         ("GET", "api.openai.com", "/v1/nonsense", {}, False, ("openai.chat", None)),
         ("GET", "unknown.test", "/v1/nonsense", {}, False, ("openai.chat", None)),
+        # A header claims the call too, but the host's owner words the 404 (bench/fuzz.py found
+        # Gemini's unserved paths answered in Anthropic's format when anthropic-version was sent).
+        (
+            "POST",
+            "generativelanguage.googleapis.com",
+            "/v1beta/models/m/n:generateContent",
+            {"anthropic-version": "2023-06-01"},
+            False,
+            ("gemini.generate_content", None),
+        ),
     ],
 )
 def test_routes(

@@ -183,7 +183,10 @@ class Provider[T: ProviderTurn](ABC):
         return None
 
     def owns(self, call: Call) -> bool:
-        host = call.host
+        return self.owns_host(call.host)
+
+    def owns_host(self, host: str) -> bool:
+        """``host`` is one of ``hosts`` or a subdomain of one."""
         return any(host == h or host.endswith("." + h) for h in self.hosts)
 
     @abstractmethod
