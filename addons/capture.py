@@ -218,6 +218,7 @@ class AgentTap:
             policy_max_connections=settings.policy_connections,
             model_map=settings.model_map,
             model_names=settings.model_names,
+            recompute_logprobs=settings.recompute_logprobs,
             provider_options=settings.provider_options,
         )
         gateway = Gateway(config)

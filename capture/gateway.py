@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-import os
 import secrets
 import time
 import urllib.parse
@@ -143,11 +142,10 @@ class GatewayConfig:
     idle_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024
     sweep_interval_s: float = 5.0
-    # Re-score policy tokens whose context a scaffold rewrote (vLLM prompt_logprobs); off:
-    # such tokens are masked out of the loss instead.
-    recompute: bool = field(
-        default_factory=lambda: os.environ.get("AGENTTAP_RECOMPUTE_MISMATCH_LOGPROBS", "1") != "0"
-    )
+    # Re-score policy tokens whose context a scaffold rewrote, and schema-constrained samples
+    # (vLLM prompt_logprobs); off: such tokens are masked out of the loss instead. Option
+    # agenttap_recompute_mismatch_logprobs.
+    recompute_logprobs: bool = True
     # (pattern, servers): requested model names -> policy servers; see parse_model_map.
     model_map: list[tuple[str, list[str]]] = field(default_factory=list)
     # Extra names GET /v1/models lists (every name is served).
@@ -169,7 +167,10 @@ class Gateway:
         self.config = config
         self.template = template or ChatTemplate(config.tokenizer_path)
         self.store = SessionStore(
-            config.out_dir, self.template, config.idle_timeout_s, recompute=config.recompute
+            config.out_dir,
+            self.template,
+            config.idle_timeout_s,
+            recompute=config.recompute_logprobs,
         )
         self.token = secrets.token_hex(16)
         self.port = 0
@@ -668,7 +669,7 @@ class Gateway:
         """The policy's own logprobs of a completion sampled under a JSON schema: vLLM reports
         the constrained distribution's, which no trainer would compute. None: not re-scored
         (recompute switched off, or the policy refused), and the tokens are masked."""
-        if not self.config.recompute or not completion.token_ids:
+        if not self.config.recompute_logprobs or not completion.token_ids:
             return None
         try:
             scores = await turn.client.prompt_logprobs(
