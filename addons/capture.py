@@ -36,17 +36,12 @@ from mitmproxy.addonmanager import Loader  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
-from capture.gateway import (  # noqa: E402
-    HOST_HEADER,
+from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
-    SESSION_HEADER,
-    TOKEN_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
-    Gateway,
-    GatewayConfig,
-    quote_session,
     shrink_head,
 )
+from capture.gateway import HOST_HEADER, TOKEN_HEADER, Gateway, GatewayConfig  # noqa: E402
 from capture.options import (  # noqa: E402
     Settings,
     all_options,
@@ -56,6 +51,7 @@ from capture.options import (  # noqa: E402
     parse_value,
     unknown_names,
 )
+from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +214,7 @@ class AgentTap:
             policy_max_connections=settings.policy_connections,
             model_map=settings.model_map,
             model_names=settings.model_names,
+            recompute_logprobs=settings.recompute_logprobs,
             provider_options=settings.provider_options,
         )
         gateway = Gateway(config)

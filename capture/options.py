@@ -261,6 +261,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "Model names GET /v1/models lists, comma-separated (any name is served).",
         parse_list,
     ),
+    Option(
+        "agenttap_recompute_mismatch_logprobs",
+        "true",
+        "Re-score with vLLM prompt_logprobs the policy's tokens whose context a scaffold "
+        "rewrote, and those sampled under a JSON schema (true/false; false masks them out of "
+        "the loss instead).",
+        parse_bool,
+    ),
 )
 
 _KIND_PARSERS: dict[type, Callable[[str], Any]] = {
@@ -352,6 +360,8 @@ class Settings:
     client_timeout_s: int
     model_map: list[tuple[str, list[str]]]
     model_names: list[str]
+    # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
+    recompute_logprobs: bool
     provider_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -387,5 +397,6 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         client_timeout_s=values["agenttap_client_timeout"],
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],
+        recompute_logprobs=values["agenttap_recompute_mismatch_logprobs"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from capture.gateway import parse_model_map
+from capture.options import parse_model_map
 from capture.providers.anthropic import local_answer
 from rewriter.anthropic_messages import (
     EventWriter,

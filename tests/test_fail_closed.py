@@ -175,6 +175,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_client_timeout": "1m",
     "agenttap_model_map": "claude-*",
     "agenttap_model_names": None,
+    "agenttap_recompute_mismatch_logprobs": "maybe",
     "agenttap_drop_system_blocks": "([",
     "agenttap_responses_stored": "-5",
     "agenttap_responses_websocket": "maybe",

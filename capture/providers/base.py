@@ -1,9 +1,10 @@
 """The provider seam: everything one API provider's wire format needs, behind one class.
 
 The gateway (``capture/gateway.py``) is provider-free: it reads a call, asks the registry which
-provider claims it, and runs the shared turn (assemble the prompt ids, generate token-in/token-out,
-parse the completion, answer, record). A provider is one module in this package that subclasses
-:class:`Provider` and registers itself with :func:`register`; nothing else changes to add one.
+provider claims it, and runs the shared turn (``capture/pipeline.py``: assemble the prompt ids,
+generate token-in/token-out, parse the completion, answer, record). A provider is one module in
+this package that subclasses :class:`Provider` and registers itself with :func:`register`;
+nothing else changes to add one.
 
 What a provider owns
 --------------------

@@ -74,14 +74,16 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
             int,
             4096,
             "Responses API: how many stored responses (store: true) are kept for "
-            "previous_response_id, over all sessions; the oldest are forgotten first.",
+            "previous_response_id, over all sessions; the oldest are forgotten first (a whole "
+            "number, 0 or more).",
         ),
         ProviderOption(
             WEBSOCKET_OPTION,
             bool,
             True,
-            "Responses API: serve the WebSocket mode (wss://api.openai.com/v1/responses). Off: "
-            "the upgrade gets 426 and clients such as Codex fall back to HTTP at once.",
+            "Responses API: serve the WebSocket mode (wss://api.openai.com/v1/responses) "
+            "(true/false; false: the upgrade gets 426 and clients such as Codex fall back to "
+            "HTTP at once).",
         ),
     )
 

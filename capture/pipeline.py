@@ -1,0 +1,414 @@
+"""One model call (a turn), from a parsed request to a recorded answer.
+
+prepare (pick the policy server, place the call in its session's tree and build its prompt ids
+off the event loop, recompute logprobs a history rewrite made stale) -> generate, whole or
+streamed through the provider's writer as the tokens arrive -> record (durable before the client
+sees the end of its answer). A call the policy fails is the client's error in its provider's
+format, and is journaled as failed, never trained. Nothing here routes calls or knows mitmproxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from capture.bodies import read_body
+from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
+from capture.providers.base import MALFORMED, Call, Provider, ProviderTurn, malformed_message
+from capture.records import FailedCall, TurnRecord
+from capture.session_ids import request_session_id
+from capture.sessions import SessionStore
+from capture.trajectory import Assembly
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.parsers import OutputParser
+from rewriter.template import ChatTemplate
+from rewriter.vllm_client import Completion, PolicyError, VLLMClient
+
+logger = logging.getLogger(__name__)
+
+# The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
+# of a request in this header; a retry's earlier answer, if never continued, is a dead branch.
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+def is_client_retry(headers: Any) -> bool:
+    value = headers.get(RETRY_HEADER, "0").strip()
+    return value.isdigit() and int(value) > 0
+
+
+def prompt_text_bytes(chat: ChatRequest) -> int:
+    """UTF-8 bytes of the text a prompt renders verbatim: every message but the assistant's
+    (those the prompt may hold as the ids the policy sampled, which a client can send back
+    longer, re-serialized)."""
+    verbatim = (m.content for m in chat.messages if m.role != "assistant")
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text in verbatim)
+
+
+def malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
+    """A request no check refused but that could not be read: the client's error (400 in the
+    provider's shape), never a text/plain 500. Its traceback is logged at debug level."""
+    # The client's mistake, not ours: one line; the traceback only at debug level.
+    logger.warning("refused a request that could not be read: %r", exc)
+    logger.debug("where it could not be read", exc_info=exc)
+    return provider.error(400, malformed_message(exc), None)
+
+
+@dataclass
+class _TurnContext:
+    """A prepared turn: everything generating and recording it needs."""
+
+    parsed: ProviderTurn
+    provider: Provider[Any]
+    client: VLLMClient
+    assembly: Assembly
+    policy_model: str
+    user_agent: str
+    started: float
+
+    @property
+    def chat(self) -> ChatRequest:
+        return self.parsed.chat
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.assembly.prompt_ids
+
+
+class TurnPipeline:
+    """Runs turns against the policy and records them in the session store."""
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        store: SessionStore,
+        policies: PolicyPools,
+        *,
+        tool_parser: str,
+        reasoning_parser: str,
+        recompute_logprobs: bool,
+        max_body_bytes: int,
+    ) -> None:
+        self.template = template
+        self.store = store
+        self.policies = policies
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        # Re-score schema-constrained completions (rewrites: the store's own switch).
+        self.recompute_logprobs = recompute_logprobs
+        self.max_body_bytes = max_body_bytes
+        # Prompt assembly runs here, off the event loop (see assemble).
+        self._render_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agenttap-render")
+        self._session_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+
+    # -- the assembly workers ----------------------------------------------------------------
+    async def warm_up(self) -> None:
+        """Read once from the vocabulary (a fraction of a second), before any call needs it."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._render_pool, lambda: self.template.max_token_bytes
+        )
+
+    async def shutdown(self) -> None:
+        """Wait for assemblies still running in the workers (before the sessions are written)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._render_pool.shutdown)
+
+    def session_lock(self, session_id: str) -> asyncio.Lock:
+        """Held while a session's tree changes: an assembly in a worker thread, a record, a
+        flush. First come, first served, so a session's calls are placed in arrival order."""
+        lock = self._session_locks.get(session_id)
+        if lock is None:
+            lock = self._session_locks[session_id] = asyncio.Lock()
+        return lock
+
+    def busy_sessions(self) -> set[str]:
+        """Sessions whose tree is changing now (the idle sweeper leaves them alone)."""
+        return {sid for sid, lock in self._session_locks.items() if lock.locked()}
+
+    async def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
+        """Place a request in its session's tree and build its prompt ids, in a worker thread:
+        rendering and tokenizing a long prompt takes a second or more, and the event loop
+        serves every other session meanwhile (the tokenizer releases the GIL)."""
+        async with self.session_lock(session_id):
+            self.store.session(session_id)  # created here, never from a worker thread
+            return await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, self.store.assemble, session_id, chat
+            )
+
+    # -- HTTP entry points -------------------------------------------------------------------
+    async def serve_http(
+        self, request: web.Request, call: Call, provider: Provider[Any]
+    ) -> web.StreamResponse:
+        """A model call over HTTP: answered whole, or as the provider's event stream."""
+        session_id = request_session_id(request, provider)
+        started = time.time()
+        try:
+            parsed = provider.parse(call, await read_body(request, self.max_body_bytes), session_id)
+            parsed.chat.client_retry = is_client_retry(request.headers)
+        except RequestError as exc:
+            return provider.error(exc.status, exc.message, exc.param)
+        except MALFORMED as exc:
+            return malformed(provider, exc)
+        turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
+        if isinstance(turn, web.Response):
+            return turn
+        parser = self._parser(turn)
+        if not turn.chat.stream:
+            return await self._whole(turn, parser)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+
+        async def send(chunk: bytes) -> None:
+            if not resp.prepared:
+                await resp.prepare(request)
+            if chunk:
+                await resp.write(chunk)
+
+        refused = await self._stream(turn, parser, send)
+        if refused is not None:
+            return refused
+        await resp.write_eof()
+        return resp
+
+    async def count_tokens(
+        self, request: web.Request, call: Call, provider: Provider[Any]
+    ) -> web.Response:
+        """Exactly as many tokens as the policy would be sent for this request now."""
+        session_id = request_session_id(request, provider)
+        try:
+            chat = provider.count_tokens(
+                call, await read_body(request, self.max_body_bytes), session_id
+            )
+            assembly = await self.assemble(session_id, chat)
+        except RequestError as exc:
+            return provider.error(exc.status, exc.message, exc.param)
+        except MALFORMED as exc:
+            return malformed(provider, exc)
+        return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
+
+    async def run_turn(
+        self,
+        provider: Provider[Any],
+        parsed: ProviderTurn,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str = "",
+    ) -> web.Response | None:
+        """A parsed turn streamed through ``send`` (a provider's WebSocket); see TurnRunner."""
+        turn = await self._prepare(provider, parsed, user_agent, time.time())
+        if isinstance(turn, web.Response):
+            return turn
+        return await self._stream(turn, self._parser(turn), send)
+
+    # -- the steps ---------------------------------------------------------------------------
+    async def _prepare(
+        self, provider: Provider[Any], parsed: ProviderTurn, user_agent: str, started: float
+    ) -> _TurnContext | web.Response:
+        chat = parsed.chat
+        try:
+            self.policies.remember_model(parsed.session_id, chat.model)
+            client = self.policies.client_for(parsed.session_id, chat.model)
+            info = await client.info()
+            if info.max_model_len:
+                # Refused before any rendering when the text alone cannot fit the context.
+                at_least = self.template.min_tokens(prompt_text_bytes(chat))
+                if at_least >= info.max_model_len:
+                    return provider.prompt_too_long(at_least, info.max_model_len)
+            assembly = await self.assemble(parsed.session_id, chat)
+            if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
+                return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
+            await self._recompute(client, assembly)
+        except RequestError as exc:
+            return provider.error(exc.status, exc.message, exc.param)
+        except PolicyError as exc:
+            return provider.policy_error(exc)
+        except MALFORMED as exc:
+            return malformed(provider, exc)
+        self.store.touch(parsed.session_id)
+        return _TurnContext(
+            parsed=parsed,
+            provider=provider,
+            client=client,
+            assembly=assembly,
+            policy_model=info.model,
+            user_agent=user_agent,
+            started=started,
+        )
+
+    def _parser(self, turn: _TurnContext) -> OutputParser:
+        # tool_choice "none": whatever the policy writes is text, never a call the client runs.
+        tool_parser = "none" if turn.chat.tool_choice == "none" else self.tool_parser
+        return OutputParser(tool_parser, self.reasoning_parser)
+
+    async def _whole(self, turn: _TurnContext, parser: OutputParser) -> web.Response:
+        provider = turn.provider
+        try:
+            completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
+        except PolicyError as exc:
+            self._record_failure(turn, exc, 0)
+            return provider.policy_error(exc)
+        except POLICY_FAILURES as exc:
+            error = policy_failure(turn.client, exc)
+            self._record_failure(turn, error, 0)
+            return provider.policy_error(error)
+        parser.feed(completion.text)
+        parser.finish()
+        reply = parser.reply()
+        body, reason = provider.response(turn.parsed, len(turn.prompt_ids), completion, reply)
+        await self._record(turn, completion, reason, reply)
+        return web.json_response(body)
+
+    async def _stream(
+        self, turn: _TurnContext, parser: OutputParser, send: Callable[[bytes], Awaitable[None]]
+    ) -> web.Response | None:
+        """Stream one turn through ``send``; an error response when the policy refused it
+        before anything was sent, else None."""
+        provider = turn.provider
+        writer = provider.stream_writer(turn.parsed, len(turn.prompt_ids))
+        completion = Completion()
+        deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
+        try:
+            # The first piece comes before any byte is sent, so a refusal is a proper error.
+            first = await anext(deltas, None)
+        except PolicyError as exc:
+            self._record_failure(turn, exc, 0)
+            return provider.policy_error(exc)
+        except POLICY_FAILURES as exc:
+            error = policy_failure(turn.client, exc)
+            self._record_failure(turn, error, 0)
+            return provider.policy_error(error)
+        await send(writer.start())
+        delta = first
+        while delta is not None:
+            completion.extend(delta)
+            chunk = writer.events(parser.feed(delta.text))
+            if chunk:
+                await send(chunk)
+            try:
+                # Only the policy's part is caught here: a client that left makes ``send``
+                # fail (or cancels this handler), which is no failure of the policy's.
+                delta = await anext(deltas, None)
+            except (PolicyError, *POLICY_FAILURES) as exc:
+                # Mid-stream the status line is gone: the provider's error event ends it.
+                error = exc if isinstance(exc, PolicyError) else policy_failure(turn.client, exc)
+                self._record_failure(turn, error, len(completion.token_ids))
+                await send(writer.error(str(error)))
+                return None
+        tail = writer.events(parser.finish())
+        reply = parser.reply()
+        closing, reason = writer.finish(completion, reply)
+        await send(tail + closing)
+        # Durable before the client sees the end of the response.
+        await self._record(turn, completion, reason, reply)
+        await send(writer.end())
+        return None
+
+    def _record_failure(self, turn: _TurnContext, error: PolicyError, streamed: int) -> None:
+        """Journal a call the policy failed (see FailedCall); its tokens are never trained."""
+        parsed = turn.parsed
+        logger.warning(
+            "agenttap: session %r call %s failed at the policy after %d tokens: %s",
+            parsed.session_id,
+            parsed.response_id,
+            streamed,
+            error,
+        )
+        try:
+            self.store.record_failure(
+                FailedCall(
+                    session_id=parsed.session_id,
+                    request_id=parsed.response_id,
+                    protocol=turn.provider.name,
+                    requested_model=turn.chat.model,
+                    policy_model=turn.policy_model,
+                    backend=turn.client.base_url,
+                    user_agent=turn.user_agent,
+                    stream=turn.chat.stream,
+                    reason=str(error),
+                    policy_status=error.status,
+                    prompt_tokens=len(turn.prompt_ids),
+                    completion_tokens=streamed,
+                    started_at=turn.started,
+                    failed_at=time.time(),
+                )
+            )
+        except OSError:
+            # A full disk must not turn the client's error into a hang or a 500.
+            logger.exception("could not journal a failed call")
+
+    async def _recompute(self, client: VLLMClient, assembly: Assembly) -> None:
+        """Re-score policy tokens whose context changed, on the sequence the policy now sees."""
+        positions = assembly.needs_recompute()
+        if not positions:
+            return
+        scores = await client.prompt_logprobs(assembly.prompt_ids[: positions[-1] + 1])
+        for pos in positions:
+            value = scores[pos]
+            assert value is not None  # position 0 is never a policy token
+            assembly.suffix_logprobs[pos - assembly.base] = value
+        logger.info("recomputed %d logprobs after a history rewrite", len(positions))
+
+    async def _rescore_constrained(
+        self, turn: _TurnContext, completion: Completion
+    ) -> list[float] | None:
+        """The policy's own logprobs of a completion sampled under a JSON schema: vLLM reports
+        the constrained distribution's, which no trainer would compute. None: not re-scored
+        (recompute switched off, or the policy refused), and the tokens are masked."""
+        if not self.recompute_logprobs or not completion.token_ids:
+            return None
+        try:
+            scores = await turn.client.prompt_logprobs(
+                list(turn.prompt_ids) + list(completion.token_ids)
+            )
+        except PolicyError as exc:
+            logger.warning("could not re-score a schema-constrained completion: %s", exc)
+            return None
+        return [float(x) if x is not None else 0.0 for x in scores[len(turn.prompt_ids) :]]
+
+    async def _record(
+        self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
+    ) -> TurnRecord:
+        constrained = turn.chat.sampling.json_schema is not None
+        rescored = await self._rescore_constrained(turn, completion) if constrained else None
+        parsed = turn.parsed
+        record = TurnRecord(
+            session_id=parsed.session_id,
+            request_id=parsed.response_id,
+            turn_index=self.store.next_turn_index(parsed.session_id),
+            protocol=turn.provider.name,
+            requested_model=turn.chat.model,
+            policy_model=turn.policy_model,
+            backend=turn.client.base_url,
+            user_agent=turn.user_agent,
+            prompt_ids=list(turn.prompt_ids),
+            completion_ids=completion.token_ids,
+            completion_logprobs=completion.logprobs,
+            completion_text=completion.text,
+            finish_reason=completion.finish_reason or "",
+            response_finish_reason=reason,
+            started_at=turn.started,
+            latency_s=time.time() - turn.started,
+            stream=turn.chat.stream,
+            weight_versions=[
+                {"version": v, "start": start, "end": end}
+                for v, start, end in completion.weight_versions
+            ],
+        )
+        async with self.session_lock(parsed.session_id):
+            self.store.record(
+                record,
+                turn.assembly,
+                turn.provider.recorded_reply(parsed, reply),
+                rescored=rescored,
+                constrained=constrained,
+            )
+        turn.provider.finished(parsed, reply, completion)
+        return record

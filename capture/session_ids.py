@@ -1,0 +1,43 @@
+"""Which session a call belongs to, as the addon tells the gateway.
+
+The session is the proxy username a client gave (``HTTPS_PROXY=http://SESSION:x@proxy``); the
+addon passes it to the gateway in ``SESSION_HEADER``, quoted, since a username may hold
+characters no header value can carry. A call without one is placed by the client's own session
+header where its provider names one (Claude Code's, Codex's), else in ``"anonymous"``.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+from aiohttp import web
+
+from capture.providers.base import Provider
+from capture.sessions import safe_text
+
+SESSION_HEADER = "X-Agenttap-Session"
+ANONYMOUS = "anonymous"
+
+
+def quote_session(session_id: str) -> str:
+    """A proxy username as a header value: control characters (CR, LF, NUL) %-escaped, since a
+    header cannot carry them; ``unquote_session`` gives the name back."""
+    return "".join(
+        f"%{ord(c):02X}" if ord(c) < 32 or ord(c) == 127 or c == "%" else c for c in session_id
+    )
+
+
+def unquote_session(value: str) -> str:
+    return urllib.parse.unquote(value)
+
+
+def request_session_id(request: web.Request, provider: Provider[Any]) -> str:
+    """The session of a request the addon passed on (see the module docstring)."""
+    session = request.headers.get(SESSION_HEADER) or ANONYMOUS
+    if session == ANONYMOUS:
+        # No proxy username: a client's own session header still keeps runs apart.
+        for name, client in provider.session_headers.items():
+            if request.headers.get(name):
+                return safe_text(f"{client}:{request.headers[name]}")[:256]
+    return safe_text(unquote_session(session))
