@@ -22,7 +22,7 @@ from aiohttp import web
 
 from capture.bodies import read_body
 from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
-from capture.providers.base import MALFORMED, Call, Provider, ProviderTurn, malformed_message
+from capture.providers.base import Call, Provider, ProviderTurn
 from capture.records import FailedCall, TurnRecord
 from capture.session_ids import request_session_id
 from capture.sessions import SessionStore
@@ -50,15 +50,6 @@ def prompt_text_bytes(chat: ChatRequest) -> int:
     longer, re-serialized)."""
     verbatim = (m.content for m in chat.messages if m.role != "assistant")
     return sum(len(text.encode("utf-8", "surrogatepass")) for text in verbatim)
-
-
-def malformed(provider: Provider[Any], exc: BaseException) -> web.Response:
-    """A request no check refused but that could not be read: the client's error (400 in the
-    provider's shape), never a text/plain 500. Its traceback is logged at debug level."""
-    # The client's mistake, not ours: one line; the traceback only at debug level.
-    logger.warning("refused a request that could not be read: %r", exc)
-    logger.debug("where it could not be read", exc_info=exc)
-    return provider.error(400, malformed_message(exc), None)
 
 
 @dataclass
@@ -155,8 +146,6 @@ class TurnPipeline:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
-        except MALFORMED as exc:
-            return malformed(provider, exc)
         turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
@@ -191,8 +180,6 @@ class TurnPipeline:
             assembly = await self.assemble(session_id, chat)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
-        except MALFORMED as exc:
-            return malformed(provider, exc)
         return web.json_response(provider.count_tokens_body(len(assembly.prompt_ids)))
 
     async def run_turn(
@@ -230,8 +217,6 @@ class TurnPipeline:
             return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
             return provider.policy_error(exc)
-        except MALFORMED as exc:
-            return malformed(provider, exc)
         self.store.touch(parsed.session_id)
         return _TurnContext(
             parsed=parsed,

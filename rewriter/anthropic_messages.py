@@ -27,6 +27,7 @@ from rewriter.canonical import (
     ToolSpec,
 )
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.shapes import expect_list, expect_object
 
 # Claude Code's system block 0: its `cch=` value changes on every call.
 BILLING_HEADER_RE = r"^x-anthropic-billing-header:"
@@ -122,7 +123,8 @@ def _texts(blocks: str | list[dict[str, Any]], where: str) -> list[str]:
     if isinstance(blocks, str):
         return [blocks]
     out: list[str] = []
-    for j, block in enumerate(blocks):
+    for j, item in enumerate(expect_list(blocks, where)):
+        block = expect_object(item, f"{where}.{j}")
         kind = block.get("type")
         if kind != "text":
             raise _unsupported(str(kind), f"{where}.{j}")
@@ -232,7 +234,9 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
             ToolSpec(
                 name=name,
                 description=str(tool.get("description") or ""),
-                parameters=dict(tool.get("input_schema") or {}),
+                parameters=dict(
+                    expect_object(tool.get("input_schema") or {}, f"tools.{i}.input_schema")
+                ),
             )
         )
     return out
@@ -260,7 +264,11 @@ def _json_schema(req: MessagesRequestIn) -> dict[str, Any] | None:
     fmt = (req.output_config or {}).get("format") or req.output_format
     if not fmt:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
         raise RequestError(
             "output_config.format: only {'type': 'json_schema', 'schema': {...}} is supported",
             param="output_config.format",

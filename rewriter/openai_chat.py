@@ -18,6 +18,7 @@ from rewriter.canonical import (
     ToolCall,
     ToolSpec,
 )
+from rewriter.shapes import expect_object
 
 # -- request ---------------------------------------------------------------------------------
 
@@ -173,7 +174,10 @@ def parse_request(body: bytes) -> ChatRequest:
     if req.response_format:
         kind = req.response_format.get("type")
         if kind == "json_schema":
-            schema = (req.response_format.get("json_schema") or {}).get("schema") or {}
+            spec = expect_object(
+                req.response_format.get("json_schema") or {}, "response_format.json_schema"
+            )
+            schema = expect_object(spec.get("schema") or {}, "response_format.json_schema.schema")
         elif kind == "json_object":
             schema = {"type": "object"}
     sampling = SamplingParams(

@@ -43,6 +43,7 @@ from rewriter.canonical import (
 )
 from rewriter.openai_chat import load_json_object
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.shapes import expect_object, text_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +203,8 @@ def _tools(
     specs: list[ToolSpec] = []
     custom: set[str] = set()
     for i, tool in enumerate(raw):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        name = tool.get("name") if isinstance(tool, dict) else None
+        kind = text_or_none(tool.get("type")) if isinstance(tool, dict) else None
+        name = text_or_none(tool.get("name")) if isinstance(tool, dict) else None
         if kind in HOSTED_TOOL_TYPES:
             logger.info(
                 "%s[%d]: hosted tool %r left out: the policy cannot call it", where, i, kind
@@ -380,7 +381,7 @@ def _format_validation_error(exc: ValidationError) -> RequestError:
 
 
 def _json_schema(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format") or {}
+    fmt = expect_object((text or {}).get("format") or {}, "text.format")
     kind = fmt.get("type")
     if kind == "json_schema":
         schema = fmt.get("schema")

@@ -215,3 +215,43 @@ def test_a_new_provider_plugs_in_by_name(
     assert route(gw, "POST", "echo.test", "/v1/chat/completions") == ("openai.chat", RouteKind.TURN)
     with pytest.raises(ValueError, match="unknown provider"):
         Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path, providers=["nope"]))
+
+
+def test_a_bug_in_a_provider_is_a_500_in_its_format_not_the_clients_400(
+    qwen3_dir: Path, tmp_path: Path, clean_registry: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the schema's checks make a 4xx: an AttributeError raised while translating (a bug of
+    ours) used to be turned into a 400 blaming the client; it is a 500 in the provider's format,
+    with the traceback in the log."""
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from capture.gateway import HOST_HEADER, TOKEN_HEADER
+
+    @register
+    class Broken(OpenAIChat):
+        name = "test.broken"
+        hosts = ("broken.test",)
+
+        def parse(self, call: Call, body: bytes, session_id: str) -> Any:
+            return None.missing  # type: ignore[attr-defined]
+
+    gw = Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path, providers=["test.broken"]))
+
+    async def call() -> Any:
+        request = make_mocked_request(
+            "POST",
+            "/v1/chat/completions",
+            headers={TOKEN_HEADER: gw.token, HOST_HEADER: "broken.test"},
+            payload=None,
+        )
+        return await gw._dispatch(request)
+
+    with caplog.at_level("ERROR"):
+        response = asyncio.run(call())
+    assert response.status == 500
+    error = json.loads(response.body)["error"]
+    assert error["type"] == "server_error" and "internal error" in error["message"]
+    assert any(r.exc_info and r.exc_info[0] is AttributeError for r in caplog.records)

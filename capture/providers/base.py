@@ -144,20 +144,6 @@ class ProviderOption:
     help: str
 
 
-# What a request of an unexpected shape raises where a parser or the chat template meets it
-# (a string where an object belongs, say): the client's error, answered with a 400 saying so.
-# Anything else escaping a turn is a defect of ours: a 500, logged with its traceback.
-MALFORMED = (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError)
-
-
-def malformed_message(exc: BaseException) -> str:
-    """What the client is told about a request that raised one of ``MALFORMED``."""
-    return (
-        f"The request body could not be read ({type(exc).__name__}: {str(exc)[:200]}); "
-        "check it against the API reference."
-    )
-
-
 def sse(obj: dict[str, Any], event: str | None = None) -> bytes:
     """One server-sent event; ``event`` adds an ``event:`` line (Anthropic, Responses)."""
     head = f"event: {event}\n".encode() if event else b""

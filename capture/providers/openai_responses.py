@@ -18,7 +18,6 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from capture.providers.base import (
-    MALFORMED,
     Call,
     Provider,
     ProviderOption,
@@ -27,7 +26,6 @@ from capture.providers.base import (
     RouteKind,
     StreamWriter,
     TurnRunner,
-    malformed_message,
     register,
     sse,
 )
@@ -275,10 +273,6 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
             return
         except RequestError as exc:
             await send(_ws_event(_ws_error(exc.status, exc.message, exc.param)))
-            return
-        except MALFORMED as exc:
-            logger.warning("refused a WebSocket message that could not be read: %r", exc)
-            await send(_ws_event(_ws_error(400, malformed_message(exc))))
             return
         if not turn.request.generate:
             # Codex's prewarm: nothing to generate; a later call may continue from it.
