@@ -177,6 +177,9 @@ class TurnPipeline:
             chat = provider.count_tokens(
                 call, await read_body(request, self.max_body_bytes), session_id
             )
+            if not chat.messages:
+                # Nothing to render (Gemini counts an empty request): no template takes that.
+                return web.json_response(provider.count_tokens_body(0))
             assembly = await self.assemble(session_id, chat)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)

@@ -240,3 +240,12 @@ def test_zz_report_fuzz_counts() -> None:
     for name, counts in COUNTS.items():
         print(f"fuzz {name}: {sum(counts.values())} answers, {dict(sorted(counts.items()))}")
         assert not [k for k in counts if k[:1] == "5"], counts
+
+
+def test_an_empty_gemini_count_is_zero_tokens(fuzz_proxy: Proxy) -> None:
+    """countTokens takes an empty request; the chat template takes no empty conversation. Found
+    fuzzing with bad input no longer hidden as a 400: it was a 500 (a ValueError in rendering)."""
+    path = f"{fuzzing.GEMINI_MODEL}:countTokens"
+    answer = post(fuzz_proxy, "empty-count", "gemini", b"{}", path=path)
+    assert answer.status == 200, answer.body[:300]
+    assert json.loads(answer.body)["totalTokens"] == 0
