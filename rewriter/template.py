@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rewriter.canonical import Message, ToolSpec
+from jinja2.exceptions import TemplateError
+
+from rewriter.canonical import Message, RequestError, ToolSpec
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +96,20 @@ class ChatTemplate:
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
-        text = self.tokenizer.apply_chat_template(
-            [message_to_template_dict(m) for m in messages],
-            tools=[tool_to_template_dict(t) for t in tools] if tools else None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [message_to_template_dict(m) for m in messages],
+                tools=[tool_to_template_dict(t) for t in tools] if tools else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except TemplateError as exc:
+            # A template's raise_exception refuses a conversation's shape (say, no user turn):
+            # the request's doing, so the client's 400 with the template's own words.
+            raise RequestError(
+                f"The policy's chat template cannot render this conversation: {exc}"
+            ) from None
         assert isinstance(text, str)
         return text
 

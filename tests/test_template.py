@@ -257,3 +257,14 @@ def test_tokenizer_without_chat_template_raises(tmp_path: Path, qwen25_dir: Path
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no chat_template"):
         ChatTemplate(tmp_path)
+
+
+def test_a_template_refusing_a_conversation_is_the_clients_error(qwen3_dir: Path) -> None:
+    """A chat template's raise_exception (a conversation shape it rejects) is the client's
+    RequestError, not a crash of ours."""
+    from rewriter.canonical import RequestError
+
+    template = ChatTemplate(qwen3_dir)
+    template.tokenizer.chat_template = "{{ raise_exception('No user query found in messages.') }}"
+    with pytest.raises(RequestError, match="No user query found"):
+        template.render_text([Message(role="user", content="hi")])
