@@ -1,5 +1,5 @@
 """Fuzzed requests for every provider, through a real proxy: the strategies, the senders and the
-checks shared by the CI fuzz tests (``tests/test_hostile_fuzz.py``, a bounded number of examples)
+checks shared by the CI fuzz tests (``tests/e2e/test_hostile_fuzz.py``, a bounded number of examples)
 and ``bench/fuzz.py`` (10,000 and more per provider).
 
 Each provider's strategy starts from a rich, valid request of its own shape (``SEEDS``) and breaks

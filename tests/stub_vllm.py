@@ -1,7 +1,7 @@
 """A vLLM-shaped scripted policy for tests that need a chosen completion (a tool call, say).
 
 It answers ``/v1/completions`` with a token-id prompt exactly as vLLM 0.32 does (same fields,
-same streaming chunks; ``tests/test_stub_contract.py`` checks this against the real server), but
+same streaming chunks; ``tests/e2e/test_stub_contract.py`` checks this against the real server), but
 the completion is the next scripted text, tokenized with the real tokenizer and ended with EOS.
 Like vLLM it clamps ``max_tokens`` to the context left (but refuses one over the whole context)
 and refuses over-long prompts and unknown model names. ``chunk_tokens`` > 1 streams several tokens per chunk, as a lagging vLLM does.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Proxy
-from tests.test_trajectory_vllm import _assert_exact, _threads
+from tests.e2e.test_trajectory_vllm import _assert_exact, _threads
 
 pytestmark = pytest.mark.vllm
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Proxy, read_turns
+from tests.e2e.test_openai_tools_stub import TIME_ARGS, TOOLS, WEATHER_ARGS, collect_stream, hermes
 from tests.flows import (
     read_flows,
     recorded_replies,
@@ -23,7 +24,6 @@ from tests.flows import (
     thread_signatures,
 )
 from tests.stub_vllm import StubPolicy
-from tests.test_openai_tools_stub import TIME_ARGS, TOOLS, WEATHER_ARGS, collect_stream, hermes
 
 SESSION = "replay-tools"
 API_KEY = "sk-agenttap-test-key"  # what Proxy.openai gives the SDK

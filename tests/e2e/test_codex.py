@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Proxy, start_proxy
+from tests.e2e.test_openai_tools_stub import hermes
+from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
-from tests.test_openai_tools_stub import hermes
-from tests.test_trajectory_vllm import _assert_exact
 
 CODEX = REPO / ".cache" / "node" / "node_modules" / ".bin" / "codex"
 IM_END = 151645

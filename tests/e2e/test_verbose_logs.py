@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Proxy, start_proxy
+from tests.e2e.test_hostile_memory import peak_rss
 from tests.hostile import assert_provider_error, good_body, post
 from tests.stub_vllm import StubPolicy
-from tests.test_hostile_memory import peak_rss
 
 SECRETS = ("sk-live-SECRET-1", "sk-ant-SECRET-2", "AIza-SECRET-3", "proxy-SECRET-4")
 

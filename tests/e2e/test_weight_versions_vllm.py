@@ -18,13 +18,13 @@ import pytest
 
 from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
-from tests.test_abort_resume_vllm import (
+from tests.e2e.test_abort_resume_vllm import (
     MAX_TOKENS,
     PAUSE_AFTER_CHUNKS,
     RESUME_LOG,
     stream_through_a_pause,
 )
-from tests.test_trajectory_vllm import _rescore
+from tests.e2e.test_trajectory_vllm import _rescore
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import QWEN3, start_proxy
-from tests.test_trajectory_vllm import _rescore
+from tests.e2e.test_trajectory_vllm import _rescore
 
 pytestmark = pytest.mark.vllm
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Proxy, read_turns
+from tests.e2e.test_anthropic_sdk_stub import hermes
+from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
-from tests.test_anthropic_sdk_stub import hermes
-from tests.test_trajectory_vllm import _assert_exact
 
 CLAUDE = REPO / ".cache" / "node" / "node_modules" / ".bin" / "claude"
 IM_END = 151645

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, Proxy
+from tests.e2e.test_anthropic_sdk_stub import hermes
+from tests.e2e.test_trajectory_vllm import _assert_exact, _rescore
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
-from tests.test_anthropic_sdk_stub import hermes
-from tests.test_trajectory_vllm import _assert_exact, _rescore
 
 GEMINI = REPO / ".cache" / "node" / "node_modules" / ".bin" / "gemini"
 IM_END = 151645

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import Proxy
-from tests.stub_vllm import StubPolicy
-from tests.test_openai_tools_stub import (
+from tests.e2e.test_openai_tools_stub import (
     WEATHER_ARGS,
     check_row,
     expected_ids,
     hermes,
     script,
 )
+from tests.stub_vllm import StubPolicy
 
 TOOLS: list[dict[str, Any]] = [
     {
