@@ -35,13 +35,14 @@ from capture.shards import (
 )
 from capture.trajectory import (
     Assembly,
-    Call,
+    CallNode,
     Provenance,
     Renderer,
     ThreadRow,
     ThreadSet,
     export_rows,
 )
+from capture.trajectory.journal import call_entry, call_from_entry
 from rewriter.canonical import ChatRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class SessionStore:
 
     # -- recovery after a crash ------------------------------------------------------------
     def recover(self) -> list[Path]:
-        """Turn journals left by an earlier process into shards. Call before serving."""
+        """Turn journals left by an earlier process into shards. CallNode before serving."""
         self._count_sharded_turns()
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
@@ -276,7 +277,7 @@ class SessionStore:
     def _recover_journal(self, journal: Path) -> list[Path]:
         turns: list[TurnRecord] = []
         failed: list[FailedCall] = []
-        calls: dict[str, Call] = {}
+        calls: dict[str, CallNode] = {}
         # errors="replace": a damaged byte costs that line at most, never the journal.
         for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
@@ -335,85 +336,6 @@ def _make_text_safe(turn: TurnRecord) -> None:
     for name in ("requested_model", "policy_model", "user_agent", "completion_text"):
         setattr(turn, name, safe_text(getattr(turn, name)))
     turn.metadata = json.loads(safe_text(json.dumps(turn.metadata, ensure_ascii=False)))
-
-
-def call_entry(call: Call) -> dict[str, Any]:
-    """A call's place in its session's tree, as a journal line holds it."""
-    parent = call.parent
-    return {
-        "parent": parent.request_id if parent else None,
-        # Calls written before the session went idle are not in this journal: their row.
-        "parent_row": parent.written_in if parent else None,
-        "kind": call.kind,
-        "base": call.base,
-        "suffix_logprobs": call.suffix_logprobs,
-        "suffix_provenance": call.suffix_provenance,
-        "spliced": [[c.request_id, start, end] for c, start, end in call.spliced],
-        "spawned_by": (
-            [call.spawned_by[0].request_id, call.spawned_by[1], call.spawned_by[0].written_in]
-            if call.spawned_by
-            else None
-        ),
-        "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
-        "prompt_digest": call.prompt_digest,
-        "request_digest": call.request_digest,
-        "conv_digest": call.conv_digest,
-        "started": call.started,
-        "client_retry": call.client_retry,
-        "sampled_provenance": call.sampled_provenance,
-        # The logprobs the thread trains, where they are not the turn record's (a re-score).
-        "sampled_logprobs": (
-            call.sampled_logprobs if call.sampled_provenance != Provenance.SAMPLED else None
-        ),
-    }
-
-
-def call_from_entry(turn: TurnRecord, entry: dict[str, Any], calls: dict[str, Call]) -> Call:
-    """Rebuild a journaled call; its parent is an earlier call of the same journal."""
-    parent = calls.get(entry["parent"]) if entry["parent"] else None
-    base = entry["base"]
-    suffix_lp = entry["suffix_logprobs"]
-    suffix_prov = entry["suffix_provenance"]
-    spliced = [(calls[r], s, e) for r, s, e in entry["spliced"] if r in calls]
-    parent_row = None
-    if entry["parent"] and parent is None:
-        # Its parent was written before the session idled: that part of the prompt is context.
-        n = len(turn.prompt_ids) - base
-        suffix_lp = [0.0] * base + (suffix_lp if suffix_lp is not None else [0.0] * n)
-        suffix_prov = [0] * base + (suffix_prov if suffix_prov is not None else [0] * n)
-        base = 0
-        parent_row = entry.get("parent_row")
-    spawn = entry.get("spawned_by")
-    call = Call(
-        uid=len(calls),
-        request_id=turn.request_id,
-        turn_index=turn.turn_index,
-        finish_reason=turn.finish_reason,
-        latency_s=turn.latency_s,
-        backend=turn.backend,
-        parent=parent,
-        kind=entry["kind"],
-        prompt_len=len(turn.prompt_ids),
-        sampled_ids=turn.completion_ids,
-        sampled_logprobs=entry.get("sampled_logprobs") or turn.completion_logprobs,
-        sampled_provenance=entry.get("sampled_provenance", int(Provenance.SAMPLED)),
-        prompt_ids=turn.prompt_ids,
-        base=base,
-        suffix_logprobs=suffix_lp,
-        suffix_provenance=suffix_prov,
-        spliced=spliced,
-        prompt_digest=entry.get("prompt_digest", 0),
-        request_digest=entry.get("request_digest", 0),
-        conv_digest=entry.get("conv_digest", 0),
-        spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,
-        compaction_of=calls.get(entry.get("compaction_of") or ""),
-        parent_row=parent_row,
-        started=entry.get("started", len(calls) + 1),
-        client_retry=bool(entry.get("client_retry")),
-    )
-    if parent is not None:
-        parent.children.append(call)
-    return call
 
 
 def thread_row(

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture.trajectory import Assembly, Call, ThreadRow, ThreadSet, seq_ids
+from capture.trajectory import Assembly, CallNode, ThreadRow, ThreadSet, seq_ids
 from rewriter.canonical import Message, ToolCall, ToolSpec
 from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
@@ -55,7 +55,7 @@ def template(qwen3_dir) -> ChatTemplate:  # type: ignore[no-untyped-def]
 class Conversation:
     messages: list[Message]
     renames_ids: bool
-    last: Call | None = None  # the call whose answer this conversation went on with
+    last: CallNode | None = None  # the call whose answer this conversation went on with
     spawned_by: tuple[int, str] | None = None
     opening: str = ""
 
@@ -66,9 +66,9 @@ class InFlight:
     assembly: Assembly
     request: list[Message]
     retry_of: InFlight | None = None
-    expected_parent: Call | None = None
+    expected_parent: CallNode | None = None
     abandoned: bool = False
-    call: Call | None = field(default=None)
+    call: CallNode | None = field(default=None)
 
 
 
@@ -322,7 +322,7 @@ def test_zz_report_counts() -> None:
     assert RUNS["sessions"] > 0 or not RUNS
 
 
-def _one_call(threads: ThreadSet, msgs: list[Message], text: str, template: ChatTemplate, rid: str, retry: bool = False) -> Call:
+def _one_call(threads: ThreadSet, msgs: list[Message], text: str, template: ChatTemplate, rid: str, retry: bool = False) -> CallNode:
     a = threads.assemble(msgs, TOOLS, None, client_retry=retry)
     ids = template.encode(text) + [template.eos_token_id]
     return threads.commit(a, parse_completion(text).as_message(), ids, [-0.5] * len(ids),
@@ -379,7 +379,7 @@ def test_a_reply_id_decides_between_identical_text_replies(template: ChatTemplat
     still puts the rewrite on its own thread, not the newer twin's."""
     threads = ThreadSet("s", template)
 
-    def call(msgs: list[Message], rid: str) -> Call:
+    def call(msgs: list[Message], rid: str) -> CallNode:
         a = threads.assemble(msgs, TOOLS, None)
         ids = template.encode("Done.") + [template.eos_token_id]
         reply = Message("assistant", "Done.", ids=(f"resp_{rid}",))
@@ -430,7 +430,7 @@ def test_twin_sub_agents_each_extend_their_own_thread(template: ChatTemplate) ->
     assert x.spawned_by and y.spawned_by and x.spawned_by[1] != y.spawned_by[1]
     assert {x.spawned_by[0], y.spawned_by[0]} == {parent}
 
-    def cont(c: Call) -> list[Message]:
+    def cont(c: CallNode) -> list[Message]:
         tc = ToolCall(next(iter(c.tool_ids)), "bash", '{"cmd":"ls"}')  # its own minted id, echoed
         return sub + [Message("assistant", "", tool_calls=(tc,)), Message("tool", "out", tool_call_id=tc.id)]
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture.trajectory import Call, Provenance, ThreadSet, seq_ids
+from capture.trajectory import CallNode, Provenance, ThreadSet, seq_ids
 from rewriter.canonical import Message, ToolCall, ToolSpec
 from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
@@ -79,7 +79,7 @@ def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: 
     convs: list[list[Message]] = [[Message("system", "Main agent."), Message("user", "Start the task.")]]
     sampled_by_request: dict[str, list[int]] = {}
     seen_by_request: dict[str, list[int]] = {}
-    expected_parent: dict[int, tuple[Call, str]] = {}
+    expected_parent: dict[int, tuple[CallNode, str]] = {}
     for step in range(steps):
         c = rng.randrange(len(convs))
         msgs = convs[c]
