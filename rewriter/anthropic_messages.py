@@ -14,9 +14,9 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from rewriter import jsonbody
+from rewriter import jsonbody, wire
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -28,6 +28,7 @@ from rewriter.canonical import (
 )
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 from rewriter.shapes import expect_list, expect_object
+from rewriter.wire import Lenient
 
 # Claude Code's system block 0: its `cch=` value changes on every call.
 BILLING_HEADER_RE = r"^x-anthropic-billing-header:"
@@ -67,17 +68,12 @@ class Normalization:
 # -- request ---------------------------------------------------------------------------------
 
 
-class _Lenient(BaseModel):
-    # metadata, context_management, service_tier, container, mcp_servers, ...: accepted.
-    model_config = ConfigDict(extra="allow")
-
-
-class MessageIn(_Lenient):
+class MessageIn(Lenient):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequestIn(_Lenient):
+class MessagesRequestIn(Lenient):
     model: str
     messages: list[MessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -490,8 +486,8 @@ def message_response(
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    """An Anthropic event: named by its type, compact JSON (as Anthropic's servers send it)."""
+    return wire.sse(event, event["type"], compact=True)
 
 
 class EventWriter:

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rewriter import jsonbody
+from rewriter import jsonbody, wire
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -720,7 +720,7 @@ def generate_response(
 
 def sse(chunk: dict[str, Any]) -> bytes:
     # The line ending Google's servers use; every SDK splits on it.
-    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\r\n\r\n"
+    return wire.sse(chunk, terminator=b"\r\n\r\n")
 
 
 class ChunkWriter:

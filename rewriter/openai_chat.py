@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from rewriter import jsonbody
 from rewriter.canonical import (
@@ -19,27 +19,23 @@ from rewriter.canonical import (
     ToolSpec,
 )
 from rewriter.shapes import expect_object
+from rewriter.wire import Lenient
 
 # -- request ---------------------------------------------------------------------------------
 
 
-class _Lenient(BaseModel):
-    # Clients send many fields we do not use (store, metadata, user, ...): accept them.
-    model_config = ConfigDict(extra="allow")
-
-
-class FunctionCallIn(_Lenient):
+class FunctionCallIn(Lenient):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     id: str = ""
     type: str = "function"
     function: FunctionCallIn
 
 
-class MessageIn(_Lenient):
+class MessageIn(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -49,18 +45,18 @@ class MessageIn(_Lenient):
     reasoning: str | None = None
 
 
-class FunctionSpecIn(_Lenient):
+class FunctionSpecIn(Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ToolSpecIn(_Lenient):
+class ToolSpecIn(Lenient):
     type: str = "function"
     function: FunctionSpecIn
 
 
-class ChatCompletionRequestIn(_Lenient):
+class ChatCompletionRequestIn(Lenient):
     model: str
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolSpecIn] | None = None
@@ -210,7 +206,10 @@ def parse_request(body: bytes) -> ChatRequest:
 # -- response --------------------------------------------------------------------------------
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON (Chat Completions and Responses alike)."""
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
@@ -219,7 +218,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
         413: "invalid_request_error",
         429: "rate_limit_error",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def finish_reason(vllm_reason: str | None, reply: AssistantReply) -> str:

@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from rewriter import openai_chat
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -44,6 +45,7 @@ from rewriter.canonical import (
 from rewriter.openai_chat import load_json_object
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 from rewriter.shapes import expect_object, text_or_none
+from rewriter.wire import Lenient
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,7 @@ ENCRYPTED_PREFIX = "agenttap-reasoning-v1:"
 INCLUDE_ENCRYPTED = "reasoning.encrypted_content"
 
 
-class _Lenient(BaseModel):
-    # Unknown fields are accepted and ignored: clients send many the policy has no use for.
-    model_config = ConfigDict(extra="allow")
-
-
-class ResponsesRequestIn(_Lenient):
+class ResponsesRequestIn(Lenient):
     model: str
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -519,11 +516,8 @@ _ERROR_CODES = {"previous_response_id": "previous_response_not_found"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {404: "not_found_error", 401: "authentication_error", 429: "rate_limit_error"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error"
-    )
-    code = _ERROR_CODES.get(param or "")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error JSON, with the ``code`` the Responses API adds for some parameters."""
+    return openai_chat.error_body(message, status, param, _ERROR_CODES.get(param or ""))
 
 
 def status_of(vllm_reason: str | None) -> tuple[str, dict[str, Any] | None]:

@@ -51,7 +51,6 @@ provider module is the HTTP glue around one of those.
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
@@ -64,6 +63,7 @@ from aiohttp import web
 from rewriter.canonical import AssistantReply, ChatRequest, Message
 from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion, PolicyError
+from rewriter.wire import sse  # noqa: F401 (providers import it from here)
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,6 @@ class ProviderOption:
     type: type
     default: Any
     help: str
-
-
-def sse(obj: dict[str, Any], event: str | None = None) -> bytes:
-    """One server-sent event; ``event`` adds an ``event:`` line (Anthropic, Responses)."""
-    head = f"event: {event}\n".encode() if event else b""
-    return head + b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class Provider[T: ProviderTurn](ABC):
