@@ -240,13 +240,8 @@ class TurnPipeline:
         provider = turn.provider
         try:
             completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
-        except PolicyError as exc:
-            self._record_failure(turn, exc, 0)
-            return provider.policy_error(exc)
-        except POLICY_FAILURES as exc:
-            error = policy_failure(turn.client, exc)
-            self._record_failure(turn, error, 0)
-            return provider.policy_error(error)
+        except (PolicyError, *POLICY_FAILURES) as exc:
+            return self._refused_by_policy(turn, exc)
         parser.feed(completion.text)
         parser.finish()
         reply = parser.reply()
@@ -266,13 +261,8 @@ class TurnPipeline:
         try:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
-        except PolicyError as exc:
-            self._record_failure(turn, exc, 0)
-            return provider.policy_error(exc)
-        except POLICY_FAILURES as exc:
-            error = policy_failure(turn.client, exc)
-            self._record_failure(turn, error, 0)
-            return provider.policy_error(error)
+        except (PolicyError, *POLICY_FAILURES) as exc:
+            return self._refused_by_policy(turn, exc)
         await send(writer.start())
         delta = first
         while delta is not None:
@@ -298,6 +288,13 @@ class TurnPipeline:
         await self._record(turn, completion, reason, reply)
         await send(writer.end())
         return None
+
+    def _refused_by_policy(self, turn: _TurnContext, exc: BaseException) -> web.Response:
+        """The policy failed before anything was sent: the call is recorded as failed and the
+        client gets its provider's error."""
+        error = exc if isinstance(exc, PolicyError) else policy_failure(turn.client, exc)
+        self._record_failure(turn, error, 0)
+        return turn.provider.policy_error(error)
 
     def _record_failure(self, turn: _TurnContext, error: PolicyError, streamed: int) -> None:
         """Journal a call the policy failed (see FailedCall); its tokens are never trained."""
