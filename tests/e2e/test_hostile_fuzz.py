@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,7 @@ from hypothesis import strategies as st
 from tests import fuzzing
 from tests.conftest import Proxy, start_proxy
 from tests.fuzzing import PROVIDERS, WEBSOCKET, Frame, Raw, Request
-from tests.hostile import assert_provider_error, good_body, post
+from tests.hostile import ParallelSession, assert_provider_error, good_body, post, witness
 from tests.stub_vllm import StubPolicy
 
 EXAMPLES = int(os.environ.get("AGENTTAP_FUZZ_EXAMPLES", "120"))
@@ -48,14 +46,6 @@ def fuzz_proxy(
     proxy.stop()
 
 
-def witness(proxy: Proxy, protocol: str) -> tuple[str, list[dict], list[dict]]:
-    """A well-formed session recorded before the fuzzing: its rows must not change."""
-    session = f"fuzz-witness-{protocol}-{uuid.uuid4().hex[:6]}"
-    answer = post(proxy, session, protocol, json.dumps(good_body(protocol)).encode())
-    assert answer.status == 200, answer.body[:300]
-    return session, proxy.turns(session), proxy.threads(session)
-
-
 def check_witness(proxy: Proxy, protocol: str, before: tuple[str, list[dict], list[dict]]) -> None:
     session, turns, threads = before
     assert proxy.proc.poll() is None, "the proxy died"
@@ -63,57 +53,6 @@ def check_witness(proxy: Proxy, protocol: str, before: tuple[str, list[dict], li
     assert proxy.threads(session) == threads
     again = post(proxy, session, protocol, json.dumps(good_body(protocol, "again")).encode())
     assert again.status == 200, again.body[:300]
-
-
-class ParallelSession:
-    """A well-formed session that keeps calling (alternately streamed and whole) while the fuzz
-    runs on the same proxy: each of its calls must be answered and recorded whole."""
-
-    def __init__(self, proxy: Proxy, protocol: str, most: int = 40) -> None:
-        self.proxy, self.protocol, self.most = proxy, protocol, most
-        self.session = f"fuzz-parallel-{protocol}-{uuid.uuid4().hex[:6]}"
-        self.statuses: list[int] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and len(self.statuses) < self.most:
-                n = len(self.statuses)
-                body = good_body(self.protocol, f"parallel question {n}", stream=n % 2 == 1)
-                answer = post(self.proxy, self.session, self.protocol, json.dumps(body).encode())
-                self.statuses.append(answer.status)
-                if answer.status == 200 and answer.content_type.startswith("text/event-stream"):
-                    assert answer.body.strip(), "a streamed 200 with an empty body"
-                self._stop.wait(0.05)
-        except BaseException as exc:  # reported by the test
-            self.errors.append(exc)
-
-    def __enter__(self) -> ParallelSession:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(120)
-
-    def check(self) -> None:
-        assert not self.errors, self.errors
-        assert self.statuses and set(self.statuses) == {200}, Counter(self.statuses)
-        turns = self.proxy.turns(self.session, expect=len(self.statuses))
-        threads = self.proxy.threads(self.session, expect=len(self.statuses))
-        # Each call a conversation of its own: one row each, training exactly that call.
-        assert len(turns) == len(threads) == len(self.statuses)
-        assert sorted(r for t in threads for r in t["trained_request_ids"]) == sorted(
-            t["request_id"] for t in turns
-        )
-        for row in threads:
-            assert sum(row["loss_mask"]) == sum(
-                len(t["completion_ids"])
-                for t in turns
-                if t["request_id"] in row["trained_request_ids"]
-            )
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

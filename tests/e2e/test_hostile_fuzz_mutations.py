@@ -9,22 +9,19 @@ examples are derandomized (a fixed set). Counts by status are printed by the las
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 import os
-import threading
 import uuid
-import zlib
 from collections import Counter
 from typing import Any
 
-import brotli
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import Proxy
-from tests.hostile import assert_provider_error, good_body, post
+from tests.fuzzing import encoded, paths, replaced
+from tests.hostile import ParallelSession, assert_provider_error, good_body, post, witness
 
 MAX_EXAMPLES = int(os.environ.get("AGENTTAP_FUZZ_EXAMPLES", "300"))
 COUNTS: Counter[str] = Counter()  # printed by test_zz_report_mutation_counts
@@ -156,38 +153,6 @@ json_values = st.recursive(
 )
 
 
-def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += paths(v, (*prefix, i))
-    return out
-
-
-def replaced(body: Any, path: tuple[Any, ...], value: Any) -> Any:
-    if not path:
-        return value
-    out = copy.deepcopy(body)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    return out
-
-
-def encoded(data: bytes, coding: str) -> bytes:
-    if coding == "gzip":
-        return gzip.compress(data)
-    if coding == "deflate":
-        return zlib.compress(data)
-    if coding == "br":
-        return bytes(brotli.compress(data))
-    return data
-
-
 @st.composite
 def bodies(draw: st.DrawFn, protocol: str) -> tuple[bytes, dict[str, str]]:
     """One fuzzed request: a seed with one node replaced, or mangled bytes, maybe compressed
@@ -232,66 +197,6 @@ def check_answer(
         assert answer.body.strip(), "a streamed 200 with an empty body"
     else:
         json.loads(answer.body)
-
-
-def witness(proxy: Proxy, protocol: str) -> tuple[str, list[dict], list[dict]]:
-    """A well-formed session recorded before the fuzzing: its rows must not change."""
-    session = f"fuzz-witness-{protocol}-{uuid.uuid4().hex[:6]}"
-    answer = post(proxy, session, protocol, json.dumps(good_body(protocol)).encode())
-    assert answer.status == 200, answer.body[:300]
-    return session, proxy.turns(session), proxy.threads(session)
-
-
-class ParallelSession:
-    """A well-formed session that keeps calling (alternately streamed and whole) while the fuzz
-    runs on the same proxy: each of its calls must be answered and recorded whole."""
-
-    def __init__(self, proxy: Proxy, protocol: str, most: int = 40) -> None:
-        self.proxy, self.protocol, self.most = proxy, protocol, most
-        self.session = f"fuzz-parallel-{protocol}-{uuid.uuid4().hex[:6]}"
-        self.statuses: list[int] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and len(self.statuses) < self.most:
-                n = len(self.statuses)
-                body = good_body(self.protocol, f"parallel question {n}", stream=n % 2 == 1)
-                answer = post(self.proxy, self.session, self.protocol, json.dumps(body).encode())
-                self.statuses.append(answer.status)
-                if answer.status == 200 and answer.content_type.startswith("text/event-stream"):
-                    assert answer.body.strip(), "a streamed 200 with an empty body"
-                self._stop.wait(0.05)
-        except BaseException as exc:  # reported by the test
-            self.errors.append(exc)
-
-    def __enter__(self) -> ParallelSession:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(120)
-
-    def check(self) -> None:
-        assert not self.errors, self.errors
-        assert self.statuses and set(self.statuses) == {200}, Counter(self.statuses)
-        turns = self.proxy.turns(self.session, expect=len(self.statuses))
-        threads = self.proxy.threads(self.session, expect=len(self.statuses))
-        # Each call a conversation of its own: one row each, training exactly that call.
-        assert len(turns) == len(threads) == len(self.statuses)
-        assert sorted(r for t in threads for r in t["trained_request_ids"]) == sorted(
-            t["request_id"] for t in turns
-        )
-        print(f"parallel session {self.protocol}: {len(turns)} calls answered and recorded whole during the fuzz")
-        for row in threads:
-            assert sum(row["loss_mask"]) == sum(
-                len(t["completion_ids"])
-                for t in turns
-                if t["request_id"] in row["trained_request_ids"]
-            )
 
 
 @pytest.mark.parametrize("protocol", list(SEEDS))
