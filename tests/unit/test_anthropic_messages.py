@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from capture.options import parse_model_map
-from capture.providers.anthropic import local_answer
-from rewriter.anthropic_messages import (
+from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
+from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.anthropic.protocol import (
     EventWriter,
     Normalization,
     content_blocks,
@@ -24,8 +25,7 @@ from rewriter.anthropic_messages import (
     thinking_signature,
     tool_use_id,
 )
-from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
-from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.anthropic.serving import local_answer
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=sdk-cli; cch=1a2b3;"
 

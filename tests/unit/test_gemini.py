@@ -16,7 +16,8 @@ from rewriter.canonical import (
     ToolCall,
     ToolSpec,
 )
-from rewriter.gemini import (
+from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.gemini.protocol import (
     ChunkWriter,
     Route,
     call_id,
@@ -34,7 +35,6 @@ from rewriter.gemini import (
     sse,
     usage_metadata,
 )
-from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
 
 MODEL = "gemini-2.5-flash"
 

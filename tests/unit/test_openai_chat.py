@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
-from rewriter.openai_chat import (
+from rewriter.providers.openai_chat.protocol import (
     ChunkWriter,
     completion_response,
     error_body,

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall
-from rewriter.openai_responses import (
+from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_responses.protocol import (
     EventWriter,
     decrypt_reasoning,
     encrypt_reasoning,
@@ -16,7 +17,6 @@ from rewriter.openai_responses import (
     parse_request,
     whole_response,
 )
-from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
 
 EXEC_TOOL = {
     "type": "custom",

@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.parsers import ParseEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderTurn,
@@ -25,9 +27,7 @@ from capture.providers.base import (
     StreamWriter,
     register,
 )
-from rewriter import gemini
-from rewriter.canonical import AssistantReply, ChatRequest, RequestError
-from rewriter.parsers import ParseEvent
+from rewriter.providers.gemini import protocol as gemini
 from rewriter.vllm_client import Completion, PolicyError
 
 

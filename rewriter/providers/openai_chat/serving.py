@@ -10,7 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply
+from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderTurn,
@@ -20,9 +22,7 @@ from capture.providers.base import (
     register,
     sse,
 )
-from rewriter import openai_chat
-from rewriter.canonical import AssistantReply
-from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_chat import protocol as openai_chat
 from rewriter.vllm_client import Completion, PolicyError
 
 

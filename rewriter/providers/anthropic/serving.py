@@ -11,7 +11,11 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply, ChatRequest, Message
+from rewriter.parsers import ParseEvent
+from rewriter.providers.anthropic import protocol as anthropic_messages
+from rewriter.providers.anthropic.protocol import BILLING_HEADER_RE, Normalization
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderOption,
@@ -21,10 +25,6 @@ from capture.providers.base import (
     StreamWriter,
     register,
 )
-from rewriter import anthropic_messages
-from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization
-from rewriter.canonical import AssistantReply, ChatRequest, Message
-from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion, PolicyError
 
 DROP_SYSTEM_BLOCKS = "agenttap_drop_system_blocks"

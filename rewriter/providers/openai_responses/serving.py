@@ -17,7 +17,10 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from capture.providers.base import (
+from rewriter import jsonbody
+from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
+from rewriter.parsers import ParseEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderOption,
@@ -29,11 +32,9 @@ from capture.providers.base import (
     register,
     sse,
 )
-from capture.providers.openai_chat import OpenAIErrors, openai_models_body
-from rewriter import jsonbody, openai_responses
-from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
-from rewriter.openai_responses import Context, EventWriter, ResponsesRequest
-from rewriter.parsers import ParseEvent
+from rewriter.providers.openai_chat.serving import OpenAIErrors, openai_models_body
+from rewriter.providers.openai_responses import protocol as openai_responses
+from rewriter.providers.openai_responses.protocol import Context, EventWriter, ResponsesRequest
 from rewriter.vllm_client import Completion
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rewriter import openai_chat
 from rewriter.canonical import (
     AssistantReply,
     ChatRequest,
@@ -42,8 +41,9 @@ from rewriter.canonical import (
     ToolCall,
     ToolSpec,
 )
-from rewriter.openai_chat import load_json_object
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_chat import protocol as openai_chat
+from rewriter.providers.openai_chat.protocol import load_json_object
 from rewriter.shapes import expect_object, text_or_none
 from rewriter.wire import Lenient
 
