@@ -12,13 +12,12 @@ import pytest
 from capture.options import parse_model_map
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
-from rewriter.providers.anthropic.protocol import (
+from rewriter.providers.anthropic.request import Normalization, parse_request
+from rewriter.providers.anthropic.response import (
     EventWriter,
-    Normalization,
     content_blocks,
     error_body,
     message_response,
-    parse_request,
     prompt_too_long_message,
     sse,
     stop_reason,

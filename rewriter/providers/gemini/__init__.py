@@ -1,9 +1,11 @@
 """The Gemini API (``generateContent``, ``streamGenerateContent``, ``countTokens``):
 everything of its wire format in this folder.
 
-``protocol``: the wire schema and translation to and from the canonical chat form, its response
-and stream builders and error bodies (pure: no HTTP framework); ``serving``: the registered
-:class:`~rewriter.providers.base.Provider` that serves it (aiohttp glue).
+``routes``: the model and method in the URL; ``fields`` and ``schemas``: reading a request's
+fields and its OpenAPI schemas; ``request``: the wire schema and its translation to the canonical
+chat form; ``response``: the answers, the stream writer and the error bodies (all pure: no HTTP
+framework); ``serving``: the registered :class:`~rewriter.providers.base.Provider` that serves it
+(aiohttp glue).
 """
 
 from rewriter.providers.gemini import serving
