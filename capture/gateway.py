@@ -31,10 +31,10 @@ from capture.bodies import (
 )
 from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
-from capture.providers import registered
-from capture.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from capture.session_ids import request_session_id
 from capture.sessions import SessionStore
+from rewriter.providers import registered
+from rewriter.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capture.providers import registered
 from rewriter.parsers import check_parser_names
+from rewriter.providers import registered
 
 PREFIX = "agenttap_"
 DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.com"

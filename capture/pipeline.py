@@ -22,13 +22,13 @@ from aiohttp import web
 
 from capture.bodies import read_body
 from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
-from capture.providers.base import Call, Provider, ProviderTurn
 from capture.records import FailedCall, TurnRecord
 from capture.session_ids import request_session_id
 from capture.sessions import SessionStore
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
+from rewriter.providers.base import Call, Provider, ProviderTurn
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
 

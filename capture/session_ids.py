@@ -13,8 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import Provider
 from capture.sessions import safe_text
+from rewriter.providers.base import Provider
 
 SESSION_HEADER = "X-Agenttap-Session"
 ANONYMOUS = "anonymous"

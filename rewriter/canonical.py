@@ -1,8 +1,9 @@
 """The one canonical chat form every provider protocol is translated into.
 
-Plain dataclasses: no HTTP, no pydantic, no tokenizer. Provider adapters (``rewriter.openai_chat``,
-...) build a :class:`ChatRequest` from a request body; the template renders it to token ids; the
-parsers turn the policy's completion text back into an :class:`AssistantReply`.
+Plain dataclasses: no HTTP, no pydantic, no tokenizer. Provider adapters
+(``rewriter.providers.openai_chat.request``, ...) build a :class:`ChatRequest` from a request
+body; the template renders it to token ids; the parsers turn the policy's completion text back
+into an :class:`AssistantReply`.
 """
 
 from __future__ import annotations

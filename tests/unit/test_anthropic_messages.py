@@ -10,22 +10,21 @@ from typing import Any
 import pytest
 
 from capture.options import parse_model_map
-from capture.providers.anthropic import local_answer
-from rewriter.anthropic_messages import (
+from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
+from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.anthropic.request import Normalization, parse_request
+from rewriter.providers.anthropic.response import (
     EventWriter,
-    Normalization,
     content_blocks,
     error_body,
     message_response,
-    parse_request,
     prompt_too_long_message,
     sse,
     stop_reason,
     thinking_signature,
     tool_use_id,
 )
-from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
-from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.anthropic.serving import local_answer
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=sdk-cli; cch=1a2b3;"
 

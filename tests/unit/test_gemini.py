@@ -16,25 +16,22 @@ from rewriter.canonical import (
     ToolCall,
     ToolSpec,
 )
-from rewriter.gemini import (
+from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.gemini.request import call_id, parse_count_tokens, parse_request
+from rewriter.providers.gemini.response import (
     ChunkWriter,
-    Route,
-    call_id,
     count_tokens_response,
     error_body,
     finish_reason,
     generate_response,
     model_object,
     models_list,
-    openapi_to_json_schema,
-    parse_count_tokens,
-    parse_request,
-    parse_route,
     prompt_too_long_message,
     sse,
     usage_metadata,
 )
-from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.gemini.routes import Route, parse_route
+from rewriter.providers.gemini.schemas import openapi_to_json_schema
 
 MODEL = "gemini-2.5-flash"
 

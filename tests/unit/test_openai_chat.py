@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
-from rewriter.openai_chat import (
+from rewriter.providers.openai_chat.request import parse_request
+from rewriter.providers.openai_chat.response import (
     ChunkWriter,
     completion_response,
     error_body,
     finish_reason,
-    parse_request,
 )
 
 

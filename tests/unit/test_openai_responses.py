@@ -8,15 +8,14 @@ from typing import Any
 import pytest
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall
-from rewriter.openai_responses import (
-    EventWriter,
+from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_responses.ids import new_response_id
+from rewriter.providers.openai_responses.request import (
     decrypt_reasoning,
     encrypt_reasoning,
-    new_response_id,
     parse_request,
-    whole_response,
 )
-from rewriter.parsers import ContentDelta, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_responses.response import EventWriter, whole_response
 
 EXEC_TOOL = {
     "type": "custom",

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from capture.providers import registered
-from capture.providers.base import Call, Provider, RouteKind
 from rewriter.canonical import RequestError
+from rewriter.providers import registered
+from rewriter.providers.base import Call, Provider, RouteKind
 from rewriter.vllm_client import PolicyError
 from tests.hostile import Answer, assert_provider_error, good_body
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from capture.gateway import Gateway, GatewayConfig
-from capture.providers import base, registered
-from capture.providers.base import Call, Route, RouteKind, register
-from capture.providers.openai_chat import OpenAIChat
+from rewriter.providers import base, registered
+from rewriter.providers.base import Call, Route, RouteKind, register
+from rewriter.providers.openai_chat.serving import OpenAIChat
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Anthropic Messages (``POST /v1/messages``, ``/v1/messages/count_tokens``, ``GET /v1/models``)
 and local answers to Claude Code's non-model calls on api.anthropic.com.
 
-Translation and normalization rules live in ``rewriter/anthropic_messages.py``.
+Translation and normalization rules live in ``request.py`` and ``response.py`` beside it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply, ChatRequest, Message
+from rewriter.parsers import ParseEvent
+from rewriter.providers.anthropic import request as anthropic_request
+from rewriter.providers.anthropic import response as anthropic_response
+from rewriter.providers.anthropic.request import BILLING_HEADER_RE, Normalization
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderOption,
@@ -21,10 +26,6 @@ from capture.providers.base import (
     StreamWriter,
     register,
 )
-from rewriter import anthropic_messages
-from rewriter.anthropic_messages import BILLING_HEADER_RE, Normalization
-from rewriter.canonical import AssistantReply, ChatRequest, Message
-from rewriter.parsers import ParseEvent
 from rewriter.vllm_client import Completion, PolicyError
 
 DROP_SYSTEM_BLOCKS = "agenttap_drop_system_blocks"
@@ -105,27 +106,27 @@ class AnthropicMessages(Provider[ProviderTurn]):
         return None
 
     def parse(self, call: Call, body: bytes, session_id: str) -> ProviderTurn:
-        chat = anthropic_messages.parse_request(body, self.normalization)
-        return ProviderTurn(chat, anthropic_messages.new_message_id(), session_id)
+        chat = anthropic_request.parse_request(body, self.normalization)
+        return ProviderTurn(chat, anthropic_response.new_message_id(), session_id)
 
     def count_tokens(self, call: Call, body: bytes, session_id: str) -> ChatRequest:
-        return anthropic_messages.parse_request(body, self.normalization, count_tokens=True)
+        return anthropic_request.parse_request(body, self.normalization, count_tokens=True)
 
     def count_tokens_body(self, tokens: int) -> dict[str, Any]:
         return {"input_tokens": tokens}
 
     def models_body(self, names: list[str], model_id: str) -> dict[str, Any]:
         if model_id:
-            return anthropic_messages.model_object(model_id)
-        return anthropic_messages.models_list(names)
+            return anthropic_response.model_object(model_id)
+        return anthropic_response.models_list(names)
 
     def error(self, status: int, message: str, param: str | None = None) -> web.Response:
-        body = anthropic_messages.error_body(message, status)
+        body = anthropic_response.error_body(message, status)
         return web.json_response(body, status=status, headers={"request-id": body["request_id"]})
 
     def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
         return self.error(
-            400, anthropic_messages.prompt_too_long_message(prompt_tokens, max_model_len)
+            400, anthropic_response.prompt_too_long_message(prompt_tokens, max_model_len)
         )
 
     def policy_error(self, exc: PolicyError) -> web.Response:
@@ -137,15 +138,15 @@ class AnthropicMessages(Provider[ProviderTurn]):
         return self.error(500, f"the policy server failed: {exc}")
 
     def recorded_reply(self, turn: ProviderTurn, reply: AssistantReply) -> Message:
-        return anthropic_messages.with_client_ids(reply).as_message()
+        return anthropic_response.with_client_ids(reply).as_message()
 
     def response(
         self, turn: ProviderTurn, prompt_tokens: int, completion: Completion, reply: AssistantReply
     ) -> tuple[dict[str, Any], str]:
-        reason = anthropic_messages.stop_reason(
+        reason = anthropic_response.stop_reason(
             completion.finish_reason, completion.stop_reason, reply
         )
-        body = anthropic_messages.message_response(
+        body = anthropic_response.message_response(
             turn.response_id,
             turn.chat.model,
             reply,
@@ -161,14 +162,14 @@ class AnthropicMessages(Provider[ProviderTurn]):
 
 class _EventStream:
     def __init__(self, turn: ProviderTurn, prompt_tokens: int) -> None:
-        self.writer = anthropic_messages.EventWriter(
+        self.writer = anthropic_response.EventWriter(
             turn.response_id, turn.chat.model, prompt_tokens
         )
         self._final: list[dict[str, Any]] = []
 
     @staticmethod
     def _join(events: list[dict[str, Any]]) -> bytes:
-        return b"".join(anthropic_messages.sse(e) for e in events)
+        return b"".join(anthropic_response.sse(e) for e in events)
 
     def start(self) -> bytes:
         return self._join(self.writer.start())
@@ -177,7 +178,7 @@ class _EventStream:
         return self._join(self.writer.events(events))
 
     def finish(self, completion: Completion, reply: AssistantReply) -> tuple[bytes, str]:
-        reason = anthropic_messages.stop_reason(
+        reason = anthropic_response.stop_reason(
             completion.finish_reason, completion.stop_reason, reply
         )
         events = self.writer.finish(reason, len(completion.token_ids))
@@ -189,4 +190,4 @@ class _EventStream:
         return self._join(self._final)
 
     def error(self, message: str) -> bytes:
-        return anthropic_messages.sse(anthropic_messages.error_body(message, 500))
+        return anthropic_response.sse(anthropic_response.error_body(message, 500))

@@ -1,6 +1,6 @@
 """OpenAI Chat Completions (``POST */chat/completions``) and OpenAI's ``GET /v1/models``.
 
-Translation lives in ``rewriter/openai_chat.py``; this is its HTTP glue.
+Translation lives in ``request.py`` and ``response.py`` beside it; this is its HTTP glue.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply
+from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderTurn,
@@ -20,9 +22,8 @@ from capture.providers.base import (
     register,
     sse,
 )
-from rewriter import openai_chat
-from rewriter.canonical import AssistantReply
-from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
+from rewriter.providers.openai_chat import request as chat_request
+from rewriter.providers.openai_chat import response as chat_response
 from rewriter.vllm_client import Completion, PolicyError
 
 
@@ -30,10 +31,10 @@ class OpenAIErrors:
     """OpenAI's error JSON and statuses, shared by the Chat Completions and Responses providers."""
 
     def error(self, status: int, message: str, param: str | None = None) -> web.Response:
-        return web.json_response(openai_chat.error_body(message, status, param), status=status)
+        return web.json_response(chat_response.error_body(message, status, param), status=status)
 
     def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
-        body = openai_chat.error_body(
+        body = chat_response.error_body(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
             "messages.",
@@ -75,7 +76,7 @@ class OpenAIChat(OpenAIErrors, Provider[ProviderTurn]):
         return None
 
     def parse(self, call: Call, body: bytes, session_id: str) -> ProviderTurn:
-        chat = openai_chat.parse_request(body)
+        chat = chat_request.parse_request(body)
         return ProviderTurn(chat, "chatcmpl-" + secrets.token_hex(12), session_id)
 
     def models_body(self, names: list[str], model_id: str) -> dict[str, Any]:
@@ -84,8 +85,8 @@ class OpenAIChat(OpenAIErrors, Provider[ProviderTurn]):
     def response(
         self, turn: ProviderTurn, prompt_tokens: int, completion: Completion, reply: AssistantReply
     ) -> tuple[dict[str, Any], str]:
-        reason = openai_chat.finish_reason(completion.finish_reason, reply)
-        body = openai_chat.completion_response(
+        reason = chat_response.finish_reason(completion.finish_reason, reply)
+        body = chat_response.completion_response(
             turn.response_id,
             turn.chat.model,
             reply,
@@ -101,7 +102,7 @@ class OpenAIChat(OpenAIErrors, Provider[ProviderTurn]):
 
 class _ChunkStream:
     def __init__(self, turn: ProviderTurn, prompt_tokens: int) -> None:
-        self.writer = openai_chat.ChunkWriter(turn.response_id, turn.chat.model)
+        self.writer = chat_response.ChunkWriter(turn.response_id, turn.chat.model)
         self.include_usage = turn.chat.include_usage
         self.prompt_tokens = prompt_tokens
 
@@ -120,7 +121,7 @@ class _ChunkStream:
         return b"".join(out)
 
     def finish(self, completion: Completion, reply: AssistantReply) -> tuple[bytes, str]:
-        reason = openai_chat.finish_reason(completion.finish_reason, reply)
+        reason = chat_response.finish_reason(completion.finish_reason, reply)
         out = sse(self.writer.finish(reason))
         if self.include_usage:
             out += sse(self.writer.usage(self.prompt_tokens, len(completion.token_ids)))
@@ -130,4 +131,4 @@ class _ChunkStream:
         return b"data: [DONE]\n\n"
 
     def error(self, message: str) -> bytes:
-        return sse(openai_chat.error_body(message, 502))
+        return sse(chat_response.error_body(message, 502))

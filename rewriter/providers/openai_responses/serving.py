@@ -2,8 +2,9 @@
 (``GET wss://api.openai.com/v1/responses``, ``response.create`` messages, as Codex uses),
 ``POST /v1/responses/input_tokens``, and the side calls of Responses clients.
 
-Translation lives in ``rewriter/openai_responses.py``. This provider keeps the conversations of
-stored responses (``store: true``) per session, bounded, so ``previous_response_id`` works.
+Translation lives in ``request.py`` and ``response.py`` beside it. This provider keeps the
+conversations of stored responses (``store: true``) per session, bounded, so
+``previous_response_id`` works.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from capture.providers.base import (
+from rewriter import jsonbody
+from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
+from rewriter.parsers import ParseEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderOption,
@@ -29,11 +33,12 @@ from capture.providers.base import (
     register,
     sse,
 )
-from capture.providers.openai_chat import OpenAIErrors, openai_models_body
-from rewriter import jsonbody, openai_responses
-from rewriter.canonical import AssistantReply, ChatRequest, Message, RequestError
-from rewriter.openai_responses import Context, EventWriter, ResponsesRequest
-from rewriter.parsers import ParseEvent
+from rewriter.providers.openai_chat.serving import OpenAIErrors, openai_models_body
+from rewriter.providers.openai_responses import ids as responses_ids
+from rewriter.providers.openai_responses import request as responses_request
+from rewriter.providers.openai_responses import response as responses_response
+from rewriter.providers.openai_responses.request import Context, ResponsesRequest
+from rewriter.providers.openai_responses.response import EventWriter
 from rewriter.vllm_client import Completion
 
 logger = logging.getLogger(__name__)
@@ -153,12 +158,12 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         session_id: str,
         connection: OrderedDict[str, Context] | None = None,
     ) -> ResponsesTurn:
-        request = openai_responses.parse_request(body, self._history(session_id, connection))
+        request = responses_request.parse_request(body, self._history(session_id, connection))
         if connection is not None:
             request.chat.stream = True
         return ResponsesTurn(
             chat=request.chat,
-            response_id=openai_responses.new_response_id(),
+            response_id=responses_ids.new_response_id(),
             session_id=session_id,
             request=request,
             websocket=connection is not None,
@@ -169,7 +174,7 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         return self._parse(body, session_id)
 
     def count_tokens(self, call: Call, body: bytes, session_id: str) -> ChatRequest:
-        return openai_responses.parse_request(body, self._history(session_id)).chat
+        return responses_request.parse_request(body, self._history(session_id)).chat
 
     def count_tokens_body(self, tokens: int) -> dict[str, Any]:
         return {"object": "response.input_tokens", "input_tokens": tokens}
@@ -178,7 +183,7 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         return openai_models_body(names, model_id)
 
     def error(self, status: int, message: str, param: str | None = None) -> web.Response:
-        body = openai_responses.error_body(message, status, param)
+        body = responses_response.error_body(message, status, param)
         return web.json_response(body, status=status)
 
     # -- answers -----------------------------------------------------------------------------
@@ -189,7 +194,7 @@ class OpenAIResponses(OpenAIErrors, Provider[ResponsesTurn]):
         completion: Completion,
         reply: AssistantReply,
     ) -> tuple[dict[str, Any], str]:
-        body = openai_responses.whole_response(
+        body = responses_response.whole_response(
             turn.response_id,
             turn.request,
             reply,
@@ -299,7 +304,7 @@ def _ws_error(status: int, message: str, param: str | None = None) -> dict[str, 
     return {
         "type": "error",
         "status": status,
-        **openai_responses.error_body(message, status, param),
+        **responses_response.error_body(message, status, param),
     }
 
 

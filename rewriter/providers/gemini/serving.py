@@ -3,7 +3,7 @@
 ``:countTokens``, ``GET /v1beta/models[/{model}]`` (and the ``/v1`` spellings). The model and
 whether to stream are in the URL, not the body.
 
-Translation lives in ``rewriter/gemini.py``; this is its HTTP glue. Gemini CLI (API-key mode)
+Translation lives in the modules beside it; this is its HTTP glue. Gemini CLI (API-key mode)
 sends no session header of its own (``x-gemini-api-privileged-user-id`` names the installation,
 not a run), and makes no other call on this host: its telemetry goes to play.googleapis.com,
 which the proxy refuses unless it is made an intercepted host.
@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.providers.base import (
+from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.parsers import ParseEvent
+from rewriter.providers.base import (
     Call,
     Provider,
     ProviderTurn,
@@ -25,9 +27,9 @@ from capture.providers.base import (
     StreamWriter,
     register,
 )
-from rewriter import gemini
-from rewriter.canonical import AssistantReply, ChatRequest, RequestError
-from rewriter.parsers import ParseEvent
+from rewriter.providers.gemini import request as gemini_request
+from rewriter.providers.gemini import response as gemini_response
+from rewriter.providers.gemini import routes as gemini_routes
 from rewriter.vllm_client import Completion, PolicyError
 
 
@@ -47,7 +49,7 @@ class GeminiAPI(Provider[GeminiTurn]):
     )
 
     def match(self, call: Call) -> Route | None:
-        route = gemini.parse_route(call.method, call.path)
+        route = gemini_routes.parse_route(call.method, call.path)
         if route is None:
             return None
         if route.kind in ("generate", "stream"):
@@ -76,35 +78,37 @@ class GeminiAPI(Provider[GeminiTurn]):
         )
 
     @staticmethod
-    def _route(call: Call) -> gemini.Route:
-        route = gemini.parse_route(call.method, call.path)
+    def _route(call: Call) -> gemini_routes.Route:
+        route = gemini_routes.parse_route(call.method, call.path)
         if route is None:  # match() claimed it, so the path is a Gemini route
             raise RequestError(f"{call.path} is not a Gemini API route", status=404)
         return route
 
     def parse(self, call: Call, body: bytes, session_id: str) -> GeminiTurn:
         route = self._route(call)
-        request = gemini.parse_request(body, route.model, stream=route.kind == "stream")
+        request = gemini_request.parse_request(body, route.model, stream=route.kind == "stream")
         return GeminiTurn(
-            request.chat, gemini.new_response_id(), session_id, request.include_thoughts
+            request.chat, gemini_response.new_response_id(), session_id, request.include_thoughts
         )
 
     def count_tokens(self, call: Call, body: bytes, session_id: str) -> ChatRequest:
-        return gemini.parse_count_tokens(body, self._route(call).model)
+        return gemini_request.parse_count_tokens(body, self._route(call).model)
 
     def count_tokens_body(self, tokens: int) -> dict[str, Any]:
-        return gemini.count_tokens_response(tokens)
+        return gemini_response.count_tokens_response(tokens)
 
     def models_body(self, names: list[str], model_id: str) -> dict[str, Any]:
         if model_id:
-            return gemini.model_object(model_id)
-        return gemini.models_list(names)
+            return gemini_response.model_object(model_id)
+        return gemini_response.models_list(names)
 
     def error(self, status: int, message: str, param: str | None = None) -> web.Response:
-        return web.json_response(gemini.error_body(status, message), status=status)
+        return web.json_response(gemini_response.error_body(status, message), status=status)
 
     def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
-        return self.error(400, gemini.prompt_too_long_message(prompt_tokens, max_model_len))
+        return self.error(
+            400, gemini_response.prompt_too_long_message(prompt_tokens, max_model_len)
+        )
 
     def policy_error(self, exc: PolicyError) -> web.Response:
         if exc.status == 400:
@@ -122,8 +126,8 @@ class GeminiAPI(Provider[GeminiTurn]):
     def response(
         self, turn: GeminiTurn, prompt_tokens: int, completion: Completion, reply: AssistantReply
     ) -> tuple[dict[str, Any], str]:
-        reason = gemini.finish_reason(completion.finish_reason)
-        body = gemini.generate_response(
+        reason = gemini_response.finish_reason(completion.finish_reason)
+        body = gemini_response.generate_response(
             turn.response_id,
             turn.chat.model,
             reply,
@@ -140,7 +144,7 @@ class GeminiAPI(Provider[GeminiTurn]):
 
 class _ChunkStream:
     def __init__(self, turn: GeminiTurn, prompt_tokens: int) -> None:
-        self.writer = gemini.ChunkWriter(
+        self.writer = gemini_response.ChunkWriter(
             turn.response_id, turn.chat.model, prompt_tokens, turn.include_thoughts
         )
         self._final = b""
@@ -149,16 +153,18 @@ class _ChunkStream:
         return b""  # Gemini's stream has no opening event: its first chunk carries content
 
     def events(self, events: list[ParseEvent]) -> bytes:
-        return b"".join(gemini.sse(c) for c in self.writer.chunks(events))
+        return b"".join(gemini_response.sse(c) for c in self.writer.chunks(events))
 
     def finish(self, completion: Completion, reply: AssistantReply) -> tuple[bytes, str]:
-        reason = gemini.finish_reason(completion.finish_reason)
+        reason = gemini_response.finish_reason(completion.finish_reason)
         # The chunk with finishReason goes out only once the turn is durable.
-        self._final = gemini.sse(self.writer.finish(reason, len(completion.token_ids)))
+        self._final = gemini_response.sse(self.writer.finish(reason, len(completion.token_ids)))
         return b"", reason
 
     def end(self) -> bytes:
         return self._final
 
     def error(self, message: str) -> bytes:
-        return gemini.sse(gemini.error_body(500, f"The policy server failed: {message}"))
+        return gemini_response.sse(
+            gemini_response.error_body(500, f"The policy server failed: {message}")
+        )

@@ -1,8 +1,0 @@
-"""Providers: one module per API wire format, plugged into the gateway through
-:mod:`capture.providers.base` (read its docstring to add one). Importing this package registers
-the built-in providers, in the order the gateway asks them."""
-
-from capture.providers import anthropic, gemini, openai_chat, openai_responses
-from capture.providers.base import Provider, registered
-
-__all__ = ["Provider", "anthropic", "gemini", "openai_chat", "openai_responses", "registered"]
