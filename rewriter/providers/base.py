@@ -179,11 +179,27 @@ class Provider[T: ProviderTurn](ABC):
     @abstractmethod
     def error(self, status: int, message: str, param: str | None = None) -> web.Response: ...
 
-    @abstractmethod
-    def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response: ...
+    def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
+        """A prompt over the policy's context: a 400 in the provider's words."""
+        return self.error(400, self.prompt_too_long_message(prompt_tokens, max_model_len))
 
-    @abstractmethod
-    def policy_error(self, exc: PolicyError) -> web.Response: ...
+    def prompt_too_long_message(self, prompt_tokens: int, max_model_len: int) -> str:
+        return f"prompt is too long: {prompt_tokens} tokens > {max_model_len} maximum"
+
+    # The policy's faults in each provider's own statuses and words: ``unavailable`` is what its
+    # clients back off and retry on (Anthropic's 529 overloaded, 503 elsewhere).
+    unavailable_status: ClassVar[int] = 503
+    unavailable_message: ClassVar[str] = "the policy server is unavailable: {exc}"
+    failed_status: ClassVar[int] = 502
+    failed_message: ClassVar[str] = "{exc}"
+
+    def policy_error(self, exc: PolicyError) -> web.Response:
+        """The policy refused (400), is unavailable, or failed: the provider's error."""
+        if exc.status == 400:
+            return self.error(400, str(exc))
+        if exc.unavailable:
+            return self.error(self.unavailable_status, self.unavailable_message.format(exc=exc))
+        return self.error(self.failed_status, self.failed_message.format(exc=exc))
 
     @abstractmethod
     def response(

@@ -26,7 +26,7 @@ from rewriter.providers.base import (
     StreamWriter,
     register,
 )
-from rewriter.vllm_client import Completion, PolicyError
+from rewriter.vllm_client import Completion
 
 DROP_SYSTEM_BLOCKS = "agenttap_drop_system_blocks"
 
@@ -124,18 +124,14 @@ class AnthropicMessages(Provider[ProviderTurn]):
         body = anthropic_response.error_body(message, status)
         return web.json_response(body, status=status, headers={"request-id": body["request_id"]})
 
-    def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
-        return self.error(
-            400, anthropic_response.prompt_too_long_message(prompt_tokens, max_model_len)
-        )
+    def prompt_too_long_message(self, prompt_tokens: int, max_model_len: int) -> str:
+        return anthropic_response.prompt_too_long_message(prompt_tokens, max_model_len)
 
-    def policy_error(self, exc: PolicyError) -> web.Response:
-        if exc.status == 400:
-            return self.error(400, str(exc))
-        if exc.unavailable:
-            # Anthropic's "overloaded": clients back off and retry.
-            return self.error(529, f"Overloaded: the policy server is unavailable ({exc})")
-        return self.error(500, f"the policy server failed: {exc}")
+    # Anthropic's "overloaded": clients back off and retry.
+    unavailable_status = 529
+    unavailable_message = "Overloaded: the policy server is unavailable ({exc})"
+    failed_status = 500
+    failed_message = "the policy server failed: {exc}"
 
     def recorded_reply(self, turn: ProviderTurn, reply: AssistantReply) -> Message:
         return anthropic_response.with_client_ids(reply).as_message()

@@ -30,7 +30,7 @@ from rewriter.providers.base import (
 from rewriter.providers.gemini import request as gemini_request
 from rewriter.providers.gemini import response as gemini_response
 from rewriter.providers.gemini import routes as gemini_routes
-from rewriter.vllm_client import Completion, PolicyError
+from rewriter.vllm_client import Completion
 
 
 @dataclass
@@ -105,20 +105,13 @@ class GeminiAPI(Provider[GeminiTurn]):
     def error(self, status: int, message: str, param: str | None = None) -> web.Response:
         return web.json_response(gemini_response.error_body(status, message), status=status)
 
-    def prompt_too_long(self, prompt_tokens: int, max_model_len: int) -> web.Response:
-        return self.error(
-            400, gemini_response.prompt_too_long_message(prompt_tokens, max_model_len)
-        )
+    def prompt_too_long_message(self, prompt_tokens: int, max_model_len: int) -> str:
+        return gemini_response.prompt_too_long_message(prompt_tokens, max_model_len)
 
-    def policy_error(self, exc: PolicyError) -> web.Response:
-        if exc.status == 400:
-            return self.error(400, str(exc))
-        if exc.unavailable:
-            # UNAVAILABLE: Google's clients back off and retry.
-            return self.error(
-                503, f"The policy server is unavailable ({exc}); try again in a moment."
-            )
-        return self.error(500, f"The policy server failed: {exc}")
+    # UNAVAILABLE: Google's clients back off and retry.
+    unavailable_message = "The policy server is unavailable ({exc}); try again in a moment."
+    failed_status = 500
+    failed_message = "The policy server failed: {exc}"
 
     # recorded_reply: the default. Function calls carry the parser's ids, which the client is
     # given as functionCall.id and sends back on the call and its functionResponse.

@@ -24,7 +24,7 @@ from rewriter.providers.base import (
 )
 from rewriter.providers.openai_chat import request as chat_request
 from rewriter.providers.openai_chat import response as chat_response
-from rewriter.vllm_client import Completion, PolicyError
+from rewriter.vllm_client import Completion
 
 
 class OpenAIErrors:
@@ -43,13 +43,6 @@ class OpenAIErrors:
         )
         body["error"]["code"] = "context_length_exceeded"
         return web.json_response(body, status=400)
-
-    def policy_error(self, exc: PolicyError) -> web.Response:
-        if exc.status == 400:
-            return self.error(400, str(exc))
-        if exc.unavailable:
-            return self.error(503, f"the policy server is unavailable: {exc}")
-        return self.error(502, str(exc))
 
 
 def openai_models_body(names: list[str], model_id: str) -> dict[str, Any]:
