@@ -24,6 +24,23 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
 from rewriter.canonical import SamplingParams
+from rewriter.vllm_answers import (
+    Completion,
+    CompletionDelta,
+    PolicyError,
+    answer_choices,
+    answer_json,
+    answer_object,
+    checked_logprob,
+    completions_delta,
+    generate_delta,
+    is_int,
+    malformed_answer,
+    sampling_to_vllm,
+    typed_field,
+)
+
+__all__ = ["Completion", "CompletionDelta", "PolicyError", "PolicyInfo", "VLLMClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,189 +57,6 @@ SERVER_DEFAULTS = (
     "presence_penalty",
     "frequency_penalty",
 )
-
-# (version, start, end): output tokens [start, end) were sampled by weights labelled version.
-WeightSpan = tuple[str, int, int]
-
-
-class PolicyError(RuntimeError):
-    """The policy server failed or refused a request.
-
-    ``status`` is the server's HTTP status, 0 when it did not answer.
-    """
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def unavailable(self) -> bool:
-        """Down, overloaded or refusing for now (no answer, 429, 503): worth a retry later."""
-        return self.status in (0, 429, 503)
-
-
-@dataclass
-class CompletionDelta:
-    """A piece of a completion: new text, the token ids behind it and their logprobs.
-
-    ``weight_versions``: spans over the completion's token indexes (not the piece's), as the
-    generate endpoint reports them on a generation's last piece; empty when unknown.
-    """
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    weight_versions: list[WeightSpan] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    # Which weights sampled which tokens: (version, start, end) over token_ids; empty: unknown.
-    weight_versions: list[WeightSpan] = field(default_factory=list)
-
-    def extend(self, delta: CompletionDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        for version, start, end in delta.weight_versions:
-            last = self.weight_versions[-1] if self.weight_versions else None
-            if last is not None and last[0] == version and last[2] == start:
-                # A generation resumed under the same weights: one span.
-                self.weight_versions[-1] = (version, last[1], end)
-            else:
-                self.weight_versions.append((version, start, end))
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
-
-
-def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos"):
-        value = getattr(params, name)
-        if value is not None:
-            body[name] = value
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if params.json_schema is not None:
-        body["structured_outputs"] = {"json": params.json_schema}
-    return body
-
-
-def _choice_delta(choice: dict[str, Any]) -> CompletionDelta:
-    """A choice of ``/v1/completions``."""
-    lp = _field(choice, "logprobs", dict) or {}
-    values = _field(lp, "token_logprobs", list) or []
-    return _delta(choice, [_logprob(x) for x in values], [])
-
-
-def _generate_delta(choice: dict[str, Any]) -> CompletionDelta:
-    """A choice of ``/inference/v1/generate`` (``output_mode: text``); spans are the part's."""
-    content = _field(_field(choice, "logprobs", dict) or {}, "content", list) or []
-    entries = [_object(x, "a logprobs.content entry") for x in content]
-    logprobs = [_logprob(x.get("logprob", 0.0)) for x in entries]
-    spans: list[WeightSpan] = []
-    for span in _field(choice, "weight_versions", list) or []:
-        span = _object(span, "a weight_versions span")
-        start, end = span.get("start"), span.get("end")
-        if not (isinstance(start, int) and isinstance(end, int)) or span.get("version") is None:
-            raise _malformed("a weight_versions span without version, start and end", span)
-        spans.append((str(span["version"]), int(start), int(end)))
-    return _delta(choice, logprobs, spans)
-
-
-def _delta(
-    choice: dict[str, Any], logprobs: list[float], spans: list[WeightSpan]
-) -> CompletionDelta:
-    """The fields both endpoints spell alike, with the logprobs and spans each spells its way."""
-    ids = _field(choice, "token_ids", list) or []
-    if not all(_is_int(x) and 0 <= x < 2**31 for x in ids):
-        raise _malformed("token_ids that are not token ids", ids)
-    if len(logprobs) != len(ids):
-        raise PolicyError(
-            f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
-            "is it a vLLM server that returns token ids?",
-            BAD_ANSWER,
-        )
-    stop_reason = choice.get("stop_reason")
-    if stop_reason is not None and not isinstance(stop_reason, str) and not _is_int(stop_reason):
-        raise _malformed("a stop_reason that is neither text nor a token id", stop_reason)
-    return CompletionDelta(
-        text=_field(choice, "text", str) or "",
-        token_ids=ids,
-        logprobs=logprobs,
-        finish_reason=_field(choice, "finish_reason", str),
-        stop_reason=stop_reason,
-        weight_versions=spans,
-    )
-
-
-# The status a PolicyError carries when the policy answered 200 with something that is not a
-# vLLM answer (garbage, wrong types): the providers answer it as their server error, not as
-# "unavailable, retry".
-BAD_ANSWER = 502
-
-
-def _snippet(value: Any) -> str:
-    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else repr(value)
-    return text if len(text) <= 120 else text[:120] + "..."
-
-
-def _malformed(what: str, value: Any) -> PolicyError:
-    return PolicyError(
-        f"the policy server sent {what} ({_snippet(value)}); is it a vLLM server, and healthy?",
-        BAD_ANSWER,
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _malformed(f"{what} that is not a JSON object", value)
-    return value
-
-
-def _field(obj: dict[str, Any], name: str, kind: type) -> Any:
-    """``obj[name]`` if absent, null or of type ``kind``; else the policy's answer is garbage."""
-    value = obj.get(name)
-    if value is not None and not isinstance(value, kind):
-        raise _malformed(f"a {name!r} of the wrong type", value)
-    return value
-
-
-def _logprob(value: Any) -> float:
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _malformed("a logprob that is not a number", value)
-    return float(value)
-
-
-def _choices(data: Any) -> list[dict[str, Any]]:
-    """The choices of one answer (a whole body or a stream's chunk), checked for shape."""
-    data = _object(data, "an answer")
-    if "error" in data:
-        raise PolicyError(f"policy stream failed: {_snippet(data['error'])}")
-    choices = _field(data, "choices", list) or []
-    return [_object(c, "a choice") for c in choices]
-
-
-def _json(raw: bytes, what: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        raise _malformed(f"{what} that is not JSON", raw) from None
 
 
 @dataclass
@@ -327,13 +161,15 @@ class VLLMClient:
             raise self._stalled() from exc
         except aiohttp.ClientError as exc:
             raise PolicyError(f"cannot reach the policy server at {self.base_url}: {exc}") from exc
-        listing = _field(_object(_json(raw, "a model listing"), "a model listing"), "data", list)
+        listing = typed_field(
+            answer_object(answer_json(raw, "a model listing"), "a model listing"), "data", list
+        )
         if not listing:
-            raise _malformed("a model listing without models", raw)
-        model = _object(listing[0], "a model")
+            raise malformed_answer("a model listing without models", raw)
+        model = answer_object(listing[0], "a model")
         name, max_len = model.get("id"), model.get("max_model_len")
-        if not isinstance(name, str) or not (max_len is None or _is_int(max_len)):
-            raise _malformed("a model without a name or with a bad max_model_len", model)
+        if not isinstance(name, str) or not (max_len is None or is_int(max_len)):
+            raise malformed_answer("a model without a name or with a bad max_model_len", model)
         info = PolicyInfo(model=name, max_model_len=max_len)
         if self._api != "completions":
             info.generate = self._api == "generate" or await self._has_generate()
@@ -514,13 +350,15 @@ class VLLMClient:
                     raw = await resp.read()
         except TimeoutError as exc:
             raise self._stalled() from exc
-        parse = _generate_delta if path == GENERATE_PATH else _choice_delta
-        choices = _choices(_json(raw, "an answer"))
+        parse = generate_delta if path == GENERATE_PATH else completions_delta
+        choices = answer_choices(answer_json(raw, "an answer"))
         if not choices:
-            raise _malformed("an answer without choices", raw)
+            raise malformed_answer("an answer without choices", raw)
         delta = parse(choices[0])
         if delta.finish_reason is None:
-            raise _malformed("an answer whose generation did not finish (no finish_reason)", raw)
+            raise malformed_answer(
+                "an answer whose generation did not finish (no finish_reason)", raw
+            )
         yield delta
 
     async def stream(
@@ -532,7 +370,7 @@ class VLLMClient:
         ``progress_timeout_s`` raise PolicyError: the caller answers it as an error, never
         as a complete answer."""
         path, body = await self._body(prompt_ids, params, stream=True)
-        parse = _generate_delta if path == GENERATE_PATH else _choice_delta
+        parse = generate_delta if path == GENERATE_PATH else completions_delta
         deadline = self._deadline()
         try:
             async with asyncio.timeout_at(deadline):
@@ -550,7 +388,7 @@ class VLLMClient:
                 except TimeoutError as exc:  # ours, or the connection's read timeout
                     raise self._stalled() from exc
                 except (ValueError, HttpProcessingError) as exc:  # a line past aiohttp's limit
-                    raise _malformed("an over-long line", str(exc)) from None
+                    raise malformed_answer("an over-long line", str(exc)) from None
                 if not raw:
                     break
                 line = raw.strip()
@@ -559,7 +397,7 @@ class VLLMClient:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                for choice in _choices(_json(payload, "a stream line")):
+                for choice in answer_choices(answer_json(payload, "a stream line")):
                     delta = parse(choice)
                     if delta.token_ids or delta.finish_reason is not None:
                         deadline = self._deadline()
@@ -593,12 +431,14 @@ class VLLMClient:
                     raw = await resp.read()
         except TimeoutError as exc:
             raise self._stalled() from exc
-        choices = _choices(_json(raw, "an answer"))
+        choices = answer_choices(answer_json(raw, "an answer"))
         try:
             entries = choices[0]["prompt_logprobs"]
             out: list[float | None] = []
             for token, entry in zip(ids, entries, strict=True):
-                out.append(None if entry is None else _logprob(entry[str(token)]["logprob"]))
+                out.append(None if entry is None else checked_logprob(entry[str(token)]["logprob"]))
         except (KeyError, IndexError, TypeError, ValueError):
-            raise _malformed("prompt_logprobs that do not match the prompt", raw[:200]) from None
+            raise malformed_answer(
+                "prompt_logprobs that do not match the prompt", raw[:200]
+            ) from None
         return out

@@ -1,0 +1,194 @@
+"""vLLM's answers as this proxy reads them: completions and their streamed pieces, the sampling
+parameters sent, and the shape checks that turn anything else into a :class:`PolicyError`
+(garbage, wrong types, non-finite logprobs) instead of a crash or silence. No HTTP here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rewriter.canonical import SamplingParams
+
+# (version, start, end): output tokens [start, end) were sampled by weights labelled version.
+WeightSpan = tuple[str, int, int]
+
+
+class PolicyError(RuntimeError):
+    """The policy server failed or refused a request.
+
+    ``status`` is the server's HTTP status, 0 when it did not answer.
+    """
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def unavailable(self) -> bool:
+        """Down, overloaded or refusing for now (no answer, 429, 503): worth a retry later."""
+        return self.status in (0, 429, 503)
+
+
+@dataclass
+class CompletionDelta:
+    """A piece of a completion: new text, the token ids behind it and their logprobs.
+
+    ``weight_versions``: spans over the completion's token indexes (not the piece's), as the
+    generate endpoint reports them on a generation's last piece; empty when unknown.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    # Which weights sampled which tokens: (version, start, end) over token_ids; empty: unknown.
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+
+    def extend(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        for version, start, end in delta.weight_versions:
+            last = self.weight_versions[-1] if self.weight_versions else None
+            if last is not None and last[0] == version and last[2] == start:
+                # A generation resumed under the same weights: one span.
+                self.weight_versions[-1] = (version, last[1], end)
+            else:
+                self.weight_versions.append((version, start, end))
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos"):
+        value = getattr(params, name)
+        if value is not None:
+            body[name] = value
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.json_schema is not None:
+        body["structured_outputs"] = {"json": params.json_schema}
+    return body
+
+
+def completions_delta(choice: dict[str, Any]) -> CompletionDelta:
+    """A choice of ``/v1/completions``."""
+    lp = typed_field(choice, "logprobs", dict) or {}
+    values = typed_field(lp, "token_logprobs", list) or []
+    return answer_delta(choice, [checked_logprob(x) for x in values], [])
+
+
+def generate_delta(choice: dict[str, Any]) -> CompletionDelta:
+    """A choice of ``/inference/v1/generate`` (``output_mode: text``); spans are the part's."""
+    content = typed_field(typed_field(choice, "logprobs", dict) or {}, "content", list) or []
+    entries = [answer_object(x, "a logprobs.content entry") for x in content]
+    logprobs = [checked_logprob(x.get("logprob", 0.0)) for x in entries]
+    spans: list[WeightSpan] = []
+    for span in typed_field(choice, "weight_versions", list) or []:
+        span = answer_object(span, "a weight_versions span")
+        start, end = span.get("start"), span.get("end")
+        if not (isinstance(start, int) and isinstance(end, int)) or span.get("version") is None:
+            raise malformed_answer("a weight_versions span without version, start and end", span)
+        spans.append((str(span["version"]), int(start), int(end)))
+    return answer_delta(choice, logprobs, spans)
+
+
+def answer_delta(
+    choice: dict[str, Any], logprobs: list[float], spans: list[WeightSpan]
+) -> CompletionDelta:
+    """The fields both endpoints spell alike, with the logprobs and spans each spells its way."""
+    ids = typed_field(choice, "token_ids", list) or []
+    if not all(is_int(x) and 0 <= x < 2**31 for x in ids):
+        raise malformed_answer("token_ids that are not token ids", ids)
+    if len(logprobs) != len(ids):
+        raise PolicyError(
+            f"policy returned {len(ids)} token ids but {len(logprobs)} logprobs; "
+            "is it a vLLM server that returns token ids?",
+            BAD_ANSWER,
+        )
+    stop_reason = choice.get("stop_reason")
+    if stop_reason is not None and not isinstance(stop_reason, str) and not is_int(stop_reason):
+        raise malformed_answer("a stop_reason that is neither text nor a token id", stop_reason)
+    return CompletionDelta(
+        text=typed_field(choice, "text", str) or "",
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason=typed_field(choice, "finish_reason", str),
+        stop_reason=stop_reason,
+        weight_versions=spans,
+    )
+
+
+# The status a PolicyError carries when the policy answered 200 with something that is not a
+# vLLM answer (garbage, wrong types): the providers answer it as their server error, not as
+# "unavailable, retry".
+BAD_ANSWER = 502
+
+
+def snippet(value: Any) -> str:
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
+def malformed_answer(what: str, value: Any) -> PolicyError:
+    return PolicyError(
+        f"the policy server sent {what} ({snippet(value)}); is it a vLLM server, and healthy?",
+        BAD_ANSWER,
+    )
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def answer_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise malformed_answer(f"{what} that is not a JSON object", value)
+    return value
+
+
+def typed_field(obj: dict[str, Any], name: str, kind: type) -> Any:
+    """``obj[name]`` if absent, null or of type ``kind``; else the policy's answer is garbage."""
+    value = obj.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise malformed_answer(f"a {name!r} of the wrong type", value)
+    return value
+
+
+def checked_logprob(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise malformed_answer("a logprob that is not a number", value)
+    return float(value)
+
+
+def answer_choices(data: Any) -> list[dict[str, Any]]:
+    """The choices of one answer (a whole body or a stream's chunk), checked for shape."""
+    data = answer_object(data, "an answer")
+    if "error" in data:
+        raise PolicyError(f"policy stream failed: {snippet(data['error'])}")
+    choices = typed_field(data, "choices", list) or []
+    return [answer_object(c, "a choice") for c in choices]
+
+
+def answer_json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise malformed_answer(f"{what} that is not JSON", raw) from None
