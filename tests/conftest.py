@@ -51,6 +51,18 @@ def qwen25_dir() -> Path:
     return QWEN25
 
 
+# Qwen3's <|im_end|>: the token that ends every assistant turn.
+IM_END = 151645
+
+
+@pytest.fixture(scope="session")
+def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
+    """The Qwen3 tokenizer itself (transformers), for tests that decode or count ids."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen3_dir))
+
+
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real vLLM serving the tiny fp32 Qwen3 model (cold start about a minute)."""

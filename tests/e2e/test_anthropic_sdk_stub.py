@@ -15,10 +15,8 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.conftest import Proxy, start_proxy
+from tests.conftest import IM_END, Proxy, start_proxy
 from tests.stub_vllm import StubPolicy
-
-IM_END = 151645
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -33,13 +31,6 @@ TOOLS: list[dict[str, Any]] = [
     }
 ]
 USER = [{"role": "user", "content": "What's the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def script(stub: StubPolicy, *texts: str) -> int:

@@ -19,14 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Proxy, read_turns
+from tests.conftest import IM_END, REPO, Proxy, read_turns
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
 
 CLAUDE = REPO / ".cache" / "node" / "node_modules" / ".bin" / "claude"
-IM_END = 151645
 TUI_KEY = "sk-ant-agenttap-tui-test-key"
 
 
@@ -34,13 +33,6 @@ TUI_KEY = "sk-ant-agenttap-tui-test-key"
 def claude() -> Path:
     assert CLAUDE.exists(), f"Claude Code is not installed at {CLAUDE}: run scripts/setup.sh"
     return CLAUDE
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def run_claude(

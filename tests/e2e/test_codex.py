@@ -19,14 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Proxy, start_proxy
+from tests.conftest import IM_END, REPO, Proxy, start_proxy
 from tests.e2e.test_openai_tools_stub import hermes
 from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
 
 CODEX = REPO / ".cache" / "node" / "node_modules" / ".bin" / "codex"
-IM_END = 151645
 WEBSOCKET_OFF = ["--set", "agenttap_responses_websocket=false"]
 # The first answer thinks, then writes the file through exec -> tools.exec_command.
 EXEC_SCRIPT = 'const r = await tools.exec_command({cmd: "printf hi > hello.txt"});\ntext(r.output);'
@@ -40,13 +39,6 @@ FUNCTION_CALL = hermes("exec_command", {"cmd": "printf hi > hello.txt"})
 def codex() -> Path:
     assert CODEX.exists(), f"Codex is not installed at {CODEX}: run scripts/install_clients.sh"
     return CODEX
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, Proxy
+from tests.conftest import IM_END, REPO, Proxy
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_trajectory_vllm import _assert_exact, _rescore
 from tests.flows import read_flows, recorded_replies, recording, replay_flows, thread_signatures
 from tests.stub_vllm import StubPolicy
 
 GEMINI = REPO / ".cache" / "node" / "node_modules" / ".bin" / "gemini"
-IM_END = 151645
 HOST = "generativelanguage.googleapis.com"
 
 
@@ -33,13 +32,6 @@ HOST = "generativelanguage.googleapis.com"
 def gemini_cli() -> Path:
     assert GEMINI.exists(), f"Gemini CLI is not installed at {GEMINI}: run scripts/setup.sh"
     return GEMINI
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def run_gemini(

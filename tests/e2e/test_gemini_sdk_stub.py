@@ -21,10 +21,9 @@ from google.genai import errors, types
 from pydantic import BaseModel
 
 from rewriter.policy_server import free_port
-from tests.conftest import Proxy, start_proxy
+from tests.conftest import IM_END, Proxy, start_proxy
 from tests.stub_vllm import StubPolicy
 
-IM_END = 151645
 MODEL = "gemini-2.5-flash"
 HOST = "https://generativelanguage.googleapis.com"
 
@@ -37,13 +36,6 @@ WEATHER = types.FunctionDeclaration(
         required=["city"],
     ),
 )
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def client(proxy: Proxy, session: str, monkeypatch: pytest.MonkeyPatch) -> genai.Client:

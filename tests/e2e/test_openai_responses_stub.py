@@ -7,7 +7,6 @@ exactly, previous_response_id, structured output, input_tokens and errors in Ope
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,13 +36,6 @@ TOOLS: list[dict[str, Any]] = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def assembly_of(rows: list[dict[str, Any]]) -> list[str]:

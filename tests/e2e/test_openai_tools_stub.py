@@ -8,16 +8,13 @@ reply the client must get.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.conftest import Proxy
+from tests.conftest import IM_END, Proxy
 from tests.stub_vllm import StubPolicy
-
-IM_END = 151645
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -56,13 +53,6 @@ TIME_ARGS = {"city": "Tokyo"}
 def hermes(name: str, arguments: dict[str, Any]) -> str:
     """A tool call exactly as Qwen3's chat template writes one."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 def expected_ids(tok: Any, text: str) -> list[int]:

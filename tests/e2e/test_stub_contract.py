@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import IM_END
 from tests.stub_vllm import StubPolicy
 
 pytestmark = pytest.mark.vllm
 
-IM_END = 151645
 LONG_REPLY = "Hello there! How are you doing today? I hope the weather is fine where you are."
 
 
