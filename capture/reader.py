@@ -1,24 +1,75 @@
 """Read thread shards into padded batches for a trainer.
 
-rows = load_threads("OUT/threads")
-batch = to_batch(rows, pad_id=151643)           # numpy arrays
+rows = load_threads("OUT")                      # OUT/threads, late rewards from OUT/rewards joined
+batch = to_rl_batch(rows, pad_id=151643)        # verl-style prompts / responses (numpy)
+batch = to_batch(rows, pad_id=151643)           # or whole rows padded to one length (numpy)
 tensors = to_torch(batch)                       # torch tensors, if torch is installed
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import pyarrow.dataset as ds
 
+from capture.rewards import REWARDS_DIR, join_rewards, load_rewards
+
+logger = logging.getLogger(__name__)
+
+# Folders of an output directory: a folder holding any of them is OUT itself.
+_OUT_FOLDERS = ("threads", "turns", "failed", "journal", REWARDS_DIR)
+
+
+def _locate(path: str | os.PathLike[str]) -> tuple[Path | None, Path]:
+    """(the thread shards to read, or None if there are none; the OUT folder of late rewards)."""
+    p = Path(path)
+    if p.is_dir() and p.name != "threads" and any((p / d).is_dir() for d in _OUT_FOLDERS):
+        threads = p / "threads"
+        return (threads if threads.is_dir() else None), p
+    shards_dir = p if p.is_dir() else p.parent
+    return p, shards_dir.parent
+
 
 def load_threads(
-    path: str | os.PathLike[str], columns: list[str] | None = None
+    path: str | os.PathLike[str],
+    columns: list[str] | None = None,
+    rewards: bool = True,
 ) -> list[dict[str, Any]]:
-    """All thread rows under ``path`` (a folder of shards, or one file)."""
-    return ds.dataset(str(path), format="parquet").to_table(columns=columns).to_pylist()
+    """All thread rows under ``path``, as dicts.
+
+    ``path``: ``OUT`` itself (a folder holding ``threads/``, or another of OUT's folders),
+    ``OUT/threads`` (any folder of thread shards), or one shard file.
+    ``columns``: read only these (default: all).
+    ``rewards``: join the late rewards of ``capture.rewards`` (``OUT/rewards/``, the folder
+    beside the shards' folder) onto the rows' ``reward`` (the reward set last wins and replaces
+    the one the row was written with; see ``capture.rewards.join_rewards``). Skipped when
+    ``columns`` leaves out ``reward``; ``session_id`` and ``thread_id`` are read for the join
+    and dropped again if ``columns`` leaves them out."""
+    threads, out_dir = _locate(path)
+    if threads is None:
+        return []
+    dataset = ds.dataset(str(threads), format="parquet")
+    if not dataset.files:
+        return []
+    join = rewards and (columns is None or "reward" in columns)
+    read = columns
+    if join and columns is not None:
+        read = list(dict.fromkeys([*columns, "session_id", "thread_id"]))
+    rows: list[dict[str, Any]] = dataset.to_table(columns=read).to_pylist()
+    if join:
+        late = load_rewards(out_dir)
+        if late.num_rows:
+            rows = join_rewards(rows, late)
+        if columns is not None and read != columns:
+            extra = set(read or ()) - set(columns)
+            rows = [{k: v for k, v in row.items() if k not in extra} for row in rows]
+    return rows
 
 
 def to_batch(
@@ -52,7 +103,198 @@ def to_batch(
     return out
 
 
-def to_torch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    import torch
+Truncation = Literal["error", "left", "right", "middle"]
+_TRUNCATIONS = ("error", "left", "right", "middle")
 
-    return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+class RLBatch(TypedDict):
+    """What :func:`to_rl_batch` returns (``n`` rows, ``P`` prompt and ``R`` response columns)."""
+
+    prompts: np.ndarray  # (n, P) int64, left-padded with pad_id
+    responses: np.ndarray  # (n, R) int64, right-padded with pad_id
+    response_mask: np.ndarray  # (n, R) int64: 1 on the policy's trained tokens
+    rollout_log_probs: np.ndarray  # (n, R) float32: the sampler's logprobs, 0 elsewhere
+    input_ids: np.ndarray  # (n, P + R) int64: prompts ++ responses
+    attention_mask: np.ndarray  # (n, P + R) int64: 1 on real tokens
+    position_ids: np.ndarray  # (n, P + R) int64: clip(cumsum(attention_mask) - 1, 0)
+    reward: np.ndarray  # (n,) float64, NaN where the row has none
+    token_level_rewards: np.ndarray  # (n, R) float32: reward on the last trained token
+    group_id: list[str]  # metadata "group_id", else the session id
+    session_id: list[str | None]
+    thread_id: list[str | None]
+
+
+def to_rl_batch(
+    rows: list[dict[str, Any]],
+    pad_id: int,
+    max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
+    truncation: Truncation = "error",
+) -> RLBatch:
+    """Split thread rows into prompt and response, padded as verl's PPO / GRPO batches are.
+
+    A row's *prompt* is its tokens before its first trained token (the first ``loss_mask`` 1);
+    its *response* is the rest: the policy's sampled tokens and, in a multi-turn row, the tool /
+    environment tokens between its calls (``response_mask`` 0 on these, as verl's agent loop
+    masks tool responses). A row that trains nothing has all its tokens as prompt and an empty
+    response.
+
+    Returns numpy arrays (see :class:`RLBatch`): ``prompts`` left-padded, ``responses``
+    right-padded, ``input_ids`` = ``prompts`` ++ ``responses``, ``attention_mask``,
+    ``position_ids`` (``clip(cumsum(attention_mask) - 1, min=0)``, as verl computes them),
+    ``response_mask``, ``rollout_log_probs``, ``reward`` (NaN where null), ``token_level_rewards``
+    (the row's reward on its last ``response_mask`` 1 token, 0 elsewhere; NaN there where the
+    reward is null, so a missing reward cannot train silently as 0; all 0 for a row that trains
+    nothing), and the lists ``group_id`` (the ``"group_id"`` of the row's ``metadata`` JSON, else
+    its ``session_id``; verl's GRPO groups by ``non_tensor_batch["uid"]``: pass it as that),
+    ``session_id`` and ``thread_id``.
+
+    ``max_prompt_len`` / ``max_response_len``: pad to exactly this width (default: the longest in
+    the batch). ``truncation`` for what exceeds them: ``"error"`` (default) raises ValueError
+    naming the row and its lengths; otherwise a prompt keeps its end (``"left"``), its beginning
+    (``"right"``) or both halves (``"middle"``), as verl's ``truncation`` option does, and a
+    response over ``max_response_len`` is cut at its end (its later tokens are dropped: the kept
+    ones stay exactly the ones sampled in that context).
+    """
+    if truncation not in _TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {_TRUNCATIONS}, not {truncation!r}")
+    for name, limit in (("max_prompt_len", max_prompt_len), ("max_response_len", max_response_len)):
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, not {limit!r}")
+
+    prompts: list[np.ndarray] = []
+    responses: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    rewards = np.full(len(rows), np.nan, dtype=np.float64)
+    group_ids: list[str] = []
+    session_ids: list[str | None] = []
+    thread_ids: list[str | None] = []
+    for i, row in enumerate(rows):
+        label = f"row {i} (session {row.get('session_id')!r}, thread {row.get('thread_id')!r})"
+        ids, mask, logprobs = _aligned(row, label)
+        trained = np.flatnonzero(mask)
+        first = int(trained[0]) if trained.size else len(ids)
+        prompt = _truncate_prompt(ids[:first], max_prompt_len, truncation, label)
+        response = slice(first, len(ids))
+        if max_response_len is not None and len(ids) - first > max_response_len:
+            if truncation == "error":
+                raise ValueError(
+                    f"{label}: response is {len(ids) - first} tokens, over "
+                    f"max_response_len={max_response_len} (prompt {first} tokens); raise the "
+                    "limit, or pass truncation='left' / 'right' / 'middle' to cut responses at "
+                    "their end"
+                )
+            response = slice(first, first + max_response_len)
+        prompts.append(prompt)
+        responses.append((ids[response], mask[response], logprobs[response]))
+        reward = row.get("reward")
+        if reward is not None:
+            rewards[i] = float(reward)
+        session_ids.append(row.get("session_id"))
+        thread_ids.append(row.get("thread_id"))
+        group_ids.append(_group_id(row, label))
+
+    n = len(rows)
+    width_p = max_prompt_len if max_prompt_len is not None else max(map(len, prompts), default=0)
+    width_r = (
+        max_response_len
+        if max_response_len is not None
+        else max((len(r[0]) for r in responses), default=0)
+    )
+    out_prompts = np.full((n, width_p), pad_id, dtype=np.int64)
+    prompt_mask = np.zeros((n, width_p), dtype=np.int64)
+    out_responses = np.full((n, width_r), pad_id, dtype=np.int64)
+    response_attn = np.zeros((n, width_r), dtype=np.int64)
+    response_mask = np.zeros((n, width_r), dtype=np.int64)
+    rollout_log_probs = np.zeros((n, width_r), dtype=np.float32)
+    token_level_rewards = np.zeros((n, width_r), dtype=np.float32)
+    for i, (prompt, (r_ids, r_mask, r_logprobs)) in enumerate(zip(prompts, responses, strict=True)):
+        if len(prompt):
+            out_prompts[i, width_p - len(prompt) :] = prompt
+            prompt_mask[i, width_p - len(prompt) :] = 1
+        k = len(r_ids)
+        out_responses[i, :k] = r_ids
+        response_attn[i, :k] = 1
+        response_mask[i, :k] = r_mask
+        rollout_log_probs[i, :k] = r_logprobs
+        trained = np.flatnonzero(r_mask)
+        if trained.size:
+            token_level_rewards[i, trained[-1]] = rewards[i]
+    attention_mask = np.concatenate([prompt_mask, response_attn], axis=1)
+    return RLBatch(
+        prompts=out_prompts,
+        responses=out_responses,
+        response_mask=response_mask,
+        rollout_log_probs=rollout_log_probs,
+        input_ids=np.concatenate([out_prompts, out_responses], axis=1),
+        attention_mask=attention_mask,
+        position_ids=np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None),
+        reward=rewards,
+        token_level_rewards=token_level_rewards,
+        group_id=group_ids,
+        session_id=session_ids,
+        thread_id=thread_ids,
+    )
+
+
+def _aligned(row: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The row's ``input_ids``, ``loss_mask`` (0/1) and ``logprobs``, checked to be aligned."""
+    missing = [c for c in ("input_ids", "loss_mask", "logprobs") if row.get(c) is None]
+    if missing:
+        raise ValueError(f"{label} has no {', '.join(missing)} (read those columns)")
+    ids = np.asarray(row["input_ids"], dtype=np.int64)
+    mask = (np.asarray(row["loss_mask"]) != 0).astype(np.int64)
+    logprobs = np.asarray(row["logprobs"], dtype=np.float32)
+    if not len(ids) == len(mask) == len(logprobs):
+        raise ValueError(
+            f"{label}: input_ids, loss_mask and logprobs differ in length "
+            f"({len(ids)}, {len(mask)}, {len(logprobs)})"
+        )
+    return ids, mask, logprobs
+
+
+def _truncate_prompt(
+    prompt: np.ndarray, limit: int | None, truncation: Truncation, label: str
+) -> np.ndarray:
+    n = len(prompt)
+    if limit is None or n <= limit:
+        return prompt
+    if truncation == "error":
+        raise ValueError(
+            f"{label}: prompt is {n} tokens, over max_prompt_len={limit}; raise the limit, or "
+            "pass truncation='left' (keep its end), 'right' (keep its beginning) or 'middle'"
+        )
+    if truncation == "left":
+        return prompt[n - limit :]
+    if truncation == "right":
+        return prompt[:limit]
+    half = limit // 2
+    return np.concatenate([prompt[:half], prompt[n - (limit - half) :]])
+
+
+def _group_id(row: Mapping[str, Any], label: str) -> str:
+    metadata = row.get("metadata")
+    if metadata:
+        try:
+            parsed = json.loads(metadata)
+        except (TypeError, ValueError):
+            logger.warning("%s: metadata is not JSON; grouping it by its session", label)
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("group_id") is not None:
+            group = parsed["group_id"]
+            return group if isinstance(group, str) else json.dumps(group, sort_keys=True)
+    return str(row.get("session_id"))
+
+
+def to_torch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch with its numpy arrays as torch tensors (sharing memory); other entries (the
+    lists of ids) pass through unchanged. Needs torch; the numpy batches do not."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            "capture.reader.to_torch needs PyTorch, which is not installed: pip install torch "
+            "(to_batch and to_rl_batch give numpy arrays without it)"
+        ) from exc
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
