@@ -20,9 +20,11 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import sys
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
 # `capture` package; drop it, and make the repository importable when it is not installed.
@@ -41,7 +43,17 @@ from capture.bodies import (  # noqa: E402
     UNSUPPORTED_ENCODING_HEADER,
     shrink_head,
 )
-from capture.gateway import HOST_HEADER, TOKEN_HEADER, Gateway, GatewayConfig  # noqa: E402
+from capture.gateway import (  # noqa: E402
+    BEARER_HEADER,
+    CONTROL_HOST,
+    HOST_HEADER,
+    LOOPBACK_HEADER,
+    TOKEN_HEADER,
+    Gateway,
+    GatewayConfig,
+    advertised_host,
+    url_host,
+)
 from capture.options import (  # noqa: E402
     Settings,
     all_options,
@@ -51,17 +63,18 @@ from capture.options import (  # noqa: E402
     parse_value,
     unknown_names,
 )
-from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
+from capture.session_ids import (  # noqa: E402
+    SECRET_HEADERS,
+    SECRET_QUERY,
+    SESSION_HEADER,
+    quote_session,
+)
 
 logger = logging.getLogger(__name__)
 
-# Credentials a client sends to its provider: never forwarded, never logged.
-SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
-SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
-# Plain-HTTP requests through the proxy to this name are answered by the addon itself, from
-# loopback clients only: `POST http://agenttap.local/flush[?session=ID]` writes sessions' shards
-# now (tests and scripts use it instead of waiting for the idle timeout).
-CONTROL_HOST = "agenttap.local"
+# Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
+# API (capture/control_api.py); `POST http://agenttap.local/flush[?session=ID]` from loopback
+# needs no token (tests and scripts use it instead of waiting for the idle timeout).
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
 
@@ -216,6 +229,12 @@ class AgentTap:
             model_names=settings.model_names,
             recompute_logprobs=settings.recompute_logprobs,
             provider_options=settings.provider_options,
+            api_host=settings.api_host,
+            api_port=settings.api_port,
+            token=settings.token,
+            advertise_host=settings.advertise_host,
+            proxy_url=await self._proxy_url(settings.advertise_host),
+            ca_path=str(Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"),
         )
         gateway = Gateway(config)
         await gateway.start()
@@ -227,6 +246,47 @@ class AgentTap:
             ", ".join(config.policy_urls),
             os.path.abspath(config.out_dir),
         )
+        self._banner(gateway)
+
+    @staticmethod
+    async def _proxy_url(advertise: str) -> str:
+        """mitmdump's own listener as clients elsewhere reach it (its port may be 0: a free
+        one, known once its server listens)."""
+        server: Any = ctx.master.addons.get("proxyserver")
+        addrs: list[Any] = []
+        for _ in range(100):
+            addrs = list(server.listen_addrs()) if server is not None else []
+            if addrs:
+                break
+            await asyncio.sleep(0.05)
+        host = ctx.options.listen_host
+        port = addrs[0][1] if addrs else ctx.options.listen_port or 8080
+        return f"http://{url_host(advertised_host(host, advertise))}:{port}"
+
+    @staticmethod
+    def _banner(gateway: Gateway) -> None:
+        """The lines a trainer, a launcher or a person copies (kept as they are: tools parse
+        them)."""
+        assert gateway.api is not None
+        ends = gateway.api.endpoints
+        lines = [
+            f"AGENTTAP_PROXY={ends.proxy_url}",
+            f"AGENTTAP_API={ends.api_url}",
+            f"AGENTTAP_TOKEN={gateway.api_token}",
+            f"AGENTTAP_CA={ends.ca_path}",
+            "Proxy mode: HTTPS_PROXY="
+            + ends.env("SESSION").get("HTTPS_PROXY", "")
+            + f" SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
+            "Base-URL mode (SESSION: any name you pick):",
+        ]
+        urls = ends.base_urls("SESSION")
+        lines += [
+            f"  OPENAI_BASE_URL={urls['openai']}",
+            f"  ANTHROPIC_BASE_URL={urls['anthropic']}",
+            f"  GOOGLE_GEMINI_BASE_URL={urls['gemini']}",
+        ]
+        for line in lines:
+            logger.info("%s", line)
 
     @staticmethod
     def _warn_if_open() -> None:
@@ -309,6 +369,8 @@ class AgentTap:
         provider's 413 after reading no more than the limit. Nothing is held whole in memory.
         Flows that never pass through here (client replay) are routed in ``request``."""
         host = flow.request.pretty_host.lower()
+        if host == CONTROL_HOST:
+            self._read_bearer(flow)
         if flow.response or host == CONTROL_HOST or host not in self.hosts or self.broken:
             _strip_secrets(flow.request)  # a refused flow is logged and saved too
             if flow.request.stream:
@@ -326,12 +388,14 @@ class AgentTap:
             return  # a streamed body, routed in requestheaders
         # Keys go before anything else, refusals included: every flow is logged and can be saved.
         plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        if flow.request.pretty_host.lower() == CONTROL_HOST:
+            self._read_bearer(flow)
         _strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
         if host == CONTROL_HOST and flow.request.scheme == "http":
-            await self._control(flow)
+            self._control(flow)
             return
         if host not in self.hosts:
             self._refuse(flow, host)
@@ -389,26 +453,44 @@ class AgentTap:
         req.headers["Host"] = host
         flow.metadata["agenttap_routed"] = True
 
-    async def _control(self, flow: http.HTTPFlow) -> None:
-        def answer(status: int, body: dict[str, object]) -> None:
-            flow.response = http.Response.make(
-                status, json.dumps(body).encode(), {"Content-Type": "application/json"}
-            )
+    def _read_bearer(self, flow: http.HTTPFlow) -> None:
+        """Check a control call's ``Authorization: Bearer`` here, before the header is stripped
+        like every credential: the gateway is told only ``ok`` or ``wrong``."""
+        if "agenttap_bearer" in flow.metadata:
+            return
+        scheme, _, given = flow.request.headers.get("Authorization", "").partition(" ")
+        state = ""
+        if scheme.lower() == "bearer" and given.strip():
+            token = self.gateway.api_token if self.gateway is not None else ""
+            ok = bool(token) and secrets.compare_digest(given.strip().encode(), token.encode())
+            state = "ok" if ok else "wrong"
+        flow.metadata["agenttap_bearer"] = state
 
-        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
-        if not ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
-            answer(403, {"error": f"{CONTROL_HOST} answers loopback clients only"})
-            return
-        if flow.request.method != "POST" or flow.request.path.split("?")[0] != "/flush":
-            answer(404, {"error": f"{CONTROL_HOST} answers POST /flush[?session=ID] only"})
-            return
+    def _control(self, flow: http.HTTPFlow) -> None:
+        """``http://agenttap.local/...``: the control API, answered by the gateway."""
         if self.gateway is None:
-            answer(503, {"error": "agenttap is not running: no policy server configured"})
+            flow.response = http.Response.make(
+                503,
+                json.dumps({"error": "agenttap is not running: no policy server configured"}),
+                {"Content-Type": "application/json"},
+            )
             return
-        session = flow.request.query.get("session")
-        written = await self.gateway.flush(session)
-        logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
-        answer(200, {"written": [str(p) for p in written]})
+        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        req = flow.request
+        flow.metadata["agenttap_origin"] = [
+            req.scheme, req.host, req.port, req.authority, req.headers.get("Host"),
+        ]  # fmt: skip
+        if ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
+            req.headers[LOOPBACK_HEADER] = "1"
+        bearer = flow.metadata.get("agenttap_bearer")
+        if bearer:
+            req.headers[BEARER_HEADER] = bearer
+        req.headers[TOKEN_HEADER] = self.gateway.token
+        req.headers[HOST_HEADER] = CONTROL_HOST
+        req.host = "127.0.0.1"
+        req.port = self.gateway.port
+        req.headers["Host"] = CONTROL_HOST
+        flow.metadata["agenttap_routed"] = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if "agenttap_host" in flow.metadata and flow.response is not None:
@@ -427,7 +509,7 @@ class AgentTap:
             return
         scheme, host, port, authority, host_header = origin
         req = flow.request
-        for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER):
+        for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER, LOOPBACK_HEADER, BEARER_HEADER):
             req.headers.pop(name, None)
         answered = flow.response is not None and flow.response.status_code < 400
         if UNSUPPORTED_ENCODING_HEADER in req.headers and answered:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
 
 from capture.bodies import (
     OVERSIZED_HEADER,
@@ -29,10 +33,18 @@ from capture.bodies import (
     PARSER_HEAD_FIELDS,
     oversized_head_message,
 )
+from capture.control_api import ControlAPI, Endpoints
 from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
-from capture.session_ids import request_session_id
-from capture.sessions import SessionStore
+from capture.session_control import SessionControl
+from capture.session_ids import (
+    SECRET_HEADERS,
+    SECRET_QUERY,
+    SESSION_HEADER,
+    quote_session,
+    request_session_id,
+)
+from capture.sessions import RowAnnotations, SessionStore
 from rewriter.providers import registered
 from rewriter.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from rewriter.template import ChatTemplate
@@ -42,6 +54,18 @@ logger = logging.getLogger(__name__)
 
 TOKEN_HEADER = "X-Agenttap-Token"
 HOST_HEADER = "X-Agenttap-Host"
+# Set by the addon on control calls through the proxy (http://agenttap.local) from loopback.
+LOOPBACK_HEADER = "X-Agenttap-Loopback"
+# The addon checks a control call's bearer token (then strips it like every credential) and
+# says here what it found: "ok" or "wrong".
+BEARER_HEADER = "X-Agenttap-Bearer"
+CONTROL_HOST = "agenttap.local"
+# Base-URL mode: /sess/<id>/<prefix>/... names the provider's host; no prefix: guessed.
+BASE_URL_PREFIXES = {
+    "openai": "api.openai.com",
+    "anthropic": "api.anthropic.com",
+    "gemini": "generativelanguage.googleapis.com",
+}
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
 
@@ -77,7 +101,34 @@ class GatewayConfig:
     policy_timeout_s: float = 300.0
     # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
     policy_max_connections: int = 1024
+    # The control API and per-session base URLs listen here (port 0: a free one); None: not
+    # at all (only the proxy's http://agenttap.local serves the control API).
+    api_host: str | None = None
+    api_port: int = 0
+    # The control API's bearer token; empty: a random one.
+    token: str = ""
+    # Host put into the URLs handed out (empty: the listening address, see advertised_host).
+    advertise_host: str = ""
+    # mitmdump's proxy URL (http://HOST:PORT) and CA certificate, for sessions' environments.
+    proxy_url: str = ""
+    ca_path: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def advertised_host(listen_host: str, advertise: str = "") -> str:
+    """The host a client elsewhere should use for a listener on ``listen_host``."""
+    if advertise:
+        return advertise
+    if listen_host in ("", "0.0.0.0", "::"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return listen_host
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 class Gateway:
@@ -92,8 +143,14 @@ class Gateway:
             config.idle_timeout_s,
             recompute=config.recompute_logprobs,
         )
+        # The secret only the addon sends (its calls to the internal listener).
         self.token = secrets.token_hex(16)
         self.port = 0
+        # The control API's token (printed at start) and its listener's port.
+        self.api_token = config.token or secrets.token_urlsafe(24)
+        self.api_port = 0
+        self.control = SessionControl()
+        self.store.annotations_for = self._annotations
         self.policies = PolicyPools(
             config.policy_urls,
             config.model_map,
@@ -109,7 +166,9 @@ class Gateway:
             reasoning_parser=config.reasoning_parser,
             recompute_logprobs=config.recompute_logprobs,
             max_body_bytes=config.max_body_bytes,
+            control=self.control,
         )
+        self.api: ControlAPI | None = None
         available = registered()
         names = config.providers or list(available)
         unknown = [n for n in names if n not in available]
@@ -122,7 +181,15 @@ class Gateway:
             (p for p in self.providers if p.name == DEFAULT_PROVIDER), self.providers[0]
         )
         self._runner: web.AppRunner | None = None
+        self._api_runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+
+    def _annotations(self, session_id: str) -> RowAnnotations | None:
+        """A trainer's metadata for the session's rows, whenever they are written."""
+        sess = self.control.get(session_id)
+        if sess is None or not sess.metadata:
+            return None
+        return RowAnnotations(metadata=sess.metadata)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> int:
@@ -132,11 +199,31 @@ class Gateway:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
         self.policies.open(partial(self.template.decode, skip_special_tokens=True))
         # We enforce the body limit ourselves so the client gets its provider's error format.
+        self._runner = await self._app_runner(self._dispatch)
+        self.port = await self._listen(self._runner, "127.0.0.1", 0)
+        config = self.config
+        if config.api_host is not None:
+            self._api_runner = await self._app_runner(self._public)
+            self.api_port = await self._listen(self._api_runner, config.api_host, config.api_port)
+            host = advertised_host(config.api_host, config.advertise_host)
+            api_url = f"http://{url_host(host)}:{self.api_port}"
+        else:
+            api_url = f"http://{CONTROL_HOST}"
+        self.api = ControlAPI(
+            self, self.api_token, Endpoints(api_url, config.proxy_url, config.ca_path)
+        )
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return self.port
+
+    async def _app_runner(
+        self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.AppRunner:
+        # We enforce the body limit ourselves so the client gets its provider's error format.
         app = web.Application(client_max_size=self.config.max_body_bytes + 1)
-        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        app.router.add_route("*", "/{tail:.*}", handler)
         # handler_cancellation: a client that leaves cancels its handler, so the policy request
         # is dropped (vLLM aborts it) and the turn is not recorded as completed.
-        self._runner = web.AppRunner(
+        runner = web.AppRunner(
             app,
             access_log=None,
             handler_cancellation=True,
@@ -144,23 +231,26 @@ class Gateway:
             max_field_size=PARSER_HEAD_BYTES,
             max_headers=PARSER_HEAD_FIELDS,
         )
-        await self._runner.setup()
+        await runner.setup()
+        return runner
+
+    @staticmethod
+    async def _listen(runner: web.AppRunner, host: str, port: int) -> int:
         # Every proxied call is one connection from mitmproxy: with the default backlog (128) a
         # burst of a thousand new calls overflowed the accept queue, and the kernel's dropped
         # handshakes reached clients as 502s (bench/concurrency.py). The kernel caps this at
         # net.core.somaxconn.
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=GATEWAY_BACKLOG)
+        site = web.TCPSite(runner, host, port, backlog=GATEWAY_BACKLOG)
         await site.start()
         server: Any = site._server  # aiohttp exposes the bound port only here
-        self.port = int(server.sockets[0].getsockname()[1])
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        return self.port
+        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
-        if self._runner:
-            await self._runner.cleanup()
+        for runner in (self._api_runner, self._runner):
+            if runner:
+                await runner.cleanup()
         await self.policies.close()
         # Assemblies still running in the workers finish before the sessions are written.
         await self.pipeline.shutdown()
@@ -185,6 +275,7 @@ class Gateway:
             )
             try:
                 self.store.flush_idle(skip=self.pipeline.busy_sessions())
+                self.control.prune(set(self.store.session_ids()))
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it
                 logger.exception("could not write the shard of an idle session")
 
@@ -228,9 +319,58 @@ class Gateway:
         return "; ".join(p.served for p in owners)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        """A call the addon routed here (proxy mode), or a control call via agenttap.local."""
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
-        call = Call.of(request, request.headers.get(HOST_HEADER, ""))
+        host = request.headers.get(HOST_HEADER, "")
+        if host == CONTROL_HOST:
+            assert self.api is not None
+            return await self.api.handle(
+                request,
+                loopback=LOOPBACK_HEADER in request.headers,
+                bearer=request.headers.get(BEARER_HEADER, ""),
+            )
+        return await self._answer(request, host)
+
+    async def _public(self, request: web.Request) -> web.StreamResponse:
+        """The API listener: per-session base URLs (/sess/<id>/...) and the control API."""
+        assert self.api is not None
+        if request.path.startswith("/sess/"):
+            return await self._base_url(request)
+        return await self.api.handle(request, loopback=False)
+
+    async def _base_url(self, request: web.Request) -> web.StreamResponse:
+        """``/sess/<id>[/openai|/anthropic|/gemini]/<API path>``: the call as if it had been
+        intercepted on its provider's host, in session ``<id>``. No CA, no proxy needed."""
+        _, _, rest = request.raw_path.partition("/sess/")
+        raw_id, _, tail = rest.partition("/")
+        raw_path, _, _ = tail.partition("?")
+        session_id = urllib.parse.unquote(raw_id)
+        first, _, after = raw_path.partition("/")
+        host = BASE_URL_PREFIXES.get(first)
+        if host is not None:
+            raw_path = after
+        else:
+            host = self._guess_host(request, "/" + raw_path)
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in SECRET_HEADERS
+        )
+        headers[SESSION_HEADER] = quote_session(session_id or "anonymous")
+        query = [(k, v) for k, v in request.query.items() if k.lower() not in SECRET_QUERY]
+        url = URL.build(path="/" + raw_path, encoded=True).with_query(query)
+        return await self._answer(request.clone(rel_url=url, headers=headers), host)
+
+    @staticmethod
+    def _guess_host(request: web.Request, path: str) -> str:
+        """The provider of a base-URL call without a prefix, by what its clients send."""
+        if "anthropic-version" in request.headers:
+            return BASE_URL_PREFIXES["anthropic"]
+        if "x-goog-api-key" in request.headers or path.startswith(("/v1beta/", "/v1alpha/")):
+            return BASE_URL_PREFIXES["gemini"]
+        return BASE_URL_PREFIXES["openai"]
+
+    async def _answer(self, request: web.Request, host: str) -> web.StreamResponse:
+        call = Call.of(request, host)
         provider, route = self._route(call)
         oversized = request.headers.get(OVERSIZED_HEADER)
         if oversized:

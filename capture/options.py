@@ -110,6 +110,29 @@ def parse_hosts(text: str) -> frozenset[str]:
     return hosts
 
 
+def parse_host(text: str) -> str:
+    """A host name or IP address to listen on or hand out; empty: not given."""
+    host = text.strip()
+    if host and not all(c.isalnum() or c in "-._:" for c in host):
+        raise ValueError(f"{host!r} is not a host name or IP address")
+    return host
+
+
+def parse_port(text: str) -> int:
+    port = parse_whole(text)
+    if port > 65535:
+        raise ValueError("is not a port (0 to 65535)")
+    return port
+
+
+def parse_token(text: str) -> str:
+    """The control API's bearer token; empty: a random one is made at each start."""
+    token = text.strip()
+    if token and (len(token) < 16 or not all(c.isalnum() or c in "-._~" for c in token)):
+        raise ValueError("must be at least 16 characters of letters, digits and - . _ ~")
+    return token
+
+
 def parse_folder(text: str) -> Path | None:
     """An existing folder; empty: not given."""
     if not text.strip():
@@ -269,6 +292,34 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "the loss instead).",
         parse_bool,
     ),
+    Option(
+        "agenttap_api_host",
+        "127.0.0.1",
+        "Address the control API and the per-session base URLs (http://HOST:PORT/sess/ID/v1) "
+        "listen on; 0.0.0.0 for every interface (then sandboxes elsewhere can reach it).",
+        parse_host,
+    ),
+    Option(
+        "agenttap_api_port",
+        "0",
+        "Port of the control API and the per-session base URLs (a whole number; 0: a free port, "
+        "printed at start as AGENTTAP_API=http://HOST:PORT).",
+        parse_port,
+    ),
+    Option(
+        "agenttap_token",
+        "",
+        "Bearer token the control API wants (16 or more letters, digits, - . _ ~); empty: a "
+        "random one, printed at start as AGENTTAP_TOKEN=...",
+        parse_token,
+    ),
+    Option(
+        "agenttap_advertise_host",
+        "",
+        "Host name or address put in the URLs handed to clients (proxy URL, base URLs); empty: "
+        "the listening address, or this machine's address when listening on every interface.",
+        parse_host,
+    ),
 )
 
 _KIND_PARSERS: dict[type, Callable[[str], Any]] = {
@@ -363,6 +414,11 @@ class Settings:
     # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
     recompute_logprobs: bool
     provider_options: dict[str, Any] = field(default_factory=dict)
+    # The control API and base-URL listener (capture/control_api.py).
+    api_host: str = "127.0.0.1"
+    api_port: int = 0
+    token: str = ""
+    advertise_host: str = ""
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -398,5 +454,9 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],
         recompute_logprobs=values["agenttap_recompute_mismatch_logprobs"],
+        api_host=values["agenttap_api_host"] or "127.0.0.1",
+        api_port=values["agenttap_api_port"],
+        token=values["agenttap_token"],
+        advertise_host=values["agenttap_advertise_host"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

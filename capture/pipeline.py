@@ -23,6 +23,7 @@ from aiohttp import web
 from capture.bodies import read_body
 from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
 from capture.records import FailedCall, TurnRecord
+from capture.session_control import SessionControl
 from capture.session_ids import request_session_id
 from capture.sessions import SessionStore
 from capture.trajectory import Assembly
@@ -50,6 +51,20 @@ def prompt_text_bytes(chat: ChatRequest) -> int:
     longer, re-serialized)."""
     verbatim = (m.content for m in chat.messages if m.role != "assistant")
     return sum(len(text.encode("utf-8", "surrogatepass")) for text in verbatim)
+
+
+def session_ended_message(session_id: str, reason: str) -> str:
+    """What a client refused by its session's limit is told (it reaches the agent's user)."""
+    why = {
+        "max_calls": "reached its limit of model calls (max_calls)",
+        "max_tokens": "reached its limit of sampled tokens (max_tokens)",
+        "deadline": "passed its deadline (deadline_s)",
+        "closed": "was closed by the trainer",
+    }.get(reason, reason)
+    return (
+        f"agenttap: session {session_id!r} {why}; this rollout is over and no more calls are "
+        f"answered. Do not retry."
+    )
 
 
 @dataclass
@@ -86,8 +101,11 @@ class TurnPipeline:
         reasoning_parser: str,
         recompute_logprobs: bool,
         max_body_bytes: int,
+        control: SessionControl | None = None,
     ) -> None:
         self.template = template
+        # Sessions' limits and metrics (capture/session_control.py).
+        self.control = control or SessionControl()
         self.store = store
         self.policies = policies
         self.tool_parser = tool_parser
@@ -146,7 +164,19 @@ class TurnPipeline:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
-        turn = await self._prepare(provider, parsed, call.headers.get("User-Agent", ""), started)
+        refused = self._limit_refusal(provider, parsed)
+        if refused is not None:
+            return refused
+        self.control.call_started(session_id)
+        try:
+            return await self._serve_http(request, provider, parsed, started)
+        finally:
+            self.control.call_finished(session_id)
+
+    async def _serve_http(
+        self, request: web.Request, provider: Provider[Any], parsed: ProviderTurn, started: float
+    ) -> web.StreamResponse:
+        turn = await self._prepare(provider, parsed, request.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
         parser = self._parser(turn)
@@ -193,10 +223,32 @@ class TurnPipeline:
         user_agent: str = "",
     ) -> web.Response | None:
         """A parsed turn streamed through ``send`` (a provider's WebSocket); see TurnRunner."""
-        turn = await self._prepare(provider, parsed, user_agent, time.time())
-        if isinstance(turn, web.Response):
-            return turn
-        return await self._stream(turn, self._parser(turn), send)
+        refused = self._limit_refusal(provider, parsed)
+        if refused is not None:
+            return refused
+        self.control.call_started(parsed.session_id)
+        try:
+            turn = await self._prepare(provider, parsed, user_agent, time.time())
+            if isinstance(turn, web.Response):
+                return turn
+            return await self._stream(turn, self._parser(turn), send)
+        finally:
+            self.control.call_finished(parsed.session_id)
+
+    def _limit_refusal(self, provider: Provider[Any], parsed: ProviderTurn) -> web.Response | None:
+        """The answer to a call its session may no longer make (a limit reached, or closed by
+        the trainer): final in its client's eyes, and the policy never sees it. Else None, and
+        the call's ``max_tokens`` is lowered to what is left of a token budget."""
+        sid = parsed.session_id
+        reason = self.control.refusal(sid)
+        if reason is not None:
+            logger.info("agenttap: session %r: call refused (%s)", sid, reason)
+            return provider.session_ended(reason, session_ended_message(sid, reason))
+        left = self.control.tokens_left(sid)
+        if left is not None:
+            sampling = parsed.chat.sampling
+            sampling.max_tokens = min(sampling.max_tokens or left, left)
+        return None
 
     # -- the steps ---------------------------------------------------------------------------
     async def _prepare(
@@ -306,6 +358,7 @@ class TurnPipeline:
             streamed,
             error,
         )
+        self.control.note_failure(parsed.session_id)
         try:
             self.store.record_failure(
                 FailedCall(
@@ -395,5 +448,12 @@ class TurnPipeline:
                 rescored=rescored,
                 constrained=constrained,
             )
+        self.control.note_recorded(
+            parsed.session_id,
+            len(record.prompt_ids),
+            len(record.completion_ids),
+            record.latency_s,
+            retry=turn.assembly.kind == "retry",
+        )
         turn.provider.finished(parsed, reply, completion)
         return record

@@ -17,6 +17,9 @@ from capture.sessions import safe_text
 from rewriter.providers.base import Provider
 
 SESSION_HEADER = "X-Agenttap-Session"
+# Credentials a client sends to its provider: never forwarded, never logged, never stored.
+SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
 ANONYMOUS = "anonymous"
 
 

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,34 @@ def _journal_name(session_id: str) -> str:
 
 
 @dataclass
+class RowAnnotations:
+    """What a trainer said about a session, written into its thread rows (``metadata``,
+    ``reward``, ``end_reason``, ``metrics`` columns)."""
+
+    metadata: dict[str, Any] | None = None
+    # One number for every row, or one per thread id; None: not set (yet).
+    reward: float | dict[str, float] | None = None
+    end_reason: str | None = None
+    metrics: dict[str, Any] | None = None
+
+    def apply(self, row: dict[str, Any]) -> None:
+        if self.metadata is not None:
+            row["metadata"] = json.dumps(self.metadata, ensure_ascii=False)
+        if isinstance(self.reward, dict):
+            row["reward"] = self.reward.get(row["thread_id"])
+        elif self.reward is not None:
+            row["reward"] = float(self.reward)
+        if self.end_reason is not None:
+            row["end_reason"] = self.end_reason
+        if self.metrics is not None:
+            row["metrics"] = json.dumps(self.metrics)
+
+
+# Sessions whose written thread shards are remembered (for the rows returned at close).
+WRITTEN_KEPT = 10_000
+
+
+@dataclass
 class Session:
     session_id: str
     journal_path: Path
@@ -91,6 +119,10 @@ class SessionStore:
         self._sharded_turns: dict[str, int] = {}
         # Threads of sessions flushed while idle, most recent last (see end_session).
         self._dormant: OrderedDict[str, ThreadSet] = OrderedDict()
+        # What a trainer said of a session (its metadata), written into every thread row of it.
+        self.annotations_for: Callable[[str], RowAnnotations | None] = lambda _sid: None
+        # Thread shards written per session so far, most recent last (see written_threads).
+        self._written_threads: OrderedDict[str, list[Path]] = OrderedDict()
 
     def session(self, session_id: str) -> Session:
         sess = self._sessions.get(session_id)
@@ -186,12 +218,44 @@ class SessionStore:
         ]
         return [p for s in idle for p in self.end_session(s.session_id, keep_threads=True)]
 
-    def end_session(self, session_id: str, keep_threads: bool = False) -> list[Path]:
+    def pending_rows(self, session_id: str) -> list[dict[str, Any]]:
+        """The thread rows ``session_id`` would write now (calls not written yet), without
+        writing them or marking anything written."""
+        sess = self._sessions.get(session_id)
+        if sess is None or sess.threads is None or not sess.turns:
+            return []
+        rows, thread_of = export_rows(list(sess.threads.calls))
+        by_request = {t.request_id: t for t in sess.turns}
+        out = [thread_row(session_id, row, by_request) for row in rows]
+        annotations = self.annotations_for(session_id)
+        for row in out:
+            if annotations is not None:
+                annotations.apply(row)
+        return out
+
+    def written_threads(self, session_id: str, forget: bool = False) -> list[Path]:
+        """The thread shards written for ``session_id`` by this process (shards hold rows of
+        one session each); ``forget``: the session is over, stop remembering them."""
+        if forget:
+            return self._written_threads.pop(session_id, [])
+        return list(self._written_threads.get(session_id, []))
+
+    def end_session(
+        self,
+        session_id: str,
+        keep_threads: bool = False,
+        annotations: RowAnnotations | None = None,
+        rows_out: list[dict[str, Any]] | None = None,
+    ) -> list[Path]:
         """Write the session's shards. ``keep_threads``: the session may go on (idle flush), so
-        its threads stay in memory and a later call extends their exact ids."""
+        its threads stay in memory and a later call extends their exact ids. ``annotations``:
+        written into its thread rows (else ``annotations_for`` the session's); the rows written
+        are appended to ``rows_out``."""
         sess = self._sessions.pop(session_id, None)
         if sess is None or not (sess.turns or sess.failed):
             return []
+        if annotations is None:
+            annotations = self.annotations_for(session_id)
         rows, thread_of = sess.threads.export() if sess.threads else ([], {})
         if keep_threads and sess.threads is not None:
             self._dormant[session_id] = sess.threads
@@ -199,7 +263,13 @@ class SessionStore:
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
         stem = sess.journal_path.stem
-        paths = self._write(sess.turns, rows, thread_of, stem)
+        paths = self._write(sess.turns, rows, thread_of, stem, annotations, rows_out)
+        self._written_threads.setdefault(session_id, []).extend(
+            p for p in paths if p.parent == self.threads_dir
+        )
+        self._written_threads.move_to_end(session_id)
+        while len(self._written_threads) > WRITTEN_KEPT:
+            self._written_threads.popitem(last=False)
         paths += self._write_failed(sess.failed, stem)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
@@ -219,6 +289,8 @@ class SessionStore:
         rows: list[ThreadRow],
         thread_of: dict[str, str],
         stem: str,
+        annotations: RowAnnotations | None = None,
+        rows_out: list[dict[str, Any]] | None = None,
     ) -> list[Path]:
         """Write a journal's calls as shards named after the journal (``stem``): a crash at any
         point of these writes leaves the journal, and writing it again on restart replaces the
@@ -231,6 +303,11 @@ class SessionStore:
         if turns and rows:
             session_id = turns[0].session_id
             shard_rows = [thread_row(session_id, row, by_request) for row in rows]
+            if annotations is not None:
+                for shard_row in shard_rows:
+                    annotations.apply(shard_row)
+            if rows_out is not None:
+                rows_out.extend(shard_rows)
             paths += write_rows(self.threads_dir, shard_rows, THREAD_SCHEMA, "threads", stem=stem)
         return paths
 
@@ -365,6 +442,8 @@ def thread_row(
         "user_agent": first.user_agent if first else None,
         "reward": None,
         "metadata": None,
+        "end_reason": None,
+        "metrics": None,
     }
 
 

@@ -114,6 +114,10 @@ THREAD_SCHEMA = pa.schema(
         ("user_agent", pa.string()),
         ("reward", pa.float64()),
         ("metadata", pa.string()),  # JSON text, null until set
+        # Why the session ended (set when a trainer closes it): stop, max_calls, max_tokens,
+        # deadline; its metrics as JSON (capture/session_control.py SessionMetrics).
+        ("end_reason", pa.string()),
+        ("metrics", pa.string()),
     ]
 )
 

@@ -183,6 +183,18 @@ class Provider[T: ProviderTurn](ABC):
         """A prompt over the policy's context: a 400 in the provider's words."""
         return self.error(400, self.prompt_too_long_message(prompt_tokens, max_model_len))
 
+    # A session past its limit (capture/session_control.py): an answer its clients take as
+    # final. A 400 is never retried by the SDKs, Claude Code, Codex or Gemini CLI, and
+    # ``x-should-retry: false`` says so to the Stainless SDKs in any case.
+    session_ended_status: ClassVar[int] = 400
+
+    def session_ended(self, reason: str, message: str) -> web.Response:
+        """The call of a session that reached ``reason`` (max_calls, max_tokens, deadline,
+        closed): the provider's error, final."""
+        resp = self.error(self.session_ended_status, message)
+        resp.headers["x-should-retry"] = "false"
+        return resp
+
     def prompt_too_long_message(self, prompt_tokens: int, max_model_len: int) -> str:
         return f"prompt is too long: {prompt_tokens} tokens > {max_model_len} maximum"
 

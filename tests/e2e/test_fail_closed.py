@@ -179,6 +179,10 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_drop_system_blocks": "([",
     "agenttap_responses_stored": "-5",
     "agenttap_responses_websocket": "maybe",
+    "agenttap_api_host": "not a host!",
+    "agenttap_api_port": "http",
+    "agenttap_token": "short",
+    "agenttap_advertise_host": "not a host!",
 }
 
 

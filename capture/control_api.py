@@ -1,0 +1,504 @@
+"""The control API a trainer drives agenttap with, over HTTP.
+
+Served on the API listener (``agenttap_api_host``:``agenttap_api_port``, beside the
+per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every route but
+``/healthz`` and ``/ready`` wants ``Authorization: Bearer TOKEN`` (the token printed at start as
+``AGENTTAP_TOKEN=...``). Routes (names kept: other tools are written against them):
+
+- ``POST /sessions`` ``{"id"?, "metadata"?, "limits"?: {"max_calls", "max_tokens", "deadline_s"}}``
+  -> ``{"id", "env", "base_urls"}``
+- ``POST /sessions/{id}/close`` ``{"reward"?: number | {thread_id: number}}`` -> the session's
+  thread rows (JSON, or an Arrow IPC stream for ``Accept: application/vnd.apache.arrow.stream``)
+  with reward, metadata, ``end_reason`` and ``metrics``
+- ``POST /sessions/{id}/reward`` ``{"reward"}``: a late reward, after close
+- ``GET /sessions``, ``GET /sessions/{id}``, ``GET /healthz``, ``GET /ready``,
+  ``GET /openapi.json``, ``POST /flush[?session=ID]``
+
+The session bookkeeping is ``capture/session_control.py``; the rows come from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from aiohttp import web
+
+from capture.rewards import join_rewards, load_rewards, parse_reward, write_rewards
+from capture.session_control import (
+    ControlledSession,
+    check_metadata,
+    check_session_id,
+    parse_limits,
+)
+from capture.sessions import RowAnnotations
+from capture.shards import THREAD_SCHEMA, rows_to_table
+from rewriter import jsonbody
+from rewriter.vllm_client import PolicyError
+
+if TYPE_CHECKING:
+    from capture.gateway import Gateway
+
+logger = logging.getLogger(__name__)
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+OPEN_ROUTES = frozenset({"/healthz", "/ready"})
+# Dummy keys under every name the clients read: each insists on one, none reaches a provider.
+DUMMY_KEYS = {
+    "OPENAI_API_KEY": "sk-agenttap",
+    "ANTHROPIC_API_KEY": "sk-ant-agenttap",
+    "GEMINI_API_KEY": "agenttap",
+    "GOOGLE_API_KEY": "agenttap",
+}
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where clients reach this instance, as handed to them (advertised host)."""
+
+    # http://HOST:PORT of the API listener (control API, base URLs).
+    api_url: str
+    # http://HOST:PORT of the proxy (mitmdump's listener); empty when not known.
+    proxy_url: str
+    # The CA certificate clients must trust in proxy mode.
+    ca_path: str
+
+    def base_urls(self, session_id: str) -> dict[str, str]:
+        prefix = f"{self.api_url}/sess/{session_id}"
+        return {
+            "openai": f"{prefix}/v1",
+            "anthropic": f"{prefix}/anthropic",
+            "gemini": f"{prefix}/gemini",
+        }
+
+    def env(self, session_id: str) -> dict[str, str]:
+        """What a client needs in proxy mode: the proxy with the session as its username, the
+        CA under each variable a client reads it from, dummy keys, headless switches."""
+        env: dict[str, str] = {"AGENTTAP_SESSION": session_id}
+        if self.proxy_url:
+            scheme, _, hostport = self.proxy_url.partition("://")
+            proxy = f"{scheme}://{session_id}:x@{hostport}"
+            env.update(HTTPS_PROXY=proxy, https_proxy=proxy)
+            env.update(NO_PROXY="localhost,127.0.0.1,::1", no_proxy="localhost,127.0.0.1,::1")
+        if self.ca_path:
+            for name in (
+                "SSL_CERT_FILE",  # Python (httpx, ssl), Codex
+                "REQUESTS_CA_BUNDLE",  # requests
+                "NODE_EXTRA_CA_CERTS",  # Claude Code, Gemini CLI, Node SDKs
+                "CODEX_CA_CERTIFICATE",  # Codex
+                "CURL_CA_BUNDLE",  # curl
+            ):
+                env[name] = self.ca_path
+        env.update(DUMMY_KEYS)
+        # Headless runs: no side traffic from Claude Code, no trust prompt from Gemini CLI.
+        env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+        env["GEMINI_CLI_TRUST_WORKSPACE"] = "true"
+        return env
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "status": status}}, status=status)
+
+
+class ControlAPI:
+    def __init__(self, gateway: Gateway, token: str, endpoints: Endpoints) -> None:
+        self.gateway = gateway
+        self.token = token
+        self.endpoints = endpoints
+        self.started_at = time.time()
+
+    @property
+    def out_dir(self) -> Path:
+        return self.gateway.config.out_dir
+
+    # -- dispatch ------------------------------------------------------------------------------
+    async def handle(
+        self, request: web.Request, loopback: bool, bearer: str | None = None
+    ) -> web.StreamResponse:
+        """Answer a control route. ``loopback``: the caller is on this machine (POST /flush
+        through agenttap.local needs no token from there, as before the API existed).
+        ``bearer``: through the proxy, the addon checked the token already ("ok", "wrong",
+        "" for none); None: check the request's own ``Authorization`` header."""
+        path = request.path.rstrip("/") or "/"
+        method = request.method
+        if path not in OPEN_ROUTES and not (loopback and path == "/flush"):
+            refused = self._check_token(request, bearer)
+            if refused is not None:
+                return refused
+        handler, args = self._route(method, path)
+        if handler is None:
+            return _error(
+                404 if args is None else 405,
+                f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
+                f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
+                f"GET /sessions/ID, GET /healthz, GET /ready, GET /openapi.json, POST /flush.",
+            )
+        try:
+            return await handler(request, *(args or ()))
+        except ValueError as exc:
+            return _error(400, f"agenttap: {exc}")
+
+    def _check_token(self, request: web.Request, bearer: str | None) -> web.Response | None:
+        if bearer is None:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and given.strip():
+                ok = secrets.compare_digest(given.strip().encode(), self.token.encode())
+                bearer = "ok" if ok else "wrong"
+            else:
+                bearer = ""
+        if not bearer:
+            return _error(
+                401,
+                "agenttap: this route wants 'Authorization: Bearer TOKEN'; the token is printed "
+                "at start as AGENTTAP_TOKEN=... (or set with --set agenttap_token=...)",
+            )
+        if bearer != "ok":
+            return _error(403, "agenttap: wrong token (see AGENTTAP_TOKEN= in the proxy's log)")
+        return None
+
+    Handler = Callable[..., Awaitable[web.StreamResponse]]
+
+    def _route(self, method: str, path: str) -> tuple[Handler | None, tuple[str, ...] | None]:
+        """The handler and its path arguments; (None, None): no such path; (None, ()): the
+        path exists but not with this method."""
+        parts = path.strip("/").split("/")
+        table: dict[tuple[str, ...], dict[str, ControlAPI.Handler]] = {
+            ("healthz",): {"GET": self._healthz},
+            ("ready",): {"GET": self._ready},
+            ("openapi.json",): {"GET": self._openapi},
+            ("flush",): {"POST": self._flush},
+            ("sessions",): {"GET": self._list, "POST": self._open},
+        }
+        args: tuple[str, ...] = ()
+        key = tuple(parts)
+        if len(parts) in (2, 3) and parts[0] == "sessions":
+            args = (parts[1],)
+            key = ("sessions", "*", *parts[2:])
+            table.update(
+                {
+                    ("sessions", "*"): {"GET": self._get},
+                    ("sessions", "*", "close"): {"POST": self._close},
+                    ("sessions", "*", "reward"): {"POST": self._reward},
+                }
+            )
+        methods = table.get(key)
+        if methods is None:
+            return None, None
+        handler = methods.get(method)
+        return (handler, args) if handler is not None else (None, ())
+
+    # -- routes ------------------------------------------------------------------------------
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """Ready once the tokenizer is loaded (it is, or this would not answer) and the policy
+        answers."""
+        try:
+            info = await self.gateway.policies.pool_for("*")[0].info()
+        except PolicyError as exc:
+            return web.json_response(
+                {"ready": False, "reason": f"the policy server does not answer: {exc}"},
+                status=503,
+            )
+        return web.json_response(
+            {"ready": True, "model": info.model, "max_model_len": info.max_model_len}
+        )
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_spec(self.endpoints.api_url))
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        session = request.query.get("session")
+        written = await self.gateway.flush(session)
+        logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
+        return web.json_response({"written": [str(p) for p in written]})
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = jsonbody.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        return body
+
+    async def _open(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        unknown = sorted(set(body) - {"id", "metadata", "limits"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: id, metadata, limits")
+        sid = check_session_id(body["id"]) if body.get("id") is not None else _new_id()
+        metadata = check_metadata(body.get("metadata"))
+        limits = parse_limits(body.get("limits"))
+        try:
+            sess = self.gateway.control.open(sid, metadata, limits)
+        except ValueError as exc:
+            return _error(409, f"agenttap: {exc}")
+        logger.info("agenttap: session %r opened (%s)", sid, json.dumps(metadata)[:200])
+        return web.json_response(
+            {
+                "id": sess.id,
+                "env": self.endpoints.env(sid),
+                "base_urls": self.endpoints.base_urls(sid),
+                "limits": sess.summary()["limits"],
+            }
+        )
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return web.json_response({"sessions": [s.summary() for s in self.gateway.control.live()]})
+
+    def _known(self, sid: str) -> ControlledSession:
+        sess = self.gateway.control.get(sid)
+        if sess is None:
+            raise KeyError(sid)
+        return sess
+
+    def _unknown(self, sid: str) -> web.Response:
+        return _error(
+            404,
+            f"agenttap: no session {sid!r}: it was never opened (POST /sessions) nor called, or "
+            f"it was closed long ago. GET /sessions lists the live ones.",
+        )
+
+    async def _get(self, request: web.Request, sid: str) -> web.StreamResponse:
+        try:
+            sess = self._known(sid)
+        except KeyError:
+            return self._unknown(sid)
+        async with self.gateway.pipeline.session_lock(sid):
+            pending = self.gateway.store.pending_rows(sid)
+        rows = _read_rows(self.gateway.store.written_threads(sid), sid) + pending
+        rows = join_rewards(rows, load_rewards(self.out_dir))
+        return self._rows_response(request, sess, rows)
+
+    async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
+        body = await self._body(request)
+        unknown = sorted(set(body) - {"reward"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: reward")
+        reward = parse_reward(body["reward"]) if body.get("reward") is not None else None
+        control = self.gateway.control
+        if control.get(sid) is None or sid not in {s.id for s in control.live()}:
+            if control.get(sid) is not None:
+                return _error(409, f"agenttap: session {sid!r} is closed already")
+            return self._unknown(sid)
+        started = time.monotonic()
+        sess = control.close(sid)
+        annotations = RowAnnotations(
+            metadata=sess.metadata or None,
+            reward=reward,
+            end_reason=sess.end_reason,
+            metrics=sess.metrics.as_dict(),
+        )
+        new_rows: list[dict[str, Any]] = []
+        store = self.gateway.store
+        async with self.gateway.pipeline.session_lock(sid):
+            written_before = store.written_threads(sid)
+            store.end_session(sid, annotations=annotations, rows_out=new_rows)
+            store.written_threads(sid, forget=True)
+        earlier = _read_rows(written_before, sid)
+        if earlier and reward is not None:
+            # Rows written before the close (an idle or explicit flush) get the reward too.
+            earlier_ids = {r["thread_id"] for r in earlier}
+            late = (
+                {k: v for k, v in reward.items() if k in earlier_ids}
+                if isinstance(reward, dict)
+                else reward
+            )
+            if late:
+                write_rewards(self.out_dir, sid, late)
+            for row in earlier:
+                annotations.apply(row)
+        rows = earlier + new_rows
+        logger.info(
+            "agenttap: session %r closed (%s): %d rows, reward %s, in %.3f s",
+            sid,
+            sess.end_reason,
+            len(rows),
+            reward,
+            time.monotonic() - started,
+        )
+        return self._rows_response(request, sess, rows, _unmatched(reward, rows))
+
+    async def _reward(self, request: web.Request, sid: str) -> web.Response:
+        body = await self._body(request)
+        if "reward" not in body:
+            raise ValueError('the body must be {"reward": number | {thread_id: number}}')
+        reward = parse_reward(body["reward"])
+        sess = self.gateway.control.get(sid)
+        if sess is None:
+            return self._unknown(sid)
+        if not sess.closed:
+            return _error(
+                409,
+                f"agenttap: session {sid!r} is still open; give its reward at close "
+                f"(POST /sessions/{sid}/close), or close it first",
+            )
+        path = write_rewards(self.out_dir, sid, reward)
+        return web.json_response({"id": sid, "reward": reward, "written": str(path)})
+
+    # -- rows ----------------------------------------------------------------------------------
+    def _rows_response(
+        self,
+        request: web.Request,
+        sess: ControlledSession,
+        rows: list[dict[str, Any]],
+        unmatched: list[str] | None = None,
+    ) -> web.Response:
+        summary = sess.summary()
+        if ARROW_STREAM in request.headers.get("Accept", ""):
+            table = rows_to_table(rows, THREAD_SCHEMA)
+            meta = {b"agenttap_session": json.dumps(summary).encode()}
+            table = table.replace_schema_metadata(meta)
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+            return web.Response(
+                body=sink.getvalue().to_pybytes(),
+                content_type=ARROW_STREAM,
+                headers={"X-Agenttap-Session": json.dumps(summary)},
+            )
+        out = dict(summary)
+        out["rows"] = rows
+        if unmatched:
+            out["unmatched_rewards"] = unmatched
+        return web.json_response(out)
+
+
+def _new_id() -> str:
+    return "s-" + uuid.uuid4().hex[:16]
+
+
+def _unmatched(reward: Any, rows: list[dict[str, Any]]) -> list[str]:
+    """Thread ids a per-thread reward named that the session has no row for."""
+    if not isinstance(reward, dict):
+        return []
+    ids = {r["thread_id"] for r in rows}
+    return sorted(k for k in reward if k not in ids)
+
+
+def _read_rows(paths: list[Path], session_id: str) -> list[dict[str, Any]]:
+    """The rows of ``session_id`` in thread shards written earlier (a shard holds one session;
+    the filter keeps that true of anything else)."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            table = pq.read_table(path, schema=THREAD_SCHEMA)
+        except (OSError, pa.ArrowInvalid) as exc:
+            logger.warning("could not read %s back (%s)", path, exc)
+            continue
+        rows += [r for r in table.to_pylist() if r["session_id"] == session_id]
+    return rows
+
+
+def openapi_spec(server: str) -> dict[str, Any]:
+    """The control API as OpenAPI 3.1 (served at /openapi.json)."""
+    reward = {
+        "oneOf": [
+            {"type": "number"},
+            {"type": "object", "additionalProperties": {"type": "number"}},
+        ],
+        "description": "one number for every thread row, or one per thread id",
+    }
+    limits = {
+        "type": "object",
+        "properties": {
+            "max_calls": {"type": "integer", "minimum": 1},
+            "max_tokens": {"type": "integer", "minimum": 1, "description": "sampled tokens"},
+            "deadline_s": {"type": "number", "exclusiveMinimum": 0},
+        },
+    }
+    rows = {
+        "description": "the session's thread rows (docs/SHARDS.md) with its summary; an Arrow "
+        "IPC stream for Accept: application/vnd.apache.arrow.stream",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+    sid = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
+
+    def body(props: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "content": {"application/json": {"schema": {"type": "object", "properties": props}}}
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "agenttap control API", "version": "1"},
+        "servers": [{"url": server}],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/sessions": {
+                "post": {
+                    "summary": "open a session",
+                    "security": secured,
+                    "requestBody": body(
+                        {"id": {"type": "string"}, "metadata": {"type": "object"}, "limits": limits}
+                    ),
+                    "responses": {"200": {"description": "{id, env, base_urls, limits}"}},
+                },
+                "get": {
+                    "summary": "live sessions with their call and token counts",
+                    "security": secured,
+                    "responses": {"200": {"description": "{sessions: [...]}"}},
+                },
+            },
+            "/sessions/{id}": {
+                "get": {
+                    "summary": "the session's rows so far, late rewards joined",
+                    "security": secured,
+                    "parameters": [sid],
+                    "responses": {"200": rows, "404": {"description": "unknown session"}},
+                }
+            },
+            "/sessions/{id}/close": {
+                "post": {
+                    "summary": "close the session, write its rows with reward and metadata",
+                    "security": secured,
+                    "parameters": [sid],
+                    "requestBody": body({"reward": reward}),
+                    "responses": {"200": rows, "404": {"description": "unknown session"}},
+                }
+            },
+            "/sessions/{id}/reward": {
+                "post": {
+                    "summary": "a late reward for a closed session",
+                    "security": secured,
+                    "parameters": [sid],
+                    "requestBody": body({"reward": reward}),
+                    "responses": {"200": {"description": "written"}},
+                }
+            },
+            "/flush": {
+                "post": {
+                    "summary": "write sessions' shards now (?session=ID: one)",
+                    "security": secured,
+                    "responses": {"200": {"description": "{written: [paths]}"}},
+                }
+            },
+            "/healthz": {"get": {"responses": {"200": {"description": "alive"}}}},
+            "/ready": {
+                "get": {
+                    "responses": {
+                        "200": {"description": "tokenizer loaded, policy answers"},
+                        "503": {"description": "not ready, with the reason"},
+                    }
+                }
+            },
+        },
+    }

@@ -1,0 +1,286 @@
+"""Sessions a trainer drives: opened with metadata and limits, counted, closed with a reward.
+
+Pure bookkeeping, no HTTP: ``capture/control_api.py`` serves it, ``capture/pipeline.py`` asks it
+before each call (``refusal``) and tells it what each call did (``note_call``,
+``note_failure``). A session nobody opened (a proxy username, a base URL with a new name) is
+counted too, so ``GET /sessions`` and the metrics at close cover every session; only an opened
+one has metadata and limits.
+
+Limits end an agent's loop: past ``max_calls`` model calls, ``max_tokens`` sampled tokens or
+``deadline_s`` seconds after opening, the next call is refused with an answer its client treats
+as final (the provider's words, see ``Provider.session_ended``). A call in flight is never cut;
+a call's ``max_tokens`` is lowered to what is left of the budget, so the budget holds exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Why a session ended, as its rows say (``end_reason``).
+END_STOP = "stop"  # the trainer closed it: the agent stopped by itself
+END_MAX_CALLS = "max_calls"
+END_MAX_TOKENS = "max_tokens"
+END_DEADLINE = "deadline"
+# A closed session's calls are refused too (its rows are written).
+END_CLOSED = "closed"
+
+SPLITS = ("train", "val")
+# Closed sessions remembered for late rewards and refusals (oldest forgotten first).
+CLOSED_KEPT = 100_000
+# What a session id may hold: it names a URL path segment and a journal file.
+# (It is also a proxy URL's username, where ':' and '@' would end it.)
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_calls: int | None = None
+    max_tokens: int | None = None
+    deadline_s: float | None = None
+
+
+def parse_limits(value: Any) -> Limits:
+    """``{"max_calls", "max_tokens", "deadline_s"}`` (each optional) as ``Limits``; a
+    ``ValueError`` worded for the caller otherwise."""
+    if value is None:
+        return Limits()
+    if not isinstance(value, dict):
+        raise ValueError('"limits" must be an object: {"max_calls", "max_tokens", "deadline_s"}')
+    unknown = sorted(set(value) - {"max_calls", "max_tokens", "deadline_s"})
+    if unknown:
+        raise ValueError(
+            f"unknown limit(s) {', '.join(unknown)}; known: max_calls, max_tokens, deadline_s"
+        )
+    out: dict[str, Any] = {}
+    for name in ("max_calls", "max_tokens"):
+        v = value.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f'"limits.{name}" must be a whole number of at least 1, not {v!r}')
+        out[name] = v
+    deadline = value.get("deadline_s")
+    if deadline is not None:
+        if (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, int | float)
+            or not math.isfinite(deadline)
+            or deadline <= 0
+        ):
+            raise ValueError(
+                f'"limits.deadline_s" must be a number of seconds > 0, not {deadline!r}'
+            )
+        out["deadline_s"] = float(deadline)
+    return Limits(**out)
+
+
+def check_session_id(value: Any) -> str:
+    if not isinstance(value, str) or not SESSION_ID.match(value):
+        raise ValueError(
+            f'"id" must be 1 to 128 letters, digits, "_", "." or "-", starting with a letter or '
+            f"digit; got {value!r}"
+        )
+    return value
+
+
+def check_metadata(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            '"metadata" must be a JSON object, e.g. {"task_id": "t1", "split": "train"}'
+        )
+    split = value.get("split")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f'"metadata.split" must be one of {", ".join(SPLITS)}, not {split!r}')
+    return dict(value)
+
+
+@dataclass
+class SessionMetrics:
+    """What a session's calls did; returned at close and stored with its rows (``metrics``)."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Seconds the policy spent on the session's calls (each call's latency, summed).
+    policy_time_s: float = 0.0
+    # Seconds from the session's opening (or first call) to its close.
+    wall_time_s: float = 0.0
+    # Calls the policy failed (journaled in failed/), and calls refused by a limit.
+    errors: int = 0
+    refused: int = 0
+    # Calls that resent a request already answered (an SDK retry, a user's resend).
+    retries: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ControlledSession:
+    id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+    # Opened through the API (else: first seen on a call).
+    opened: bool = False
+    opened_at: float = field(default_factory=time.time)
+    opened_mono: float = field(default_factory=time.monotonic)
+    metrics: SessionMetrics = field(default_factory=SessionMetrics)
+    # The first limit the session reached; None while none has.
+    limit_reached: str | None = None
+    closed: bool = False
+    end_reason: str | None = None
+    # Calls in flight now.
+    in_flight: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "opened": self.opened,
+            "opened_at": self.opened_at,
+            "metadata": self.metadata,
+            "limits": {k: v for k, v in asdict(self.limits).items() if v is not None},
+            "limit_reached": self.limit_reached,
+            "closed": self.closed,
+            "end_reason": self.end_reason,
+            "in_flight": self.in_flight,
+            "metrics": self.metrics.as_dict(),
+        }
+
+
+class SessionControl:
+    """Every session's metadata, limits and metrics, live and recently closed."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._live: dict[str, ControlledSession] = {}
+        self._closed: OrderedDict[str, ControlledSession] = OrderedDict()
+
+    # -- the trainer's side ----------------------------------------------------------------
+    def open(
+        self, session_id: str, metadata: dict[str, Any] | None = None, limits: Limits | None = None
+    ) -> ControlledSession:
+        """Open ``session_id``. A session already open through the API is a ValueError (a
+        trainer reusing an id by mistake); one only seen on calls so far takes the metadata."""
+        existing = self._live.get(session_id)
+        if existing is not None and existing.opened:
+            raise ValueError(f"session {session_id!r} is open already; close it first")
+        # Reopening a closed id starts a new session under that name.
+        self._closed.pop(session_id, None)
+        sess = existing or ControlledSession(session_id)
+        sess.metadata = dict(metadata or {})
+        sess.limits = limits or Limits()
+        sess.opened = True
+        sess.opened_at = time.time()
+        sess.opened_mono = self._clock()
+        self._live[session_id] = sess
+        return sess
+
+    def get(self, session_id: str) -> ControlledSession | None:
+        return self._live.get(session_id) or self._closed.get(session_id)
+
+    def live(self) -> list[ControlledSession]:
+        return list(self._live.values())
+
+    def close(self, session_id: str) -> ControlledSession:
+        """Mark ``session_id`` closed (KeyError if it is not live); its end reason is the limit
+        it reached, else ``stop``."""
+        sess = self._live.pop(session_id)
+        sess.closed = True
+        sess.end_reason = sess.limit_reached or END_STOP
+        sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
+        self._closed[session_id] = sess
+        while len(self._closed) > CLOSED_KEPT:
+            self._closed.popitem(last=False)
+        return sess
+
+    # -- the pipeline's side -----------------------------------------------------------------
+    def _seen(self, session_id: str) -> ControlledSession:
+        sess = self._live.get(session_id)
+        if sess is None:
+            sess = self._live[session_id] = ControlledSession(
+                session_id, opened_at=time.time(), opened_mono=self._clock()
+            )
+        return sess
+
+    def refusal(self, session_id: str) -> str | None:
+        """Why the next call of ``session_id`` must not reach the policy (an END_* reason), or
+        None. A refused call is counted; the limit reached is remembered for the rows."""
+        closed = self._closed.get(session_id)
+        if closed is not None and session_id not in self._live:
+            closed.metrics.refused += 1
+            return END_CLOSED
+        sess = self._seen(session_id)
+        reason = self._reached(sess)
+        if reason is not None:
+            sess.limit_reached = sess.limit_reached or reason
+            sess.metrics.refused += 1
+        return reason
+
+    def _reached(self, sess: ControlledSession) -> str | None:
+        limits, metrics = sess.limits, sess.metrics
+        if limits.deadline_s is not None and self._clock() - sess.opened_mono >= limits.deadline_s:
+            return END_DEADLINE
+        # Calls in flight count: a burst of parallel calls cannot overrun the limit.
+        if limits.max_calls is not None and metrics.calls + sess.in_flight >= limits.max_calls:
+            return END_MAX_CALLS
+        if limits.max_tokens is not None and metrics.completion_tokens >= limits.max_tokens:
+            return END_MAX_TOKENS
+        return None
+
+    def tokens_left(self, session_id: str) -> int | None:
+        """Sampled tokens the session may still use (None: no token limit)."""
+        sess = self._live.get(session_id)
+        if sess is None or sess.limits.max_tokens is None:
+            return None
+        return max(0, sess.limits.max_tokens - sess.metrics.completion_tokens)
+
+    def call_started(self, session_id: str) -> None:
+        self._seen(session_id).in_flight += 1
+
+    def call_finished(self, session_id: str) -> None:
+        """A call ``call_started`` counted is over, whatever became of it."""
+        sess = self._live.get(session_id)
+        if sess is not None:
+            sess.in_flight = max(0, sess.in_flight - 1)
+
+    def note_recorded(
+        self,
+        session_id: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        policy_time_s: float,
+        retry: bool = False,
+    ) -> None:
+        """A call of ``session_id`` was answered by the policy and recorded."""
+        sess = self._live.get(session_id)
+        if sess is None:
+            return  # closed meanwhile: its metrics were returned already
+        m = sess.metrics
+        m.calls += 1
+        m.prompt_tokens += prompt_tokens
+        m.completion_tokens += completion_tokens
+        m.policy_time_s = round(m.policy_time_s + policy_time_s, 6)
+        m.retries += int(retry)
+
+    def note_failure(self, session_id: str) -> None:
+        """A call of ``session_id`` failed at the policy (journaled in failed/)."""
+        sess = self._live.get(session_id)
+        if sess is not None:
+            sess.metrics.errors += 1
+
+    def prune(self, keep: set[str]) -> None:
+        """Forget sessions nobody opened that are idle and no longer in ``keep`` (the store's
+        live sessions): a proxy username seen once must not be kept forever."""
+        for sid in [
+            s.id
+            for s in self._live.values()
+            if not s.opened and s.in_flight == 0 and s.id not in keep
+        ]:
+            del self._live[sid]
