@@ -280,7 +280,8 @@ class ControlAPI:
             return self._unknown(sid)
         async with self.gateway.pipeline.session_lock(sid):
             pending = self.gateway.store.pending_rows(sid)
-        rows = _read_rows(self.gateway.store.written_threads(sid), sid) + pending
+        shards = sess.thread_shards if sess.closed else self.gateway.store.written_threads(sid)
+        rows = _read_rows(shards, sid) + pending
         rows = join_rewards(rows, load_rewards(self.out_dir))
         return self._rows_response(request, sess, rows)
 
@@ -308,7 +309,7 @@ class ControlAPI:
         async with self.gateway.pipeline.session_lock(sid):
             written_before = store.written_threads(sid)
             store.end_session(sid, annotations=annotations, rows_out=new_rows)
-            store.written_threads(sid, forget=True)
+            sess.thread_shards = store.written_threads(sid, forget=True)
         earlier = _read_rows(written_before, sid)
         if earlier and reward is not None:
             # Rows written before the close (an idle or explicit flush) get the reward too.

@@ -138,6 +138,8 @@ class ControlledSession:
     end_reason: str | None = None
     # Calls in flight now.
     in_flight: int = 0
+    # Once closed: the thread shards holding its rows (GET /sessions/{id} reads them back).
+    thread_shards: list[Any] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,299 @@
+"""Start agenttap from a trainer's own Python process, and drive it.
+
+    from capture.launcher import AgentTap
+
+    with AgentTap.start(policy_url="http://127.0.0.1:8000", tokenizer="/models/qwen3",
+                        out="rollouts") as tap:
+        sess = tap.open_session(metadata={"task_id": "t1", "group_id": "g1", "split": "train"},
+                                limits={"max_calls": 30, "deadline_s": 600})
+        subprocess.run(["claude", "-p", task], env={**os.environ, **sess.env})  # proxy mode
+        # or: OpenAI(base_url=sess.base_urls["openai"], api_key="x")            # base-URL mode
+        table = sess.close(reward=1.0)          # pyarrow.Table of its thread rows
+
+mitmproxy keeps one master per interpreter, so each instance is a ``mitmdump`` child process
+on free ports (the proxy's and the control API's), read back from its banner lines
+(``AGENTTAP_PROXY=``, ``AGENTTAP_API=``, ``AGENTTAP_TOKEN=``, ``AGENTTAP_CA=``); any number of
+instances run side by side and the trainer's code is the same for each. ``close`` stops the
+child with SIGTERM, which writes every session's shards. ``AsyncAgentTap`` is the same for
+asyncio code. The control API itself is plain HTTP (capture/control_api.py): other processes
+and languages use it directly, ``ControlClient`` is its Python client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parents[1]
+ADDON = REPO / "addons" / "capture.py"
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+BANNER = re.compile(r"AGENTTAP_(PROXY|API|TOKEN|CA)=(\S+)")
+
+
+class AgentTapError(RuntimeError):
+    """The control API refused a request (its status and message), or the proxy did not start."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ControlClient:
+    """The control API over HTTP, with its bearer token."""
+
+    def __init__(self, api_url: str, token: str, timeout: float = 120.0) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def request(
+        self, method: str, path: str, body: Any = None, arrow: bool = False
+    ) -> tuple[dict[str, Any], pa.Table | None]:
+        """(JSON answer, None), or (summary, table) with ``arrow``."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        if arrow:
+            headers["Accept"] = ARROW_STREAM
+        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+                if arrow and resp.headers.get("Content-Type", "").startswith(ARROW_STREAM):
+                    table = pa.ipc.open_stream(raw).read_all()
+                    meta = (table.schema.metadata or {}).get(b"agenttap_session", b"{}")
+                    return json.loads(meta), table
+                return json.loads(raw), None
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise AgentTapError(f"{method} {path}: {exc.code} {detail}", exc.code) from None
+
+    def get(self, path: str) -> dict[str, Any]:
+        return self.request("GET", path)[0]
+
+    def post(self, path: str, body: Any = None) -> dict[str, Any]:
+        return self.request("POST", path, body if body is not None else {})[0]
+
+
+@dataclass
+class Session:
+    """One rollout: hand ``env`` (proxy mode) or ``base_urls`` (base-URL mode) to the agent."""
+
+    client: ControlClient
+    id: str
+    env: dict[str, str]
+    base_urls: dict[str, str]
+    # Set by close: why it ended (stop, max_calls, max_tokens, deadline) and its metrics.
+    end_reason: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def close(self, reward: float | dict[str, float] | None = None) -> pa.Table:
+        """Close the session and get its thread rows (reward, metadata, end_reason, metrics
+        set) as a table; ``reward``: one number, or one per thread id."""
+        body = {"reward": reward} if reward is not None else {}
+        summary, table = self.client.request("POST", f"/sessions/{self.id}/close", body, arrow=True)
+        self.end_reason = summary.get("end_reason")
+        self.metrics = summary.get("metrics", {})
+        assert table is not None
+        return table
+
+    def reward(self, reward: float | dict[str, float]) -> None:
+        """A reward that arrives after close (a verifier that runs after the agent exits):
+        readers see it joined to the rows."""
+        self.client.post(f"/sessions/{self.id}/reward", {"reward": reward})
+
+    def rows(self) -> pa.Table:
+        """The session's rows so far, late rewards joined."""
+        table = self.client.request("GET", f"/sessions/{self.id}", arrow=True)[1]
+        assert table is not None
+        return table
+
+
+class AgentTap:
+    """A running agenttap instance: a mitmdump child process on free ports."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        log: Path,
+        out: Path,
+        proxy_url: str,
+        api_url: str,
+        token: str,
+        ca_path: str,
+    ) -> None:
+        self.proc = proc
+        self.log = log
+        self.out = out
+        self.proxy_url = proxy_url
+        self.api_url = api_url
+        self.token = token
+        self.ca_path = ca_path
+        self.client = ControlClient(api_url, token)
+
+    @classmethod
+    def start(
+        cls,
+        policy_url: str,
+        tokenizer: str | os.PathLike[str],
+        out: str | os.PathLike[str] = "agenttap-out",
+        *,
+        host: str = "127.0.0.1",
+        proxy_port: int = 0,
+        api_port: int = 0,
+        advertise_host: str = "",
+        token: str = "",
+        confdir: str | os.PathLike[str] | None = None,
+        options: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> AgentTap:
+        """Start an instance; returns once it answers. ``host``: where the proxy and the API
+        listen (loopback, or an address sandboxes elsewhere reach; ``advertise_host``: the
+        name they use for it); ports 0: free ones. ``options``: more ``--set`` options."""
+        out_dir = Path(out).resolve()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log = out_dir / f"mitmdump-{os.getpid()}-{time.monotonic_ns()}.log"
+        settings = {
+            "agenttap_policy_url": policy_url,
+            "agenttap_tokenizer": str(Path(tokenizer).resolve()),
+            "agenttap_out": str(out_dir),
+            "agenttap_api_host": host,
+            "agenttap_api_port": str(api_port),
+            **({"agenttap_advertise_host": advertise_host} if advertise_host else {}),
+            **({"agenttap_token": token} if token else {}),
+            **({"confdir": str(Path(confdir).resolve())} if confdir else {}),
+            **(options or {}),
+        }
+        cmd = [
+            str(Path(sys.executable).parent / "mitmdump"),
+            "-s", str(ADDON),
+            "--listen-host", host,
+            "--listen-port", str(proxy_port),
+        ]  # fmt: skip
+        for name, value in settings.items():
+            cmd += ["--set", f"{name}={value}"]
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO
+            )
+        try:
+            found = _wait_banner(proc, log, timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return cls(proc, log, out_dir, found["PROXY"], found["API"], found["TOKEN"], found["CA"])
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open_session(
+        self,
+        id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+    ) -> Session:
+        body: dict[str, Any] = {"metadata": metadata or {}}
+        if id is not None:
+            body["id"] = id
+        if limits:
+            body["limits"] = limits
+        answer = self.client.post("/sessions", body)
+        return Session(self.client, answer["id"], answer["env"], answer["base_urls"])
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return list(self.client.get("/sessions")["sessions"])
+
+    def flush(self, session: str | None = None) -> list[str]:
+        query = "?" + urllib.parse.urlencode({"session": session}) if session else ""
+        return list(self.client.post(f"/flush{query}")["written"])
+
+    def ready(self) -> bool:
+        try:
+            return bool(self.client.get("/ready").get("ready"))
+        except AgentTapError:
+            return False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the instance: every session's shards are written, nothing is left running."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> AgentTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncAgentTap:
+    """``AgentTap`` for asyncio code: the same calls, awaited (run in worker threads)."""
+
+    def __init__(self, tap: AgentTap) -> None:
+        self.tap = tap
+
+    @classmethod
+    async def start(cls, *args: Any, **kwargs: Any) -> AsyncAgentTap:
+        return cls(await asyncio.to_thread(AgentTap.start, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tap, name)
+
+    async def open_session(self, *args: Any, **kwargs: Any) -> Session:
+        return await asyncio.to_thread(self.tap.open_session, *args, **kwargs)
+
+    async def close_session(
+        self, session: Session, reward: float | dict[str, float] | None = None
+    ) -> pa.Table:
+        return await asyncio.to_thread(session.close, reward)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.tap.close)
+
+    async def __aenter__(self) -> AsyncAgentTap:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def parse_banner(text: str) -> dict[str, str]:
+    """The banner's values (PROXY, API, TOKEN, CA) found in a log's text."""
+    return {m.group(1): m.group(2) for m in BANNER.finditer(text)}
+
+
+def _wait_banner(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        found = parse_banner(text)
+        if len(found) == 4:
+            return found
+        if proc.poll() is not None:
+            raise AgentTapError(f"agenttap exited during startup; its log ({log}):\n{text[-4000:]}")
+        time.sleep(0.1)
+    raise AgentTapError(
+        f"agenttap did not start within {timeout:.0f} s; its log ({log}):\n"
+        f"{log.read_text(errors='replace')[-4000:]}"
+    )

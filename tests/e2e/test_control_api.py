@@ -1,0 +1,305 @@
+"""A trainer drives agenttap: the launcher starts a real mitmdump on free ports, the control API
+opens sessions with metadata and limits, real SDKs call in proxy mode and in base-URL mode, and
+closing with a reward returns the rows (reward, metadata, end_reason, metrics set); late rewards
+are joined for readers. The policy is the vLLM-shaped stub (its replies are scripted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from capture.launcher import AgentTap, AgentTapError, AsyncAgentTap, Session
+from capture.reader import load_threads
+from tests.conftest import IM_END, QWEN3
+from tests.stub_vllm import StubPolicy
+
+
+@pytest.fixture(scope="module")
+def tap(
+    stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AgentTap]:
+    instance = AgentTap.start(
+        stub.url, QWEN3, tmp_path_factory.mktemp("tap") / "out", confdir=confdir
+    )
+    yield instance
+    instance.close()
+
+
+def http(
+    url: str, method: str = "GET", token: str | None = None, body: Any = None, proxy: str = ""
+) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+    try:
+        with urllib.request.build_opener(*handlers).open(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def chat(base_url: str, text: str, history: list[dict[str, Any]] | None = None) -> Any:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0, timeout=60)
+    messages = (history or []) + [{"role": "user", "content": text}]
+    return client.chat.completions.create(model="policy", messages=messages)
+
+
+def test_every_route_but_health_wants_the_token(tap: AgentTap) -> None:
+    api = tap.api_url
+    assert http(f"{api}/healthz") == (200, {"ok": True})
+    status, ready = http(f"{api}/ready")
+    assert status == 200 and ready["ready"] is True and ready["model"] == "stub-policy"
+    for method, path in [
+        ("GET", "/sessions"),
+        ("POST", "/sessions"),
+        ("GET", "/openapi.json"),
+        ("POST", "/flush"),
+        ("POST", "/sessions/x/close"),
+    ]:
+        status, body = http(f"{api}{path}", method, body={} if method == "POST" else None)
+        assert status == 401, (path, body)
+        assert "Authorization: Bearer TOKEN" in body["error"]["message"]
+        status, body = http(f"{api}{path}", method, token="wrong-token-0123456789")
+        assert status == 403, (path, body)
+    status, spec = http(f"{api}/openapi.json", token=tap.token)
+    assert status == 200 and spec["openapi"].startswith("3.")
+    for path in ["/sessions", "/sessions/{id}/close", "/sessions/{id}/reward", "/healthz"]:
+        assert path in spec["paths"]
+    status, body = http(f"{api}/sessions/nope", token=tap.token)
+    assert status == 404 and "no session 'nope'" in body["error"]["message"]
+    # The same API through the proxy, at http://agenttap.local: the token is checked there too,
+    # and never stored in a flow.
+    proxy = tap.proxy_url
+    assert http("http://agenttap.local/sessions", proxy=proxy)[0] == 401
+    assert (
+        http("http://agenttap.local/sessions", token="wrong-token-0123456", proxy=proxy)[0] == 403
+    )
+    status, body = http("http://agenttap.local/sessions", token=tap.token, proxy=proxy)
+    assert status == 200 and "sessions" in body
+    # A bad request body is the caller's 400, naming what is wrong.
+    status, body = http(f"{api}/sessions", "POST", tap.token, {"limits": {"max_calls": 0}})
+    assert status == 400 and "max_calls" in body["error"]["message"]
+    status, body = http(f"{api}/sessions", "POST", tap.token, {"metadata": {"split": "test"}})
+    assert status == 400 and "split" in body["error"]["message"]
+
+
+def test_proxy_mode_session_closed_with_reward_then_a_late_one(
+    tap: AgentTap, stub: StubPolicy, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meta = {"task_id": "task-7", "group_id": "grp-1", "split": "train", "seed": [1, 2]}
+    sess = tap.open_session(metadata=meta)
+    # Proxy mode: the session's own environment is all the real SDK gets.
+    for key, value in sess.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    import openai
+
+    client = openai.OpenAI(max_retries=0, timeout=60)
+    stub.replies.clear()
+    stub.script("First answer.", "Second answer.")
+    n = len(stub.requests)
+    first = client.chat.completions.create(
+        model="gpt-5", messages=[{"role": "user", "content": "one"}]
+    )
+    history = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "two"},
+    ]
+    client.chat.completions.create(model="gpt-5", messages=history)
+    live = {s["id"]: s for s in tap.sessions()}
+    assert live[sess.id]["metrics"]["calls"] == 2 and live[sess.id]["metadata"] == meta
+
+    table = sess.close(reward=2.5)
+    assert isinstance(table, pa.Table)
+    rows = table.to_pylist()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["session_id"] == sess.id and row["num_turns"] == 2
+    assert row["reward"] == 2.5 and json.loads(row["metadata"]) == meta
+    assert row["end_reason"] == "stop"
+    # The row holds exactly what the policy was sent and sampled.
+    second = list(tok.encode("Second answer.", add_special_tokens=False)) + [IM_END]
+    assert row["input_ids"] == stub.requests[n + 1]["prompt"] + second
+    metrics = json.loads(row["metrics"])
+    assert metrics == sess.metrics
+    assert metrics["calls"] == 2 and metrics["errors"] == 0 and metrics["refused"] == 0
+    assert metrics["prompt_tokens"] == len(stub.requests[n]["prompt"]) + len(
+        stub.requests[n + 1]["prompt"]
+    )
+    assert (
+        metrics["completion_tokens"]
+        == len(second) + len(tok.encode("First answer.", add_special_tokens=False)) + 1
+    )
+    assert metrics["wall_time_s"] > 0 and metrics["policy_time_s"] > 0
+    assert sess.id not in {s["id"] for s in tap.sessions()}
+
+    # A late reward (a verifier that ran after the agent exited) is joined for every reader.
+    sess.reward(-1.0)
+    assert sess.rows().column("reward").to_pylist() == [-1.0]
+    read = [r for r in load_threads(tap.out) if r["session_id"] == sess.id]
+    assert [r["reward"] for r in read] == [-1.0]
+    # Closing twice, or a late reward for a session still open, is refused with the reason.
+    with pytest.raises(AgentTapError, match="closed already") as err:
+        sess.close()
+    assert err.value.status == 409
+    other = tap.open_session()
+    with pytest.raises(AgentTapError, match="still open"):
+        other.reward(1.0)
+    other.close()
+
+
+def test_close_answers_json_with_per_thread_rewards(tap: AgentTap, stub: StubPolicy) -> None:
+    sess = tap.open_session(id="json-close", metadata={"task_id": "j"})
+    stub.replies.clear()
+    stub.script("A.", "B.")
+    # Two separate conversations: two thread rows.
+    chat(sess.base_urls["openai"], "first conversation")
+    chat(sess.base_urls["openai"], "another conversation")
+    rows = sess.rows().to_pylist()
+    assert len(rows) == 2 and all(r["reward"] is None for r in rows)
+    rewards = {rows[0]["thread_id"]: 1.0, rows[1]["thread_id"]: 0.0, "t-unknown": 5.0}
+    status, body = http(
+        f"{tap.api_url}/sessions/json-close/close", "POST", tap.token, {"reward": rewards}
+    )
+    assert status == 200
+    assert {r["thread_id"]: r["reward"] for r in body["rows"]} == {
+        rows[0]["thread_id"]: 1.0,
+        rows[1]["thread_id"]: 0.0,
+    }
+    assert body["unmatched_rewards"] == ["t-unknown"]
+    assert body["end_reason"] == "stop" and body["metrics"]["calls"] == 2
+
+
+def test_base_url_mode_serves_all_four_providers_exactly(
+    tap: AgentTap, stub: StubPolicy, tok: Any
+) -> None:
+    import anthropic
+    import openai
+    from google import genai
+    from google.genai import types
+
+    sess = tap.open_session(metadata={"task_id": "base-urls"})
+    urls = sess.base_urls
+    assert urls["openai"] == f"{tap.api_url}/sess/{sess.id}/v1"
+    stub.replies.clear()
+    stub.script("Chat.", "Responses.", "Messages.", "Gemini.")
+    n = len(stub.requests)
+    oai = openai.OpenAI(base_url=urls["openai"], api_key="k", max_retries=0, timeout=60)
+    got = [oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "c"}])]
+    assert got[0].choices[0].message.content == "Chat."
+    assert oai.responses.create(model="m", input="r").output_text == "Responses."
+    ant = anthropic.Anthropic(base_url=urls["anthropic"], api_key="k", max_retries=0)
+    msg = ant.messages.create(
+        model="claude-opus-5-5", max_tokens=100, messages=[{"role": "user", "content": "a"}]
+    )
+    assert msg.content[0].text == "Messages."  # type: ignore[union-attr]
+    gem = genai.Client(
+        api_key="k", http_options=types.HttpOptions(base_url=urls["gemini"], timeout=60_000)
+    )
+    assert gem.models.generate_content(model="gemini-2.5-flash", contents="g").text == "Gemini."
+
+    rows = sess.close(reward=1.0).to_pylist()
+    assert sorted(r["protocol"] for r in rows) == [
+        "anthropic.messages",
+        "gemini.generate_content",
+        "openai.chat",
+        "openai.responses",
+    ]
+    for i, text in enumerate(["Chat.", "Responses.", "Messages.", "Gemini."]):
+        sampled = list(tok.encode(text, add_special_tokens=False)) + [IM_END]
+        row = next(r for r in rows if r["input_ids"][-len(sampled) :] == sampled)
+        assert row["input_ids"] == stub.requests[n + i]["prompt"] + sampled
+        assert row["loss_mask"][-len(sampled) :] == [1] * len(sampled)
+    assert sess.metrics["calls"] == 4
+
+
+def test_limits_end_the_session_with_a_final_answer(tap: AgentTap, stub: StubPolicy) -> None:
+    import openai
+
+    stub.replies.clear()
+    # max_calls: the third call is refused, never reaches the policy, and says so.
+    sess = tap.open_session(limits={"max_calls": 2})
+    n = len(stub.requests)
+    chat(sess.base_urls["openai"], "1")
+    chat(sess.base_urls["openai"], "2")
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(sess.base_urls["openai"], "3")
+    assert err.value.response.headers["x-should-retry"] == "false"
+    assert "max_calls" in str(err.value)
+    assert len(stub.requests) == n + 2
+    sess.close()
+    assert sess.end_reason == "max_calls" and sess.metrics["refused"] == 1
+
+    # max_tokens: a call's budget is what is left, so the session samples exactly the limit.
+    sess = tap.open_session(limits={"max_tokens": 5})
+    stub.script("one two three four five six seven eight nine ten")
+    first = chat(sess.base_urls["openai"], "count")
+    assert first.choices[0].finish_reason == "length"
+    assert stub.requests[-1]["max_tokens"] == 5
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(sess.base_urls["openai"], "more")
+    rows = sess.close().to_pylist()
+    assert sess.end_reason == "max_tokens" and sess.metrics["completion_tokens"] == 5
+    assert rows[0]["end_reason"] == "max_tokens" and sum(rows[0]["loss_mask"]) == 5
+
+    # deadline: counted from the opening.
+    sess = tap.open_session(limits={"deadline_s": 0.3})
+    chat(sess.base_urls["openai"], "quick")
+    time.sleep(0.4)
+    with pytest.raises(openai.BadRequestError, match="deadline"):
+        chat(sess.base_urls["openai"], "late")
+    sess.close()
+    assert sess.end_reason == "deadline" and sess.metrics["calls"] == 1
+
+    # A closed session's calls are refused too: its rows are written.
+    with pytest.raises(openai.BadRequestError, match="closed by the trainer"):
+        chat(sess.base_urls["openai"], "after close")
+
+
+def test_two_instances_in_one_process_plain_and_asyncio(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    async def main() -> list[str]:
+        async with await AsyncAgentTap.start(
+            stub.url, QWEN3, tmp_path / "b", confdir=confdir
+        ) as other:
+            sess: Session = await other.open_session(metadata={"task_id": "async"})
+            await asyncio.to_thread(chat, sess.base_urls["openai"], "from asyncio")
+            table = await other.close_session(sess, 1.0)
+            return [str(v) for v in table.column("session_id").to_pylist()]
+
+    with AgentTap.start(stub.url, QWEN3, tmp_path / "a", confdir=confdir) as first:
+        ids = asyncio.run(main())
+        assert len(ids) == 1
+        sess = first.open_session(id="plain")
+        chat(sess.base_urls["openai"], "from the plain one")
+        assert first.sessions()[0]["metrics"]["calls"] == 1
+    # Stopped cleanly: the process is gone and the open session was written on the way out.
+    assert first.proc.poll() is not None
+    rows = load_threads(tmp_path / "a")
+    assert [r["session_id"] for r in rows] == ["plain"]
+    assert [r["session_id"] for r in load_threads(tmp_path / "b")] == ids
+    for name in ("a", "b"):
+        assert not list((tmp_path / name / "journal").glob("*.jsonl"))
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    assert not any(
+        str(tmp_path / "a") in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+        for p in pids
+        if Path(f"/proc/{p}/cmdline").exists()
+    )
