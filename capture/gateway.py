@@ -45,6 +45,7 @@ from capture.session_ids import (
     request_session_id,
 )
 from capture.sessions import RowAnnotations, SessionStore
+from capture.whitebox import serve_generate
 from rewriter.providers import registered
 from rewriter.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
 from rewriter.template import ChatTemplate
@@ -346,6 +347,8 @@ class Gateway:
         raw_id, _, tail = rest.partition("/")
         raw_path, _, _ = tail.partition("?")
         session_id = urllib.parse.unquote(raw_id)
+        if raw_path.rstrip("/") == "generate":
+            return await serve_generate(self.pipeline, request, session_id)
         first, _, after = raw_path.partition("/")
         host = BASE_URL_PREFIXES.get(first)
         if host is not None:

@@ -146,10 +146,19 @@ class TurnPipeline:
         """Place a request in its session's tree and build its prompt ids, in a worker thread:
         rendering and tokenizing a long prompt takes a second or more, and the event loop
         serves every other session meanwhile (the tokenizer releases the GIL)."""
+        return await self._place(session_id, self.store.assemble, chat)
+
+    async def assemble_tokens(self, session_id: str, token_ids: list[int]) -> Assembly:
+        """``assemble`` for a call made of token ids (capture/whitebox.py)."""
+        return await self._place(session_id, self.store.assemble_tokens, token_ids)
+
+    async def _place(
+        self, session_id: str, place: Callable[[str, Any], Assembly], request: Any
+    ) -> Assembly:
         async with self.session_lock(session_id):
             self.store.session(session_id)  # created here, never from a worker thread
             return await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, self.store.assemble, session_id, chat
+                self._render_pool, place, session_id, request
             )
 
     # -- HTTP entry points -------------------------------------------------------------------

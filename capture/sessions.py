@@ -147,6 +147,11 @@ class SessionStore:
             chat.messages, chat.tools, chat.enable_thinking, client_retry=chat.client_retry
         )
 
+    def assemble_tokens(self, session_id: str, token_ids: list[int]) -> Assembly:
+        threads = self.session(session_id).threads
+        assert threads is not None, "SessionStore needs a renderer to assemble prompts"
+        return threads.assemble_tokens(token_ids)
+
     def record(
         self,
         turn: TurnRecord,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Start the agenttap proxy.
 #   scripts/run_proxy.sh [--policy-url URL[,URL...]] [--tokenizer PATH] [--out DIR] [--port N]
-#                        [--tool-parser NAME] [--reasoning-parser NAME] [--max-model-len N]
-#                        [-- MITMDUMP ARGS...]
+#                        [--api-port N] [--tool-parser NAME] [--reasoning-parser NAME]
+#                        [--max-model-len N] [-- MITMDUMP ARGS...]
+# --port: the proxy (default 8080); --api-port: the control API and per-session base URLs
+# (default the proxy's port + 1). AGENTTAP_TOKEN in the environment sets the API's token.
 # With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
 # here, 32768 tokens of context unless --max-model-len says otherwise) is started first, so the
 # whole path can be seen working offline. Sets up what it needs first (scripts/setup.sh).
@@ -11,7 +13,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 
 POLICY_URL="" TOKENIZER="" OUT="agenttap-out" PORT=8080 TOOL_PARSER=hermes REASONING_PARSER=qwen3
-MAX_MODEL_LEN=32768
+MAX_MODEL_LEN=32768 API_PORT=""
 CONFDIR="${AGENTTAP_CONFDIR:-$HOME/.mitmproxy}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -19,12 +21,13 @@ while [ $# -gt 0 ]; do
     --tokenizer) TOKENIZER="$2"; shift 2;;
     --out) OUT="$2"; shift 2;;
     --port) PORT="$2"; shift 2;;
+    --api-port) API_PORT="$2"; shift 2;;
     --tool-parser) TOOL_PARSER="$2"; shift 2;;
     --reasoning-parser) REASONING_PARSER="$2"; shift 2;;
     --confdir) CONFDIR="$2"; shift 2;;
     --max-model-len) MAX_MODEL_LEN="$2"; shift 2;;
     --) shift; break;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0;;
     *) echo "agenttap: unknown argument $1 (mitmdump arguments go after --)" >&2; exit 2;;
   esac
 done
@@ -57,20 +60,30 @@ if [ -z "$TOKENIZER" ]; then
 fi
 
 CA="$CONFDIR/mitmproxy-ca-cert.pem"
+[ -n "$API_PORT" ] || API_PORT=$((PORT + 1))
+TOKEN="${AGENTTAP_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
+API="http://127.0.0.1:$API_PORT"
 cat <<MSG
 agenttap proxy:  http://127.0.0.1:$PORT   (policy: $POLICY_URL, shards: $OUT)
 CA certificate:  $CA   (created on first start)
-Point a client at it (SESSION names the session in the shards):
+Proxy mode: point a client at it (SESSION names the session in the shards):
   export HTTPS_PROXY=http://SESSION:x@127.0.0.1:$PORT
   export SSL_CERT_FILE=$CA          # Python SDKs (httpx)
   export NODE_EXTRA_CA_CERTS=$CA    # Node CLIs (Claude Code, Gemini CLI)
+Base-URL mode: no proxy, no CA (SESSION: any name you pick):
+  export OPENAI_BASE_URL=$API/sess/SESSION/v1
+  export ANTHROPIC_BASE_URL=$API/sess/SESSION/anthropic
+  export GOOGLE_GEMINI_BASE_URL=$API/sess/SESSION/gemini
+Control API (sessions, rewards; Authorization: Bearer \$AGENTTAP_TOKEN): $API/openapi.json
+  AGENTTAP_TOKEN=$TOKEN
 MSG
 
 "$ROOT/.venv/bin/mitmdump" -s "$ROOT/addons/capture.py" \
   --listen-host 127.0.0.1 --listen-port "$PORT" --set confdir="$CONFDIR" \
   --set agenttap_policy_url="$POLICY_URL" --set agenttap_tokenizer="$TOKENIZER" \
   --set agenttap_out="$OUT" --set agenttap_tool_parser="$TOOL_PARSER" \
-  --set agenttap_reasoning_parser="$REASONING_PARSER" "$@" &
+  --set agenttap_reasoning_parser="$REASONING_PARSER" \
+  --set agenttap_api_port="$API_PORT" --set agenttap_token="$TOKEN" "$@" &
 MITM_PID=$!
 trap 'kill $MITM_PID 2>/dev/null; cleanup' EXIT INT TERM
 wait $MITM_PID

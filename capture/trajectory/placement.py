@@ -27,6 +27,9 @@ from capture.trajectory.state import (
 from capture.trajectory.tree import Assembly, CallNode
 from rewriter.canonical import Message, ToolSpec
 
+# The header key of token-level calls: no message-level request ever matches it.
+TOKENS_HEADER = ("tokens",)
+
 
 class ThreadSet(RewritePlacement, NewThreadPlacement):
     """The calls of one session (a forest), the assembly of each prompt, and its rows."""
@@ -44,6 +47,31 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         assembly = self._assemble(messages, tools, enable_thinking, client_retry)
         assembly.client_retry = client_retry
         return assembly
+
+    def assemble_tokens(self, token_ids: list[int]) -> Assembly:
+        """Where a call made of token ids (the white-box ``generate``) goes: an extension of the
+        call whose whole sequence (prompt + sampled ids) its ids start with, the longest such,
+        so a multi-turn token-level agent's calls form one thread; else a new tree. Its ids
+        are the prompt as they are: nothing is rendered."""
+        parent = None
+        for call in sorted(self.calls, key=lambda c: c.seq_len, reverse=True):
+            if call.seq_len <= len(token_ids) and seq_ids(call) == token_ids[: call.seq_len]:
+                parent = call
+                break
+        base = parent.seq_len if parent is not None else 0
+        suffix = len(token_ids) - base
+        return self._claim(
+            Assembly(
+                parent=parent,
+                prompt_ids=list(token_ids),
+                base=base,
+                suffix_logprobs=[0.0] * suffix,
+                suffix_provenance=[int(Provenance.PROMPT)] * suffix,
+                keys=[],
+                header=TOKENS_HEADER,
+                kind="extend" if parent is not None else "new",
+            )
+        )
 
     def _assemble(
         self,

@@ -37,10 +37,12 @@ class RunProxy:
         from rewriter import policy_server
 
         self.port = policy_server.free_port()
+        self.api_port = policy_server.free_port()
         self.log = tmp_path / "run_proxy.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                ["bash", "scripts/run_proxy.sh", "--port", str(self.port), "--out", str(tmp_path / "out"), "--confdir", str(confdir)],
+                ["bash", "scripts/run_proxy.sh", "--port", str(self.port), "--api-port", str(self.api_port),
+                 "--out", str(tmp_path / "out"), "--confdir", str(confdir)],
                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
             )  # fmt: skip
 
@@ -128,6 +130,29 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
         assert resp.usage is not None
         print(f"run_proxy.sh embedded policy: a {resp.usage.prompt_tokens}-token prompt served")
         assert resp.usage.prompt_tokens >= CLAUDE_CODE_FIRST_CALL_TOKENS
+
+        # The lines printed for base-URL mode work as printed, SESSION replaced by a name.
+        base_url = f"http://127.0.0.1:{run.api_port}/sess/SESSION/v1"
+        assert f"OPENAI_BASE_URL={base_url}" in run.output()
+        import openai
+
+        direct = openai.OpenAI(
+            base_url=base_url.replace("SESSION", "run-proxy-base"), api_key="k", max_retries=0
+        )
+        monkeypatch.delenv("HTTPS_PROXY", raising=False)
+        answer = direct.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        token = re.search(r"AGENTTAP_TOKEN=(\S+)", run.output())
+        assert token, run.output()[-3000:]
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{run.api_port}/sessions",
+            headers={"Authorization": f"Bearer {token.group(1)}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            live = {s["id"]: s for s in json.load(resp)["sessions"]}
+        assert live["run-proxy-base"]["metrics"]["calls"] == 1
         run.stop_and_check_nothing_is_left()
     finally:
         run.kill_all()
