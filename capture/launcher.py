@@ -38,9 +38,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from capture.openapi import ARROW_STREAM
+
 REPO = Path(__file__).resolve().parents[1]
 ADDON = REPO / "addons" / "capture.py"
-ARROW_STREAM = "application/vnd.apache.arrow.stream"
+
 BANNER = re.compile(r"AGENTTAP_(PROXY|API|TOKEN|CA)=(\S+)")
 
 

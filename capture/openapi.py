@@ -1,0 +1,107 @@
+"""The control API (capture/control_api.py) described as OpenAPI 3.1, served at /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+
+
+def openapi_spec(server: str) -> dict[str, Any]:
+    """The control API as OpenAPI 3.1 (served at /openapi.json)."""
+    reward = {
+        "oneOf": [
+            {"type": "number"},
+            {"type": "object", "additionalProperties": {"type": "number"}},
+        ],
+        "description": "one number for every thread row, or one per thread id",
+    }
+    limits = {
+        "type": "object",
+        "properties": {
+            "max_calls": {"type": "integer", "minimum": 1},
+            "max_tokens": {"type": "integer", "minimum": 1, "description": "sampled tokens"},
+            "deadline_s": {"type": "number", "exclusiveMinimum": 0},
+        },
+    }
+    rows = {
+        "description": "the session's thread rows (docs/SHARDS.md) with its summary; an Arrow "
+        "IPC stream for Accept: application/vnd.apache.arrow.stream",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+    sid = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
+
+    def body(props: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "content": {"application/json": {"schema": {"type": "object", "properties": props}}}
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "agenttap control API", "version": "1"},
+        "servers": [{"url": server}],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/sessions": {
+                "post": {
+                    "summary": "open a session",
+                    "security": secured,
+                    "requestBody": body(
+                        {"id": {"type": "string"}, "metadata": {"type": "object"}, "limits": limits}
+                    ),
+                    "responses": {"200": {"description": "{id, env, base_urls, limits}"}},
+                },
+                "get": {
+                    "summary": "live sessions with their call and token counts",
+                    "security": secured,
+                    "responses": {"200": {"description": "{sessions: [...]}"}},
+                },
+            },
+            "/sessions/{id}": {
+                "get": {
+                    "summary": "the session's rows so far, late rewards joined",
+                    "security": secured,
+                    "parameters": [sid],
+                    "responses": {"200": rows, "404": {"description": "unknown session"}},
+                }
+            },
+            "/sessions/{id}/close": {
+                "post": {
+                    "summary": "close the session, write its rows with reward and metadata",
+                    "security": secured,
+                    "parameters": [sid],
+                    "requestBody": body({"reward": reward}),
+                    "responses": {"200": rows, "404": {"description": "unknown session"}},
+                }
+            },
+            "/sessions/{id}/reward": {
+                "post": {
+                    "summary": "a late reward for a closed session",
+                    "security": secured,
+                    "parameters": [sid],
+                    "requestBody": body({"reward": reward}),
+                    "responses": {"200": {"description": "written"}},
+                }
+            },
+            "/flush": {
+                "post": {
+                    "summary": "write sessions' shards now (?session=ID: one)",
+                    "security": secured,
+                    "responses": {"200": {"description": "{written: [paths]}"}},
+                }
+            },
+            "/healthz": {"get": {"responses": {"200": {"description": "alive"}}}},
+            "/ready": {
+                "get": {
+                    "responses": {
+                        "200": {"description": "tokenizer loaded, policy answers"},
+                        "503": {"description": "not ready, with the reason"},
+                    }
+                }
+            },
+        },
+    }

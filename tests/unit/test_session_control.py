@@ -1,0 +1,240 @@
+"""Sessions a trainer drives (capture/session_control.py), the rows they are written into
+(capture/sessions.py RowAnnotations), token-level placement and the white-box request parser:
+in-process, no sockets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from capture.control_api import Endpoints
+from capture.options import parse_host, parse_port, parse_token
+from capture.records import TurnRecord
+from capture.session_control import (
+    END_CLOSED,
+    END_DEADLINE,
+    END_MAX_CALLS,
+    END_MAX_TOKENS,
+    END_STOP,
+    Limits,
+    SessionControl,
+    check_metadata,
+    check_session_id,
+    parse_limits,
+)
+from capture.sessions import RowAnnotations, SessionStore
+from capture.whitebox import parse_generate
+from rewriter.canonical import ChatRequest, Message
+from rewriter.template import ChatTemplate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_limits_are_parsed_with_clear_errors() -> None:
+    assert parse_limits(None) == Limits()
+    assert parse_limits({"max_calls": 3, "deadline_s": 2}) == Limits(3, None, 2.0)
+    for bad, words in [
+        ({"max_calls": 0}, "max_calls"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_calls": True}, "max_calls"),
+        ({"deadline_s": float("nan")}, "deadline_s"),
+        ({"deadline_s": -1}, "deadline_s"),
+        ({"max_turns": 3}, "unknown limit"),
+        ([1], "must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            parse_limits(bad)
+    assert check_session_id("task-1.run_2") == "task-1.run_2"
+    for bad_id in ["", "a b", "a:b", "a@b", "-x", "x" * 129, 5]:
+        with pytest.raises(ValueError, match='"id"'):
+            check_session_id(bad_id)
+    assert check_metadata({"split": "val", "x": [1]}) == {"split": "val", "x": [1]}
+    with pytest.raises(ValueError, match="split"):
+        check_metadata({"split": "test"})
+    with pytest.raises(ValueError, match="JSON object"):
+        check_metadata("task")
+
+
+def test_each_limit_refuses_the_next_call_and_is_the_end_reason() -> None:
+    clock = Clock()
+    control = SessionControl(clock=clock)
+    control.open("calls", limits=Limits(max_calls=2))
+    control.open("tokens", limits=Limits(max_tokens=10))
+    control.open("deadline", limits=Limits(deadline_s=5))
+    for _ in range(2):
+        assert control.refusal("calls") is None
+        control.call_started("calls")
+        control.note_recorded("calls", 10, 3, 0.1)
+        control.call_finished("calls")
+    assert control.refusal("calls") == END_MAX_CALLS
+    assert control.tokens_left("tokens") == 10
+    control.note_recorded("tokens", 5, 10, 0.1)
+    assert control.tokens_left("tokens") == 0
+    assert control.refusal("tokens") == END_MAX_TOKENS
+    assert control.refusal("deadline") is None
+    clock.now += 5
+    assert control.refusal("deadline") == END_DEADLINE
+    ended = {sid: control.close(sid) for sid in ("calls", "tokens", "deadline")}
+    assert {sid: s.end_reason for sid, s in ended.items()} == {
+        "calls": END_MAX_CALLS,
+        "tokens": END_MAX_TOKENS,
+        "deadline": END_DEADLINE,
+    }
+    assert ended["calls"].metrics.calls == 2 and ended["calls"].metrics.refused == 1
+    assert ended["deadline"].metrics.wall_time_s == 5
+    # A closed session's calls are refused; reopening the name starts afresh.
+    assert control.refusal("calls") == END_CLOSED
+    control.open("calls")
+    assert control.refusal("calls") is None
+
+
+def test_calls_in_flight_count_against_max_calls() -> None:
+    control = SessionControl()
+    control.open("burst", limits=Limits(max_calls=2))
+    started = 0
+    for _ in range(5):  # five calls at once: two may go
+        if control.refusal("burst") is None:
+            control.call_started("burst")
+            started += 1
+    assert started == 2
+
+
+def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_forgotten() -> None:
+    control = SessionControl()
+    control.open("a")
+    with pytest.raises(ValueError, match="open already"):
+        control.open("a")
+    # A proxy username nobody opened is counted as it calls...
+    assert control.refusal("user-x") is None
+    control.note_recorded("user-x", 3, 4, 0.5, retry=True)
+    summary = control.get("user-x")
+    assert summary is not None and summary.metrics.retries == 1 and not summary.opened
+    # ... opening it later keeps its counts and adds metadata ...
+    control.open("user-x", {"task_id": "t"})
+    assert control.get("user-x").metrics.calls == 1  # type: ignore[union-attr]
+    # ... and one never opened is forgotten once the store no longer has it.
+    control.refusal("user-y")
+    control.prune(keep=set())
+    assert control.get("user-y") is None and control.get("user-x") is not None
+    assert control.close("a").end_reason == END_STOP
+
+
+def test_annotations_are_written_into_every_thread_row(tmp_path: Path, qwen3_dir: Path) -> None:
+    template = ChatTemplate(qwen3_dir)
+    store = SessionStore(tmp_path, template)
+    store.annotations_for = lambda sid: RowAnnotations(metadata={"task_id": sid})
+    for i, text in enumerate(["one", "two"]):
+        chat_messages = [Message("user", text)]
+        assembly = store.assemble("s", ChatRequest(chat_messages, "m"))
+        ids = template.encode(f"answer {i}") + [template.eos_token_id]
+        store.record(_record("s", f"r{i}", i, assembly.prompt_ids, ids), assembly,
+                     Message("assistant", f"answer {i}"))  # fmt: skip
+    # A mid-session flush takes the session's metadata; rows are collected as written.
+    rows: list[dict] = []
+    paths = store.end_session("s", keep_threads=True, rows_out=rows)
+    assert len(rows) == 2 and all(json.loads(r["metadata"]) == {"task_id": "s"} for r in rows)
+    assert store.written_threads("s") == [p for p in paths if p.parent.name == "threads"]
+    table = pq.read_table(store.written_threads("s"))
+    assert table.column("reward").to_pylist() == [None, None]
+    # Per-thread rewards at close; pending rows are the ones not written yet.
+    assembly = store.assemble("s", ChatRequest([Message("user", "three")], "m"))
+    store.record(_record("s", "r2", 2, assembly.prompt_ids, [1, 2, template.eos_token_id]),
+                 assembly, Message("assistant", "x"))  # fmt: skip
+    pending = store.pending_rows("s")
+    assert len(pending) == 1 and pending[0]["reward"] is None
+    tid = pending[0]["thread_id"]
+    rows = []
+    store.end_session(
+        "s",
+        annotations=RowAnnotations(reward={tid: 0.5}, end_reason="stop", metrics={"calls": 3}),
+        rows_out=rows,
+    )
+    assert [(r["thread_id"], r["reward"], r["end_reason"]) for r in rows] == [(tid, 0.5, "stop")]
+    assert json.loads(rows[0]["metrics"]) == {"calls": 3}
+    assert len(store.written_threads("s", forget=True)) == 2 and store.written_threads("s") == []
+
+
+def _record(sid: str, rid: str, i: int, prompt: list[int], ids: list[int]) -> TurnRecord:
+    return TurnRecord(
+        session_id=sid, request_id=rid, turn_index=i, protocol="tokens", requested_model="m",
+        policy_model="p", backend="b", user_agent="ua", prompt_ids=prompt, completion_ids=ids,
+        completion_logprobs=[-0.25] * len(ids), finish_reason="stop",
+        response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
+    )  # fmt: skip
+
+
+def test_token_calls_extend_the_call_whose_whole_sequence_they_start_with(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
+    store = SessionStore(tmp_path, ChatTemplate(qwen3_dir))
+    first = store.assemble_tokens("t", [1, 2, 3])
+    assert first.parent is None and first.kind == "new"
+    store.record(_record("t", "g1", 0, [1, 2, 3], [4, 5]), first, Message("assistant", ""))
+    second = store.assemble_tokens("t", [1, 2, 3, 4, 5, 6, 7])
+    assert second.parent is not None and second.parent.request_id == "g1"
+    assert second.base == 5 and second.kind == "extend"
+    store.record(_record("t", "g2", 1, second.prompt_ids, [8]), second, Message("assistant", ""))
+    # Not a prefix of any call's sequence: a tree of its own.
+    assert store.assemble_tokens("t", [1, 2, 9]).parent is None
+    (row,) = store.pending_rows("t")
+    assert row["input_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1]
+
+
+def test_generate_requests_are_checked() -> None:
+    ids, sampling, model = parse_generate(
+        {"token_ids": [1, 2], "sampling_params": {"max_tokens": 4, "temperature": 1}}
+    )
+    assert ids == [1, 2] and sampling.max_tokens == 4 and sampling.temperature == 1.0
+    assert model == ""
+    for body, words in [
+        ([], "JSON object"),
+        ({"token_ids": []}, "non-empty"),
+        ({"token_ids": [-1]}, "non-empty"),
+        ({"token_ids": [True]}, "non-empty"),
+        ({"token_ids": [1], "sampling_params": {"n": 2}}, "not served"),
+        ({"token_ids": [1], "sampling_params": {"seed": 1.5}}, "seed"),
+        ({"token_ids": [1], "sampling_params": {"temperature": float("inf")}}, "temperature"),
+        ({"token_ids": [1], "sampling_params": {"stop": [1]}}, "stop"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "at least 1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            parse_generate(body)
+
+
+def test_a_session_environment_serves_every_client() -> None:
+    ends = Endpoints("http://10.0.0.5:9001", "http://10.0.0.5:9000", "/ca.pem")
+    env = ends.env("run-1")
+    assert env["HTTPS_PROXY"] == "http://run-1:x@10.0.0.5:9000"
+    for name in (
+        "SSL_CERT_FILE",
+        "NODE_EXTRA_CA_CERTS",
+        "REQUESTS_CA_BUNDLE",
+        "CODEX_CA_CERTIFICATE",
+    ):
+        assert env[name] == "/ca.pem"
+    for name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY"):
+        assert env[name]
+    assert ends.base_urls("run-1") == {
+        "openai": "http://10.0.0.5:9001/sess/run-1/v1",
+        "anthropic": "http://10.0.0.5:9001/sess/run-1/anthropic",
+        "gemini": "http://10.0.0.5:9001/sess/run-1/gemini",
+    }
+
+
+def test_api_options_are_checked() -> None:
+    assert parse_host(" 0.0.0.0 ") == "0.0.0.0" and parse_host("::1") == "::1"
+    assert parse_port("0") == 0 and parse_port("8081") == 8081
+    assert parse_token("") == "" and parse_token("a" * 16) == "a" * 16
+    for parse, bad in [(parse_host, "a b"), (parse_port, "70000"), (parse_token, "short")]:
+        with pytest.raises(ValueError):
+            parse(bad)
