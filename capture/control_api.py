@@ -40,6 +40,7 @@ from capture.session_control import (
     check_metadata,
     check_session_id,
     parse_limits,
+    reject_unknown,
 )
 from capture.sessions import RowAnnotations
 from capture.shards import THREAD_SCHEMA, rows_to_table
@@ -237,9 +238,7 @@ class ControlAPI:
 
     async def _open(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        unknown = sorted(set(body) - {"id", "metadata", "limits"})
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: id, metadata, limits")
+        reject_unknown(body, ("id", "metadata", "limits"))
         sid = check_session_id(body["id"]) if body.get("id") is not None else _new_id()
         metadata = check_metadata(body.get("metadata"))
         limits = parse_limits(body.get("limits"))
@@ -287,9 +286,7 @@ class ControlAPI:
 
     async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
         body = await self._body(request)
-        unknown = sorted(set(body) - {"reward"})
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: reward")
+        reject_unknown(body, ("reward",))
         reward = parse_reward(body["reward"]) if body.get("reward") is not None else None
         control = self.gateway.control
         if control.get(sid) is None or sid not in {s.id for s in control.live()}:

@@ -44,6 +44,13 @@ class Limits:
     deadline_s: float | None = None
 
 
+def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "field") -> None:
+    """A ``ValueError`` naming the keys of ``body`` that are not ``known`` (and those that are)."""
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 def parse_limits(value: Any) -> Limits:
     """``{"max_calls", "max_tokens", "deadline_s"}`` (each optional) as ``Limits``; a
     ``ValueError`` worded for the caller otherwise."""
@@ -51,11 +58,7 @@ def parse_limits(value: Any) -> Limits:
         return Limits()
     if not isinstance(value, dict):
         raise ValueError('"limits" must be an object: {"max_calls", "max_tokens", "deadline_s"}')
-    unknown = sorted(set(value) - {"max_calls", "max_tokens", "deadline_s"})
-    if unknown:
-        raise ValueError(
-            f"unknown limit(s) {', '.join(unknown)}; known: max_calls, max_tokens, deadline_s"
-        )
+    reject_unknown(value, ("max_calls", "max_tokens", "deadline_s"), "limit")
     out: dict[str, Any] = {}
     for name in ("max_calls", "max_tokens"):
         v = value.get(name)

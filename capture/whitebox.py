@@ -24,6 +24,7 @@ from aiohttp import web
 
 from capture.pipeline import TurnPipeline, session_ended_message
 from capture.records import FailedCall, TurnRecord
+from capture.session_control import reject_unknown
 from rewriter import jsonbody
 from rewriter.canonical import Message, SamplingParams
 from rewriter.vllm_client import PolicyError
@@ -54,11 +55,7 @@ def parse_generate(body: Any) -> tuple[list[int], SamplingParams, str]:
     worded for the caller otherwise."""
     if not isinstance(body, dict):
         raise ValueError('the body must be a JSON object: {"token_ids": [...], ...}')
-    unknown = sorted(set(body) - {"token_ids", "sampling_params", "model"})
-    if unknown:
-        raise ValueError(
-            f"unknown field(s) {', '.join(unknown)}; known: token_ids, sampling_params, model"
-        )
+    reject_unknown(body, ("token_ids", "sampling_params", "model"))
     ids = body.get("token_ids")
     if (
         not isinstance(ids, list)

@@ -185,7 +185,9 @@ class Proxy:
         """Rows of the thread shards, after flushing the session (fails under ``expect``)."""
         self.flush(session)
         rows = read_threads(self.out, session)
-        assert len(rows) >= expect, f"expected {expect} thread rows for {session!r}, got {len(rows)}"
+        assert len(rows) >= expect, (
+            f"expected {expect} thread rows for {session!r}, got {len(rows)}"
+        )
         return rows
 
 
@@ -204,7 +206,9 @@ def record_turn(
         prompt_ids=assembly.prompt_ids, completion_ids=ids, completion_logprobs=[-0.5] * len(ids),
         finish_reason="stop", response_finish_reason="stop", started_at=0.0, latency_s=0.1, stream=False,
     )  # fmt: skip
-    store.record(record, assembly, Message("assistant", text if text is not None else f"answer {i}"))
+    store.record(
+        record, assembly, Message("assistant", text if text is not None else f"answer {i}")
+    )
 
 
 def _read_shards(folder: Path, session: str | None) -> list[dict]:
@@ -278,3 +282,15 @@ def vllm_proxy(
     proxy = start_proxy(vllm_url, tmp_path_factory.mktemp("vllm-proxy") / "out", confdir)
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def stub_tap(stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """agenttap started as a trainer starts it (capture/launcher.py), answered by the stub."""
+    from capture.launcher import AgentTap
+
+    instance = AgentTap.start(
+        stub.url, QWEN3, tmp_path_factory.mktemp("tap") / "out", confdir=confdir
+    )
+    yield instance
+    instance.close()

@@ -11,7 +11,6 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,9 @@ from tests.conftest import IM_END, QWEN3
 from tests.stub_vllm import StubPolicy
 
 
-@pytest.fixture(scope="module")
-def tap(
-    stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[AgentTap]:
-    instance = AgentTap.start(
-        stub.url, QWEN3, tmp_path_factory.mktemp("tap") / "out", confdir=confdir
-    )
-    yield instance
-    instance.close()
+@pytest.fixture
+def tap(stub_tap: AgentTap) -> AgentTap:
+    return stub_tap
 
 
 def http(

@@ -7,29 +7,21 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from capture.launcher import AgentTap, Session
-from tests.conftest import QWEN3
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_claude_code import CLAUDE
 from tests.e2e.test_codex import CODEX, FIRST, LAST
 from tests.stub_vllm import StubPolicy
 
 
-@pytest.fixture(scope="module")
-def tap(
-    stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[AgentTap]:
-    instance = AgentTap.start(
-        stub.url, QWEN3, tmp_path_factory.mktemp("clients") / "out", confdir=confdir
-    )
-    yield instance
-    instance.close()
+@pytest.fixture
+def tap(stub_tap: AgentTap) -> AgentTap:
+    return stub_tap
 
 
 def base_env(workdir: Path, extra: dict[str, str]) -> dict[str, str]:
