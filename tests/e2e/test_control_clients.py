@@ -4,6 +4,7 @@ without retrying. The policy is the scripted stub."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -16,6 +17,7 @@ from capture.launcher import AgentTap, Session
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_claude_code import CLAUDE
 from tests.e2e.test_codex import CODEX, FIRST, LAST
+from tests.e2e.test_gemini_cli import GEMINI, answer_router
 from tests.stub_vllm import StubPolicy
 
 
@@ -134,3 +136,37 @@ def test_codex_in_a_session_env_is_stopped_by_max_calls(
     assert "max_calls" in done.stdout + done.stderr, done.stdout + done.stderr
     rows = check_stopped_by_limit(sess, tap, elapsed)
     assert rows[0]["protocol"] == "openai.responses"
+
+
+def test_gemini_cli_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path) -> None:
+    workdir = workdir_of(tmp_path)
+    target = workdir / "hello.txt"
+    stub.replies.clear()
+    stub.script(
+        hermes("write_file", {"file_path": str(target), "content": "hi"}), "Done: hello.txt."
+    )
+    stub.rules.append(answer_router)
+    sess = tap.open_session(metadata={"task_id": "gemini-base-url"})
+    env = base_env(
+        workdir,
+        {
+            "GOOGLE_GEMINI_BASE_URL": sess.base_urls["gemini"],
+            "GEMINI_API_KEY": "dummy",
+            "GEMINI_CLI_TRUST_WORKSPACE": "true",
+        },
+    )
+    # Its API-key auth, chosen in its settings, keeps the base URL (the env alone picks
+    # "gateway" auth, which a headless run refuses).
+    settings = Path(env["HOME"]) / ".gemini" / "settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}}))
+    try:
+        done, _ = run([str(GEMINI), "-p", "Create hello.txt with hi", "--yolo"], workdir, env)
+    finally:
+        stub.rules.remove(answer_router)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert target.read_text() == "hi" and "Done: hello.txt." in done.stdout
+    rows = sess.close(reward=1.0).to_pylist()
+    main = max(rows, key=lambda r: r["num_turns"])
+    assert main["num_turns"] == 2 and main["protocol"] == "gemini.generate_content"
+    assert main["user_agent"].startswith("GeminiCLI") and main["reward"] == 1.0
