@@ -121,6 +121,17 @@ class Session:
         readers see it joined to the rows."""
         self.client.post(f"/sessions/{self.id}/reward", {"reward": reward})
 
+    def codex_config(self, model: str = "gpt-5") -> str:
+        """A Codex ``config.toml`` that sends Codex to this session's base URL (Codex reads no
+        base-URL variable); its key comes from ``AGENTTAP_KEY``, which must be set (any
+        value)."""
+        return (
+            f'model = "{model}"\nmodel_provider = "agenttap"\n\n'
+            f"[model_providers.agenttap]\n"
+            f'name = "agenttap"\nbase_url = "{self.base_urls["openai"]}"\n'
+            f'wire_api = "responses"\nenv_key = "AGENTTAP_KEY"\n'
+        )
+
     def rows(self) -> pa.Table:
         """The session's rows so far, late rewards joined."""
         table = self.client.request("GET", f"/sessions/{self.id}", arrow=True)[1]

@@ -16,7 +16,7 @@ import pytest
 from capture.launcher import AgentTap, Session
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_claude_code import CLAUDE
-from tests.e2e.test_codex import CODEX, FIRST, LAST
+from tests.e2e.test_codex import CODEX, FIRST, FUNCTION_CALL, LAST
 from tests.e2e.test_gemini_cli import GEMINI, answer_router
 from tests.stub_vllm import StubPolicy
 
@@ -170,3 +170,20 @@ def test_gemini_cli_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path)
     main = max(rows, key=lambda r: r["num_turns"])
     assert main["num_turns"] == 2 and main["protocol"] == "gemini.generate_content"
     assert main["user_agent"].startswith("GeminiCLI") and main["reward"] == 1.0
+
+
+def test_codex_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path) -> None:
+    workdir = workdir_of(tmp_path)
+    stub.replies.clear()
+    # A provider of its own has no model metadata: Codex sends classic function tools.
+    stub.script(FUNCTION_CALL, LAST)
+    sess = tap.open_session(metadata={"task_id": "codex-base-url"})
+    # Codex 0.169 ignores OPENAI_BASE_URL: a model provider in its config names the base URL.
+    env = base_env(workdir, {"AGENTTAP_KEY": "sk-dummy"})
+    (Path(env["CODEX_HOME"]) / "config.toml").write_text(sess.codex_config())
+    done, _ = run(codex("Create hello.txt containing hi"), workdir, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (workdir / "hello.txt").read_text() == "hi"
+    rows = sess.close(reward=1.0).to_pylist()
+    assert len(rows) == 1 and rows[0]["num_turns"] == 2
+    assert rows[0]["protocol"] == "openai.responses" and rows[0]["reward"] == 1.0
