@@ -296,3 +296,42 @@ def test_two_instances_in_one_process_plain_and_asyncio(
         for p in pids
         if Path(f"/proc/{p}/cmdline").exists()
     )
+
+
+def test_responses_websocket_by_base_url(tap: AgentTap, stub: StubPolicy) -> None:
+    """ws://HOST:PORT/sess/ID/v1/responses: Codex's WebSocket mode without proxy or CA, in the
+    session; past its max_calls the next turn is an error event (status 400), not a hang."""
+    import aiohttp
+
+    sess = tap.open_session(metadata={"task_id": "ws"}, limits={"max_calls": 2})
+    stub.replies.clear()
+    stub.script("First.", "Second.")
+    url = sess.base_urls["openai"].replace("http://", "ws://") + "/responses"
+
+    async def converse() -> list[list[dict[str, Any]]]:
+        out = []
+        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+            previous = None
+            for text in ["one", "two", "three"]:
+                message = {"type": "response.create", "model": "gpt-5", "store": False,
+                           "input": text, "previous_response_id": previous}  # fmt: skip
+                await ws.send_str(json.dumps(message))
+                events = []
+                while True:
+                    event = json.loads(await ws.receive_str(timeout=30))
+                    events.append(event)
+                    if event["type"] in ("response.completed", "error", "response.failed"):
+                        break
+                out.append(events)
+                if events[-1]["type"] == "response.completed":
+                    previous = events[-1]["response"]["id"]
+        return out
+
+    first, second, third = asyncio.run(converse())
+    assert first[-1]["response"]["output"][0]["content"][0]["text"] == "First."
+    assert second[-1]["response"]["output"][0]["content"][0]["text"] == "Second."
+    assert third[-1]["type"] == "error" and third[-1]["status"] == 400
+    assert "max_calls" in json.dumps(third[-1])
+    rows = sess.close().to_pylist()
+    assert len(rows) == 1 and rows[0]["num_turns"] == 2
+    assert rows[0]["protocol"] == "openai.responses" and sess.end_reason == "max_calls"
