@@ -14,15 +14,10 @@ offline (see ``tests/flows.py``)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import ipaddress
 import json
 import logging
 import os
-import secrets
 import sys
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +33,14 @@ from mitmproxy.addonmanager import Loader  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
+from addons.control_host import ControlHost  # noqa: E402
+from addons.credentials import proxy_user, strip_secrets  # noqa: E402
 from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
     shrink_head,
 )
+from capture.control_api import banner_lines  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -63,12 +61,7 @@ from capture.options import (  # noqa: E402
     parse_value,
     unknown_names,
 )
-from capture.session_ids import (  # noqa: E402
-    SECRET_HEADERS,
-    SECRET_QUERY,
-    SESSION_HEADER,
-    quote_session,
-)
+from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -77,32 +70,6 @@ logger = logging.getLogger(__name__)
 # needs no token (tests and scripts use it instead of waiting for the idle timeout).
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
-
-
-def _strip_secrets(request: http.Request) -> None:
-    """Remove API keys and proxy credentials from a request before anything logs or stores it.
-    Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never needs
-    them, and a saved flow keeps the query string."""
-    for name in SECRET_HEADERS:
-        request.headers.pop(name, None)
-    query = request.query
-    for name in list(query.keys()):
-        if name.lower() in SECRET_QUERY:
-            del query[name]
-
-
-def proxy_user(header: str | None) -> str | None:
-    """The username of a ``Proxy-Authorization: Basic ...`` header (the session id)."""
-    if not header:
-        return None
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        user = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")[0]
-    except (binascii.Error, UnicodeDecodeError):
-        return None
-    return urllib.parse.unquote(user) or None
 
 
 class AgentTap:
@@ -246,7 +213,9 @@ class AgentTap:
             ", ".join(config.policy_urls),
             os.path.abspath(config.out_dir),
         )
-        self._banner(gateway)
+        assert gateway.api is not None
+        for line in banner_lines(gateway.api):
+            logger.info("%s", line)
 
     @staticmethod
     async def _proxy_url(advertise: str) -> str:
@@ -262,31 +231,6 @@ class AgentTap:
         host = ctx.options.listen_host
         port = addrs[0][1] if addrs else ctx.options.listen_port or 8080
         return f"http://{url_host(advertised_host(host, advertise))}:{port}"
-
-    @staticmethod
-    def _banner(gateway: Gateway) -> None:
-        """The lines a trainer, a launcher or a person copies (kept as they are: tools parse
-        them)."""
-        assert gateway.api is not None
-        ends = gateway.api.endpoints
-        lines = [
-            f"AGENTTAP_PROXY={ends.proxy_url}",
-            f"AGENTTAP_API={ends.api_url}",
-            f"AGENTTAP_TOKEN={gateway.api_token}",
-            f"AGENTTAP_CA={ends.ca_path}",
-            "Proxy mode: HTTPS_PROXY="
-            + ends.env("SESSION").get("HTTPS_PROXY", "")
-            + f" SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
-            "Base-URL mode (SESSION: any name you pick):",
-        ]
-        urls = ends.base_urls("SESSION")
-        lines += [
-            f"  OPENAI_BASE_URL={urls['openai']}",
-            f"  ANTHROPIC_BASE_URL={urls['anthropic']}",
-            f"  GOOGLE_GEMINI_BASE_URL={urls['gemini']}",
-        ]
-        for line in lines:
-            logger.info("%s", line)
 
     @staticmethod
     def _warn_if_open() -> None:
@@ -329,7 +273,7 @@ class AgentTap:
         # The CONNECT is logged too (flow_detail >= 2 prints its headers): keys go first. A
         # proxyauth the user set has read its credentials already (it runs before scripts).
         user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
-        _strip_secrets(flow.request)
+        strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return  # proxyauth's 407
         host = flow.request.host.lower()
@@ -369,10 +313,8 @@ class AgentTap:
         provider's 413 after reading no more than the limit. Nothing is held whole in memory.
         Flows that never pass through here (client replay) are routed in ``request``."""
         host = flow.request.pretty_host.lower()
-        if host == CONTROL_HOST:
-            self._read_bearer(flow)
         if flow.response or host == CONTROL_HOST or host not in self.hosts or self.broken:
-            _strip_secrets(flow.request)  # a refused flow is logged and saved too
+            strip_secrets(flow.request)  # a refused flow is logged and saved too
             if flow.request.stream:
                 flow.kill()  # a streamed request cannot be answered here; nothing goes out
             return
@@ -388,15 +330,10 @@ class AgentTap:
             return  # a streamed body, routed in requestheaders
         # Keys go before anything else, refusals included: every flow is logged and can be saved.
         plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
-        if flow.request.pretty_host.lower() == CONTROL_HOST:
-            self._read_bearer(flow)
-        _strip_secrets(flow.request)
+        strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return
         host = flow.request.pretty_host.lower()
-        if host == CONTROL_HOST and flow.request.scheme == "http":
-            self._control(flow)
-            return
         if host not in self.hosts:
             self._refuse(flow, host)
             return
@@ -453,45 +390,6 @@ class AgentTap:
         req.headers["Host"] = host
         flow.metadata["agenttap_routed"] = True
 
-    def _read_bearer(self, flow: http.HTTPFlow) -> None:
-        """Check a control call's ``Authorization: Bearer`` here, before the header is stripped
-        like every credential: the gateway is told only ``ok`` or ``wrong``."""
-        if "agenttap_bearer" in flow.metadata:
-            return
-        scheme, _, given = flow.request.headers.get("Authorization", "").partition(" ")
-        state = ""
-        if scheme.lower() == "bearer" and given.strip():
-            token = self.gateway.api_token if self.gateway is not None else ""
-            ok = bool(token) and secrets.compare_digest(given.strip().encode(), token.encode())
-            state = "ok" if ok else "wrong"
-        flow.metadata["agenttap_bearer"] = state
-
-    def _control(self, flow: http.HTTPFlow) -> None:
-        """``http://agenttap.local/...``: the control API, answered by the gateway."""
-        if self.gateway is None:
-            flow.response = http.Response.make(
-                503,
-                json.dumps({"error": "agenttap is not running: no policy server configured"}),
-                {"Content-Type": "application/json"},
-            )
-            return
-        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
-        req = flow.request
-        flow.metadata["agenttap_origin"] = [
-            req.scheme, req.host, req.port, req.authority, req.headers.get("Host"),
-        ]  # fmt: skip
-        if ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
-            req.headers[LOOPBACK_HEADER] = "1"
-        bearer = flow.metadata.get("agenttap_bearer")
-        if bearer:
-            req.headers[BEARER_HEADER] = bearer
-        req.headers[TOKEN_HEADER] = self.gateway.token
-        req.headers[HOST_HEADER] = CONTROL_HOST
-        req.host = "127.0.0.1"
-        req.port = self.gateway.port
-        req.headers["Host"] = CONTROL_HOST
-        flow.metadata["agenttap_routed"] = True
-
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if "agenttap_host" in flow.metadata and flow.response is not None:
             flow.response.stream = True
@@ -539,4 +437,5 @@ def _client_timeout(tap: AgentTap) -> float | None:
 
 
 _tap = AgentTap()
-addons = [_tap, ClientTimeouts(lambda: _client_timeout(_tap))]
+# ControlHost first: it reads a control call's bearer token before the tap strips credentials.
+addons = [ControlHost(lambda: _tap.gateway), _tap, ClientTimeouts(lambda: _client_timeout(_tap))]

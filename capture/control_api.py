@@ -106,6 +106,25 @@ class Endpoints:
         return env
 
 
+def banner_lines(api: ControlAPI) -> list[str]:
+    """What agenttap prints at start: the lines a trainer, the launcher or a person copies
+    (``AGENTTAP_*=`` lines are parsed by tools: keep them as they are)."""
+    ends = api.endpoints
+    urls = ends.base_urls("SESSION")
+    return [
+        f"AGENTTAP_PROXY={ends.proxy_url}",
+        f"AGENTTAP_API={ends.api_url}",
+        f"AGENTTAP_TOKEN={api.token}",
+        f"AGENTTAP_CA={ends.ca_path}",
+        f"Proxy mode: HTTPS_PROXY={ends.env('SESSION').get('HTTPS_PROXY', '')} "
+        f"SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
+        "Base-URL mode (SESSION: any name you pick):",
+        f"  OPENAI_BASE_URL={urls['openai']}",
+        f"  ANTHROPIC_BASE_URL={urls['anthropic']}",
+        f"  GOOGLE_GEMINI_BASE_URL={urls['gemini']}",
+    ]
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "status": status}}, status=status)
 
