@@ -200,6 +200,7 @@ class AgentTap:
             api_port=settings.api_port,
             token=settings.token,
             advertise_host=settings.advertise_host,
+            max_rollouts=settings.max_rollouts,
             proxy_url=await self._proxy_url(settings.advertise_host),
             ca_path=str(Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"),
         )

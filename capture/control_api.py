@@ -35,6 +35,7 @@ from aiohttp import web
 
 from capture.openapi import ARROW_STREAM, openapi_spec
 from capture.rewards import join_rewards, load_rewards, parse_reward, write_rewards
+from capture.rollouts_api import RolloutRoutes
 from capture.session_control import (
     ControlledSession,
     check_metadata,
@@ -130,11 +131,14 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class ControlAPI:
-    def __init__(self, gateway: Gateway, token: str, endpoints: Endpoints) -> None:
+    def __init__(
+        self, gateway: Gateway, token: str, endpoints: Endpoints, max_rollouts: int = 8
+    ) -> None:
         self.gateway = gateway
         self.token = token
         self.endpoints = endpoints
         self.started_at = time.time()
+        self.rollouts = RolloutRoutes(self, max_rollouts)
 
     @property
     def out_dir(self) -> Path:
@@ -160,7 +164,8 @@ class ControlAPI:
                 404 if args is None else 405,
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
-                f"GET /sessions/ID, GET /healthz, GET /ready, GET /openapi.json, POST /flush.",
+                f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
+                f"GET /healthz, GET /ready, GET /openapi.json, POST /flush.",
             )
         try:
             return await handler(request, *(args or ()))
@@ -200,14 +205,17 @@ class ControlAPI:
         }
         args: tuple[str, ...] = ()
         key = tuple(parts)
-        if len(parts) in (2, 3) and parts[0] == "sessions":
+        rollouts = self.rollouts
+        table[("rollouts",)] = {"GET": rollouts.list, "POST": rollouts.create}
+        if len(parts) in (2, 3) and parts[0] in ("sessions", "rollouts"):
             args = (parts[1],)
-            key = ("sessions", "*", *parts[2:])
+            key = (parts[0], "*", *parts[2:])
             table.update(
                 {
                     ("sessions", "*"): {"GET": self._get},
                     ("sessions", "*", "close"): {"POST": self._close},
                     ("sessions", "*", "reward"): {"POST": self._reward},
+                    ("rollouts", "*"): {"GET": rollouts.get, "DELETE": rollouts.delete},
                 }
             )
         methods = table.get(key)
@@ -243,7 +251,7 @@ class ControlAPI:
         logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
         return web.json_response({"written": [str(p) for p in written]})
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()
         if not raw.strip():
             return {}
@@ -256,7 +264,7 @@ class ControlAPI:
         return body
 
     async def _open(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await self.body(request)
         reject_unknown(body, ("id", "metadata", "limits"))
         sid = check_session_id(body["id"]) if body.get("id") is not None else _new_id()
         metadata = check_metadata(body.get("metadata"))
@@ -304,7 +312,7 @@ class ControlAPI:
         return self._rows_response(request, sess, rows)
 
     async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self.body(request)
         reject_unknown(body, ("reward",))
         reward = parse_reward(body["reward"]) if body.get("reward") is not None else None
         control = self.gateway.control
@@ -312,8 +320,26 @@ class ControlAPI:
             if control.get(sid) is not None:
                 return _error(409, f"agenttap: session {sid!r} is closed already")
             return self._unknown(sid)
+        closed = await self.close_session(sid, reward)
+        assert closed is not None
+        sess, rows, unmatched = closed
+        return self._rows_response(request, sess, rows, unmatched)
+
+    async def close_session(
+        self,
+        sid: str,
+        reward: float | dict[str, float] | None,
+        end_reason: str | None = None,
+    ) -> tuple[ControlledSession, list[dict[str, Any]], list[str]] | None:
+        """Close a live session: its rows written with the reward, metadata, end reason
+        (``end_reason``, else the limit it reached, else ``stop``) and metrics. Returns the
+        session, all its rows (those written before the close included) and the thread ids a
+        per-thread reward named that it has no row for; None if it is not live."""
+        control = self.gateway.control
+        if sid not in {s.id for s in control.live()}:
+            return None
         started = time.monotonic()
-        sess = control.close(sid)
+        sess = control.close(sid, end_reason)
         annotations = RowAnnotations(
             metadata=sess.metadata or None,
             reward=reward,
@@ -335,7 +361,7 @@ class ControlAPI:
                 if isinstance(reward, dict)
                 else reward
             )
-            if late:
+            if late != {}:
                 write_rewards(self.out_dir, sid, late)
             for row in earlier:
                 annotations.apply(row)
@@ -348,10 +374,10 @@ class ControlAPI:
             reward,
             time.monotonic() - started,
         )
-        return self._rows_response(request, sess, rows, _unmatched(reward, rows))
+        return sess, rows, _unmatched(reward, rows)
 
     async def _reward(self, request: web.Request, sid: str) -> web.Response:
-        body = await self._body(request)
+        body = await self.body(request)
         if "reward" not in body:
             raise ValueError('the body must be {"reward": number | {thread_id: number}}')
         reward = parse_reward(body["reward"])

@@ -110,6 +110,8 @@ class GatewayConfig:
     token: str = ""
     # Host put into the URLs handed out (empty: the listening address, see advertised_host).
     advertise_host: str = ""
+    # Agents that rollouts (POST /rollouts) may run at once.
+    max_rollouts: int = 8
     # mitmdump's proxy URL (http://HOST:PORT) and CA certificate, for sessions' environments.
     proxy_url: str = ""
     ca_path: str = ""
@@ -211,7 +213,10 @@ class Gateway:
         else:
             api_url = f"http://{CONTROL_HOST}"
         self.api = ControlAPI(
-            self, self.api_token, Endpoints(api_url, config.proxy_url, config.ca_path)
+            self,
+            self.api_token,
+            Endpoints(api_url, config.proxy_url, config.ca_path),
+            config.max_rollouts,
         )
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self.port
@@ -249,6 +254,9 @@ class Gateway:
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
+        if self.api is not None:
+            # Agents never outlive the proxy: their process groups end, their rows are kept.
+            await self.api.rollouts.rollouts.shutdown()
         for runner in (self._api_runner, self._runner):
             if runner:
                 await runner.cleanup()

@@ -63,7 +63,12 @@ class ControlClient:
         self.timeout = timeout
 
     def request(
-        self, method: str, path: str, body: Any = None, arrow: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        arrow: bool = False,
+        timeout: float | None = -1.0,
     ) -> tuple[dict[str, Any], pa.Table | None]:
         """(JSON answer, None), or (summary, table) with ``arrow``."""
         data = json.dumps(body).encode() if body is not None else None
@@ -72,7 +77,8 @@ class ControlClient:
             headers["Accept"] = ARROW_STREAM
         req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            wait = self.timeout if timeout is not None and timeout < 0 else timeout
+            with urllib.request.urlopen(req, timeout=wait) as resp:
                 raw = resp.read()
                 if arrow and resp.headers.get("Content-Type", "").startswith(ARROW_STREAM):
                     table = pa.ipc.open_stream(raw).read_all()
@@ -236,6 +242,44 @@ class AgentTap:
         query = "?" + urllib.parse.urlencode({"session": session}) if session else ""
         return list(self.client.post(f"/flush{query}")["written"])
 
+    # -- rollouts: agenttap runs the agent too (capture/rollouts.py) ---------------------------
+    def rollout(
+        self,
+        agent: str | dict[str, list[str]],
+        prompt: str,
+        n: int = 1,
+        *,
+        workdir: str | os.PathLike[str] | None = None,
+        limits: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        verifier: list[str] | None = None,
+        timeout_s: float | None = None,
+        id: str | None = None,
+        wait: bool = True,
+    ) -> dict[str, Any]:
+        """Run ``n`` agents (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``)
+        on ``prompt``, each in a fresh copy of ``workdir``, scored by ``verifier`` (its last
+        stdout line is the reward); returns, once all have ended (``wait``), each one's status,
+        finish_reason, reward, metrics and rows."""
+        body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
+        optional = {
+            "workdir": str(workdir) if workdir is not None else None,
+            "limits": limits,
+            "metadata": metadata,
+            "verifier": {"command": verifier} if verifier else None,
+            "timeout_s": timeout_s,
+            "id": id,
+        }
+        body.update({k: v for k, v in optional.items() if v is not None})
+        return self.client.request("POST", "/rollouts", body, timeout=None if wait else -1.0)[0]
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return self.client.get(f"/rollouts/{rollout_id}")
+
+    def cancel_rollout(self, rollout_id: str) -> dict[str, Any]:
+        """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""
+        return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]
+
     def ready(self) -> bool:
         try:
             return bool(self.client.get("/ready").get("ready"))
@@ -280,6 +324,9 @@ class AsyncAgentTap:
         self, session: Session, reward: float | dict[str, float] | None = None
     ) -> pa.Table:
         return await asyncio.to_thread(session.close, reward)
+
+    async def rollout(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.tap.rollout, *args, **kwargs)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.tap.close)

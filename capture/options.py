@@ -314,6 +314,13 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_token,
     ),
     Option(
+        "agenttap_max_rollouts",
+        "8",
+        "Agents that rollouts (POST /rollouts) may run at once; past it a rollout is refused "
+        "with 429 and Retry-After (a whole number above 0).",
+        lambda text: parse_whole(text, positive=True),
+    ),
+    Option(
         "agenttap_advertise_host",
         "",
         "Host name or address put in the URLs handed to clients (proxy URL, base URLs); empty: "
@@ -419,6 +426,7 @@ class Settings:
     api_port: int = 0
     token: str = ""
     advertise_host: str = ""
+    max_rollouts: int = 8
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -458,5 +466,6 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         api_port=values["agenttap_api_port"],
         token=values["agenttap_token"],
         advertise_host=values["agenttap_advertise_host"],
+        max_rollouts=values["agenttap_max_rollouts"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

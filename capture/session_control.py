@@ -193,12 +193,12 @@ class SessionControl:
     def live(self) -> list[ControlledSession]:
         return list(self._live.values())
 
-    def close(self, session_id: str) -> ControlledSession:
-        """Mark ``session_id`` closed (KeyError if it is not live); its end reason is the limit
-        it reached, else ``stop``."""
+    def close(self, session_id: str, end_reason: str | None = None) -> ControlledSession:
+        """Mark ``session_id`` closed (KeyError if it is not live); its end reason is
+        ``end_reason`` if given, else the limit it reached, else ``stop``."""
         sess = self._live.pop(session_id)
         sess.closed = True
-        sess.end_reason = sess.limit_reached or END_STOP
+        sess.end_reason = end_reason or sess.limit_reached or END_STOP
         sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
         self._closed[session_id] = sess
         while len(self._closed) > CLOSED_KEPT:

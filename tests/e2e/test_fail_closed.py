@@ -183,6 +183,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_api_port": "http",
     "agenttap_token": "short",
     "agenttap_advertise_host": "not a host!",
+    "agenttap_max_rollouts": "0",
 }
 
 
