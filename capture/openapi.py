@@ -87,6 +87,70 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "written"}},
                 }
             },
+            "/rollouts": {
+                "post": {
+                    "summary": "run n real CLI agents on a task, score them, return their rows",
+                    "security": secured,
+                    "requestBody": body(
+                        {
+                            "agent": {
+                                "oneOf": [
+                                    {"type": "string", "enum": ["claude-code", "codex", "gemini"]},
+                                    {
+                                        "type": "object",
+                                        "properties": {
+                                            "command": {
+                                                "type": "array",
+                                                "items": {"type": "string"},
+                                            }
+                                        },
+                                    },
+                                ]
+                            },
+                            "prompt": {"type": "string"},
+                            "workdir": {"type": "string"},
+                            "n": {"type": "integer", "minimum": 1},
+                            "limits": limits,
+                            "metadata": {"type": "object"},
+                            "verifier": {
+                                "type": "object",
+                                "properties": {
+                                    "command": {"type": "array", "items": {"type": "string"}}
+                                },
+                            },
+                            "id": {"type": "string"},
+                            "timeout_s": {"type": "number"},
+                            "wait": {"type": "boolean"},
+                        }
+                    ),
+                    "responses": {
+                        "200": {
+                            "description": "status, finish_reason, reward, metrics, rows of each"
+                        },
+                        "202": {"description": "started (wait: false)"},
+                        "429": {"description": "too many agents running; see Retry-After"},
+                    },
+                },
+                "get": {
+                    "summary": "rollouts of this process",
+                    "security": secured,
+                    "responses": {"200": {"description": "{rollouts: [...]}"}},
+                },
+            },
+            "/rollouts/{id}": {
+                "get": {
+                    "summary": "one rollout, while it runs too",
+                    "security": secured,
+                    "parameters": [sid],
+                    "responses": {"200": {"description": "its summary"}},
+                },
+                "delete": {
+                    "summary": "stop it: its agents end, their rows are kept (cancelled)",
+                    "security": secured,
+                    "parameters": [sid],
+                    "responses": {"200": {"description": "its summary"}},
+                },
+            },
             "/flush": {
                 "post": {
                     "summary": "write sessions' shards now (?session=ID: one)",
