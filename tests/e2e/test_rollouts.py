@@ -190,3 +190,22 @@ def test_rollouts_from_asyncio(stub: StubPolicy, confdir: Path, tmp_path: Path) 
     assert [r["reward"] for r in result["rollouts"]] == [1.0, 1.0]
     # An agent that made no model call has no rows, and says so.
     assert all(r["rows"] == [] and r["metrics"]["calls"] == 0 for r in result["rollouts"])
+
+
+def test_stopping_the_proxy_ends_every_agent_and_keeps_the_rows(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    tap = AgentTap.start(stub.url, QWEN3, tmp_path / "out", confdir=confdir)
+    try:
+        tap.rollout(
+            {"command": ["sh", "-c", "sleep 300 & sleep 300"]}, "wait", n=2, wait=False, id="orphan"
+        )
+        root = tmp_path / "out" / "rollouts" / "orphan"
+        deadline = time.monotonic() + 30
+        while len(agent_processes(root)) < 4:
+            assert time.monotonic() < deadline, "the agents did not start"
+            time.sleep(0.1)
+    finally:
+        tap.close()
+    assert tap.proc.returncode == 0
+    assert not agent_processes(root)
