@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from aiohttp import web
 
+from capture.metrics import CONTENT_TYPE as METRICS_TYPE
 from capture.openapi import ARROW_STREAM, openapi_spec
 from capture.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.rollouts_api import RolloutRoutes
@@ -165,7 +166,7 @@ class ControlAPI:
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
-                f"GET /healthz, GET /ready, GET /openapi.json, POST /flush.",
+                f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush.",
             )
         try:
             return await handler(request, *(args or ()))
@@ -201,6 +202,7 @@ class ControlAPI:
             ("ready",): {"GET": self._ready},
             ("openapi.json",): {"GET": self._openapi},
             ("flush",): {"POST": self._flush},
+            ("metrics",): {"GET": self._metrics},
             ("sessions",): {"GET": self._list, "POST": self._open},
         }
         args: tuple[str, ...] = ()
@@ -231,15 +233,26 @@ class ControlAPI:
     async def _ready(self, request: web.Request) -> web.Response:
         """Ready once the tokenizer is loaded (it is, or this would not answer) and the policy
         answers."""
+        client = self.gateway.policies.pool_for("*")[0]
+        up = self.gateway.metrics.policy_up.labels(client.base_url)
         try:
-            info = await self.gateway.policies.pool_for("*")[0].info()
+            info = await client.info()
         except PolicyError as exc:
+            up.set(0)
             return web.json_response(
                 {"ready": False, "reason": f"the policy server does not answer: {exc}"},
                 status=503,
             )
+        up.set(1)
         return web.json_response(
             {"ready": True, "model": info.model, "max_model_len": info.max_model_len}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus exposition (capture/metrics.py); the token as everywhere else (Prometheus:
+        ``authorization: {credentials: TOKEN}`` in the scrape config)."""
+        return web.Response(
+            body=self.gateway.metrics.exposition(), headers={"Content-Type": METRICS_TYPE}
         )
 
     async def _openapi(self, request: web.Request) -> web.Response:
@@ -274,6 +287,7 @@ class ControlAPI:
         except ValueError as exc:
             return _error(409, f"agenttap: {exc}")
         logger.info("agenttap: session %r opened (%s)", sid, json.dumps(metadata)[:200])
+        self.gateway.metrics.sessions_opened.inc()
         return web.json_response(
             {
                 "id": sess.id,
@@ -340,6 +354,7 @@ class ControlAPI:
             return None
         started = time.monotonic()
         sess = control.close(sid, end_reason)
+        self.gateway.metrics.sessions_closed.labels(sess.end_reason or "").inc()
         annotations = RowAnnotations(
             metadata=sess.metadata or None,
             reward=reward,

@@ -34,6 +34,7 @@ from capture.bodies import (
     oversized_head_message,
 )
 from capture.control_api import ControlAPI, Endpoints
+from capture.metrics import Metrics
 from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
 from capture.session_control import SessionControl
@@ -153,6 +154,8 @@ class Gateway:
         self.api_token = config.token or secrets.token_urlsafe(24)
         self.api_port = 0
         self.control = SessionControl()
+        self.metrics = Metrics()
+        self.metrics.watch(self._live_counts)
         self.store.annotations_for = self._annotations
         self.policies = PolicyPools(
             config.policy_urls,
@@ -170,6 +173,7 @@ class Gateway:
             recompute_logprobs=config.recompute_logprobs,
             max_body_bytes=config.max_body_bytes,
             control=self.control,
+            metrics=self.metrics,
         )
         self.api: ControlAPI | None = None
         available = registered()
@@ -186,6 +190,18 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._api_runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+
+    def _live_counts(self) -> dict[str, float]:
+        """The gauges read when /metrics is scraped."""
+        live = self.control.live()
+        sessions = set(self.store.session_ids()) | {s.id for s in live if s.opened}
+        return {
+            "agenttap_sessions_live": len(sessions),
+            "agenttap_calls_in_flight": sum(s.in_flight for s in live),
+            "agenttap_rollout_agents_running": (
+                self.api.rollouts.rollouts.running_agents() if self.api is not None else 0
+            ),
+        }
 
     def _annotations(self, session_id: str) -> RowAnnotations | None:
         """A trainer's metadata for the session's rows, whenever they are written."""

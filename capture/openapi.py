@@ -158,6 +158,13 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "{written: [paths]}"}},
                 }
             },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (names start with agenttap_)",
+                    "security": secured,
+                    "responses": {"200": {"description": "text exposition format"}},
+                }
+            },
             "/healthz": {"get": {"responses": {"200": {"description": "alive"}}}},
             "/ready": {
                 "get": {

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from capture.bodies import read_body
+from capture.metrics import Metrics
 from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
 from capture.records import FailedCall, TurnRecord
 from capture.session_control import SessionControl
@@ -102,8 +103,10 @@ class TurnPipeline:
         recompute_logprobs: bool,
         max_body_bytes: int,
         control: SessionControl | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.template = template
+        self.metrics = metrics or Metrics()
         # Sessions' limits and metrics (capture/session_control.py).
         self.control = control or SessionControl()
         self.store = store
@@ -244,6 +247,24 @@ class TurnPipeline:
         finally:
             self.control.call_finished(parsed.session_id)
 
+    def note_recorded(self, record: TurnRecord) -> None:
+        """Metrics of a call answered and recorded."""
+        m, protocol = self.metrics, record.protocol
+        m.calls.labels(protocol, "ok").inc()
+        m.prompt_tokens.labels(protocol).inc(len(record.prompt_ids))
+        m.completion_tokens.labels(protocol).inc(len(record.completion_ids))
+        m.latency.labels(protocol).observe(record.latency_s)
+        m.policy_up.labels(record.backend).set(1)
+
+    def note_policy_error(self, protocol: str, exc: PolicyError, backend: str = "") -> None:
+        """Metrics of a call the policy refused or failed."""
+        self.metrics.calls.labels(protocol, "policy_error").inc()
+        self.metrics.errors.labels(
+            "policy_unavailable" if exc.unavailable else "policy_failed"
+        ).inc()
+        if backend and exc.unavailable:
+            self.metrics.policy_up.labels(backend).set(0)
+
     def _limit_refusal(self, provider: Provider[Any], parsed: ProviderTurn) -> web.Response | None:
         """The answer to a call its session may no longer make (a limit reached, or closed by
         the trainer): final in its client's eyes, and the policy never sees it. Else None, and
@@ -252,6 +273,8 @@ class TurnPipeline:
         reason = self.control.refusal(sid)
         if reason is not None:
             logger.info("agenttap: session %r: call refused (%s)", sid, reason)
+            self.metrics.calls.labels(provider.name, "refused").inc()
+            self.metrics.errors.labels("limit").inc()
             return provider.session_ended(reason, session_ended_message(sid, reason))
         left = self.control.tokens_left(sid)
         if left is not None:
@@ -272,14 +295,17 @@ class TurnPipeline:
                 # Refused before any rendering when the text alone cannot fit the context.
                 at_least = self.template.min_tokens(prompt_text_bytes(chat))
                 if at_least >= info.max_model_len:
+                    self.metrics.errors.labels("prompt_too_long").inc()
                     return provider.prompt_too_long(at_least, info.max_model_len)
             assembly = await self.assemble(parsed.session_id, chat)
             if info.max_model_len and len(assembly.prompt_ids) >= info.max_model_len:
+                self.metrics.errors.labels("prompt_too_long").inc()
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
         except PolicyError as exc:
+            self.note_policy_error(provider.name, exc)
             return provider.policy_error(exc)
         self.store.touch(parsed.session_id)
         return _TurnContext(
@@ -325,6 +351,7 @@ class TurnPipeline:
         except (PolicyError, *POLICY_FAILURES) as exc:
             return self._refused_by_policy(turn, exc)
         await send(writer.start())
+        self.metrics.first_token.labels(provider.name).observe(time.time() - turn.started)
         delta = first
         while delta is not None:
             completion.extend(delta)
@@ -368,6 +395,7 @@ class TurnPipeline:
             error,
         )
         self.control.note_failure(parsed.session_id)
+        self.note_policy_error(turn.provider.name, error, turn.client.base_url)
         try:
             self.store.record_failure(
                 FailedCall(
@@ -464,5 +492,6 @@ class TurnPipeline:
             record.latency_s,
             retry=turn.assembly.kind == "retry",
         )
+        self.note_recorded(record)
         turn.provider.finished(parsed, reply, completion)
         return record

@@ -145,6 +145,7 @@ async def _generate(
         completion = await client.complete(ids, sampling)
     except PolicyError as exc:
         pipeline.control.note_failure(session_id)
+        pipeline.note_policy_error(PROTOCOL, exc, client.base_url)
         pipeline.store.record_failure(
             FailedCall(
                 session_id=session_id, request_id=request_id, protocol=PROTOCOL,
@@ -184,6 +185,7 @@ async def _generate(
     pipeline.control.note_recorded(
         session_id, len(ids), len(completion.token_ids), record.latency_s
     )
+    pipeline.note_recorded(record)
     return web.json_response(
         {
             "id": request_id,

@@ -335,3 +335,59 @@ def test_responses_websocket_by_base_url(tap: AgentTap, stub: StubPolicy) -> Non
     rows = sess.close().to_pylist()
     assert len(rows) == 1 and rows[0]["num_turns"] == 2
     assert rows[0]["protocol"] == "openai.responses" and sess.end_reason == "max_calls"
+
+
+def test_prometheus_metrics_count_calls_tokens_and_refusals(
+    tap: AgentTap, stub: StubPolicy
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        req = urllib.request.Request(
+            f"{tap.api_url}/metrics", headers={"Authorization": f"Bearer {tap.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = resp.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    assert http(f"{tap.api_url}/metrics")[0] == 401
+    before = scrape()
+    assert all(name.startswith("agenttap_") for name, _ in before)
+    sess = tap.open_session(limits={"max_calls": 2})
+    stub.replies.clear()
+    stub.script("One.", "Two.")
+    chat(sess.base_urls["openai"], "1")
+    import openai
+
+    client = openai.OpenAI(base_url=sess.base_urls["openai"], api_key="k", max_retries=0)
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "2"}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Two."
+    with pytest.raises(openai.BadRequestError):
+        chat(sess.base_urls["openai"], "3")
+    live = scrape()
+    sess.close()
+    after = scrape()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    chat_ok = {"protocol": "openai.chat", "outcome": "ok"}
+    assert delta("agenttap_calls_total", **chat_ok) == 2
+    assert delta("agenttap_calls_total", protocol="openai.chat", outcome="refused") == 1
+    assert delta("agenttap_errors_total", kind="limit") == 1
+    assert delta("agenttap_completion_tokens_total", protocol="openai.chat") == 6  # 2 x (2 + end)
+    assert delta("agenttap_prompt_tokens_total", protocol="openai.chat") > 0
+    assert delta("agenttap_call_latency_seconds_count", protocol="openai.chat") == 2
+    assert delta("agenttap_time_to_first_token_seconds_count", protocol="openai.chat") == 1
+    assert delta("agenttap_sessions_opened_total") == 1
+    assert delta("agenttap_sessions_closed_total", end_reason="max_calls") == 1
+    assert live[("agenttap_sessions_live", ())] >= 1
+    assert after[("agenttap_policy_up", (("backend", stub.url),))] == 1
