@@ -260,6 +260,16 @@ class ControlAPI:
 
     async def _flush(self, request: web.Request) -> web.Response:
         session = request.query.get("session")
+        if (
+            session is not None
+            and not self.gateway.store.knows(session)
+            and self.gateway.control.get(session) is None
+        ):
+            return _error(
+                404,
+                f"agenttap: no session {session!r} to flush: this proxy has seen no call of it. "
+                f"GET /sessions lists the live ones; POST /flush without ?session= writes all.",
+            )
         written = await self.gateway.flush(session)
         logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
         return web.json_response({"written": [str(p) for p in written]})

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ BASE_URL_PREFIXES = {
 DEFAULT_PROVIDER = "openai.chat"
 
 
+# Seconds between status lines in the log (only while calls come).
+STATUS_EVERY_S = 10.0
 # Pending connections the gateway's listener queues (see start).
 GATEWAY_BACKLOG = 4096
 
@@ -294,6 +297,8 @@ class Gateway:
         return written
 
     async def _sweep(self) -> None:
+        last_status = 0.0
+        last_totals: dict[str, int] = {}
         while True:
             await asyncio.sleep(
                 min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2))
@@ -303,6 +308,22 @@ class Gateway:
                 self.control.prune(set(self.store.session_ids()))
             except Exception:  # a full disk must not kill the sweeper; the journal still holds it
                 logger.exception("could not write the shard of an idle session")
+            now = time.monotonic()
+            totals = dict(self.pipeline.totals)
+            if now - last_status >= STATUS_EVERY_S and totals != last_totals:
+                # One line every few seconds while calls come, none while idle.
+                logger.info("%s", self.status_line(totals, last_totals))
+                last_status, last_totals = now, totals
+
+    def status_line(self, totals: dict[str, int], before: dict[str, int]) -> str:
+        live = self._live_counts()
+        new = totals["calls"] - before.get("calls", 0)
+        return (
+            f"agenttap status: {live['agenttap_sessions_live']:.0f} session(s) live, "
+            f"{live['agenttap_calls_in_flight']:.0f} call(s) in flight, {totals['calls']} calls "
+            f"(+{new}), {totals['completion_tokens']} tokens sampled, {totals['errors']} policy "
+            f"error(s), {totals['refused']} refused by limits"
+        )
 
     # -- TurnRunner, for a provider's WebSocket sessions ---------------------------------------
     @property

@@ -107,6 +107,8 @@ class TurnPipeline:
     ) -> None:
         self.template = template
         self.metrics = metrics or Metrics()
+        # Running totals for the status line (capture/gateway.py).
+        self.totals = {"calls": 0, "completion_tokens": 0, "errors": 0, "refused": 0}
         # Sessions' limits and metrics (capture/session_control.py).
         self.control = control or SessionControl()
         self.store = store
@@ -250,6 +252,8 @@ class TurnPipeline:
     def note_recorded(self, record: TurnRecord) -> None:
         """Metrics of a call answered and recorded."""
         m, protocol = self.metrics, record.protocol
+        self.totals["calls"] += 1
+        self.totals["completion_tokens"] += len(record.completion_ids)
         m.calls.labels(protocol, "ok").inc()
         m.prompt_tokens.labels(protocol).inc(len(record.prompt_ids))
         m.completion_tokens.labels(protocol).inc(len(record.completion_ids))
@@ -258,6 +262,7 @@ class TurnPipeline:
 
     def note_policy_error(self, protocol: str, exc: PolicyError, backend: str = "") -> None:
         """Metrics of a call the policy refused or failed."""
+        self.totals["errors"] += 1
         self.metrics.calls.labels(protocol, "policy_error").inc()
         self.metrics.errors.labels(
             "policy_unavailable" if exc.unavailable else "policy_failed"
@@ -273,6 +278,7 @@ class TurnPipeline:
         reason = self.control.refusal(sid)
         if reason is not None:
             logger.info("agenttap: session %r: call refused (%s)", sid, reason)
+            self.totals["refused"] += 1
             self.metrics.calls.labels(provider.name, "refused").inc()
             self.metrics.errors.labels("limit").inc()
             return provider.session_ended(reason, session_ended_message(sid, reason))

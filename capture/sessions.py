@@ -137,6 +137,15 @@ class SessionStore:
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 
+    def knows(self, session_id: str) -> bool:
+        """Whether this process has seen calls of ``session_id`` (live, or written already)."""
+        return (
+            session_id in self._sessions
+            or session_id in self._dormant
+            or session_id in self._written_threads
+            or session_id in self._sharded_turns
+        )
+
     def next_turn_index(self, session_id: str) -> int:
         return self._sharded_turns.get(session_id, 0) + len(self.session(session_id).turns)
 

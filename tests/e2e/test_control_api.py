@@ -391,3 +391,29 @@ def test_prometheus_metrics_count_calls_tokens_and_refusals(
     assert delta("agenttap_sessions_closed_total", end_reason="max_calls") == 1
     assert live[("agenttap_sessions_live", ())] >= 1
     assert after[("agenttap_policy_up", (("backend", stub.url),))] == 1
+
+
+def test_flushing_a_session_never_seen_is_a_404(tap: AgentTap, stub: StubPolicy) -> None:
+    status, body = http(f"{tap.api_url}/flush?session=never-called", "POST", tap.token)
+    assert status == 404 and "has seen no call of it" in body["error"]["message"]
+    sess = tap.open_session(id="flushed-twice")
+    chat(sess.base_urls["openai"], "hello")
+    first = http(f"{tap.api_url}/flush?session=flushed-twice", "POST", tap.token)
+    again = http(f"{tap.api_url}/flush?session=flushed-twice", "POST", tap.token)
+    assert first[0] == 200 and len(first[1]["written"]) >= 2
+    assert again == (200, {"written": []})  # known, nothing new to write
+    sess.close()
+
+
+def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:
+    sess = tap.open_session()
+    chat(sess.base_urls["openai"], "status?")
+    seen = tap.log.read_text(errors="replace").count("agenttap status:")
+    chat(sess.base_urls["openai"], "status again?")
+    deadline = time.monotonic() + 30
+    while tap.log.read_text(errors="replace").count("agenttap status:") <= seen:
+        assert time.monotonic() < deadline, "no status line within 30 s of a call"
+        time.sleep(0.2)
+    line = tap.log.read_text(errors="replace").rsplit("agenttap status:", 1)[1].splitlines()[0]
+    assert "session(s) live" in line and "calls (+" in line and "tokens sampled" in line
+    sess.close()
