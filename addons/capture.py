@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp  # noqa: E402
+from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp, tls  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
@@ -40,7 +40,7 @@ from capture.bodies import (  # noqa: E402
     UNSUPPORTED_ENCODING_HEADER,
     shrink_head,
 )
-from capture.control_api import banner_lines  # noqa: E402
+from capture.control_api import banner_lines, write_ca_bundle  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -59,6 +59,7 @@ from capture.options import (  # noqa: E402
     describe,
     parse_settings,
     parse_value,
+    passes_through,
     unknown_names,
 )
 from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
@@ -88,6 +89,13 @@ class AgentTap:
         self._load_error: str | None = None
         # Why the configuration cannot be used; while set, every flow is refused.
         self.broken: str | None = None
+
+    def _passes(self, host: str | None) -> bool:
+        """``host`` is one the user let through (agenttap_passthrough): tunnelled or forwarded
+        unchanged, never answered nor recorded. Never while the configuration is broken."""
+        if not host or self.settings is None or self.broken:
+            return False
+        return passes_through(host, self.settings.passthrough)
 
     @property
     def hosts(self) -> frozenset[str]:
@@ -182,6 +190,12 @@ class AgentTap:
                 "(or start through scripts/run_proxy.sh); API calls get 503 until then"
             )
             return
+        ca = Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"
+        try:
+            bundle = write_ca_bundle(ca)
+        except OSError as exc:
+            logger.warning("agenttap: could not write the CA bundle beside %s (%s)", ca, exc)
+            bundle = ca
         config = GatewayConfig(
             policy_urls=settings.policy_urls,
             tokenizer_path=settings.tokenizer,
@@ -202,7 +216,8 @@ class AgentTap:
             advertise_host=settings.advertise_host,
             max_rollouts=settings.max_rollouts,
             proxy_url=await self._proxy_url(settings.advertise_host),
-            ca_path=str(Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"),
+            ca_path=str(ca),
+            bundle_path=str(bundle),
         )
         gateway = Gateway(config)
         await gateway.start()
@@ -279,24 +294,38 @@ class AgentTap:
             return  # proxyauth's 407
         host = flow.request.host.lower()
         if host not in self.hosts:
-            self._refuse(flow, host)
+            if not self._passes(host):
+                self._refuse(flow, host)
             return
         if user:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = user
 
+    def tls_clienthello(self, data: tls.ClientHelloData) -> None:
+        # A passthrough host's TLS is never intercepted: its bytes are relayed as they are.
+        address = data.context.server.address
+        if address and self._passes(address[0]):
+            data.ignore_connection = True
+
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
-        # The only server mitmproxy may connect to is the gateway: whatever else would open a
-        # connection (a raw tunnel, a flow we did not route) never reaches the network.
+        # The only server mitmproxy may connect to is the gateway, or a passthrough host:
+        # whatever else would open a connection (a raw tunnel, a flow we did not route) never
+        # reaches the network.
         address = data.server.address
         if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
+            return
+        if address and self._passes(address[0]):
             return
         host, port = address or ("?", 0)
         data.server.error = f"agenttap: {host}:{port} is not dialed; only the policy answers here"
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         # A tunnel to an API host that does not carry TLS (or HTTP) would be relayed as raw TCP
-        # to the real host: close it instead. Nothing but the policy answers here.
+        # to the real host: close it instead. Nothing but the policy answers here. A passthrough
+        # host's tunnel is relayed (its TLS, not intercepted, arrives here as raw bytes).
+        address = flow.server_conn.address
+        if address and self._passes(address[0]):
+            return
         logger.warning(
             "agenttap: closed a tunnel from %s that is not TLS or HTTP (raw bytes are never "
             "relayed)",
@@ -314,6 +343,9 @@ class AgentTap:
         provider's 413 after reading no more than the limit. Nothing is held whole in memory.
         Flows that never pass through here (client replay) are routed in ``request``."""
         host = flow.request.pretty_host.lower()
+        if not flow.response and host not in self.hosts and self._passes(host):
+            flow.request.headers.pop("Proxy-Authorization", None)  # ours, not the host's
+            return  # forwarded unchanged
         if flow.response or host == CONTROL_HOST or host not in self.hosts or self.broken:
             strip_secrets(flow.request)  # a refused flow is logged and saved too
             if flow.request.stream:
@@ -329,6 +361,10 @@ class AgentTap:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("agenttap_routed"):
             return  # a streamed body, routed in requestheaders
+        host = flow.request.pretty_host.lower()
+        if not flow.response and host not in self.hosts and self._passes(host):
+            flow.request.headers.pop("Proxy-Authorization", None)
+            return  # forwarded unchanged: the agent's own tools, never recorded
         # Keys go before anything else, refusals included: every flow is logged and can be saved.
         plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
         strip_secrets(flow.request)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -74,6 +75,9 @@ class Endpoints:
     proxy_url: str
     # The CA certificate clients must trust in proxy mode.
     ca_path: str
+    # The system's CAs plus ca_path (see write_ca_bundle): for clients whose CA variable
+    # replaces the system's, so passthrough hosts' real certificates are trusted too.
+    bundle_path: str = ""
 
     def base_urls(self, session_id: str) -> dict[str, str]:
         prefix = f"{self.api_url}/sess/{session_id}"
@@ -93,19 +97,42 @@ class Endpoints:
             env.update(HTTPS_PROXY=proxy, https_proxy=proxy)
             env.update(NO_PROXY="localhost,127.0.0.1,::1", no_proxy="localhost,127.0.0.1,::1")
         if self.ca_path:
+            # Node adds NODE_EXTRA_CA_CERTS to its own CAs; the others replace theirs, so they
+            # get the bundle (the system's CAs too: passthrough hosts keep working).
+            bundle = self.bundle_path or self.ca_path
+            env["NODE_EXTRA_CA_CERTS"] = self.ca_path  # Claude Code, Gemini CLI, Node SDKs
             for name in (
                 "SSL_CERT_FILE",  # Python (httpx, ssl), Codex
                 "REQUESTS_CA_BUNDLE",  # requests
-                "NODE_EXTRA_CA_CERTS",  # Claude Code, Gemini CLI, Node SDKs
                 "CODEX_CA_CERTIFICATE",  # Codex
-                "CURL_CA_BUNDLE",  # curl
+                "CURL_CA_BUNDLE",  # curl, git
+                "GIT_SSL_CAINFO",  # git
+                "PIP_CERT",  # pip
             ):
-                env[name] = self.ca_path
+                env[name] = bundle
         env.update(DUMMY_KEYS)
         # Headless runs: no side traffic from Claude Code, no trust prompt from Gemini CLI.
         env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
         env["GEMINI_CLI_TRUST_WORKSPACE"] = "true"
         return env
+
+
+SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def write_ca_bundle(ca_path: Path) -> Path:
+    """``agenttap-ca-bundle.pem`` beside the proxy's CA: the system's CAs (certifi's where the
+    system has none) followed by the proxy's. Written whole, then renamed into place."""
+    system = next((Path(p) for p in SYSTEM_CA_FILES if Path(p).is_file()), None)
+    if system is None:
+        import certifi
+
+        system = Path(certifi.where())
+    bundle = ca_path.with_name("agenttap-ca-bundle.pem")
+    tmp = bundle.with_name(f".{bundle.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(system.read_bytes().rstrip(b"\n") + b"\n" + ca_path.read_bytes())
+    os.replace(tmp, bundle)
+    return bundle
 
 
 def banner_lines(api: ControlAPI) -> list[str]:
@@ -118,6 +145,7 @@ def banner_lines(api: ControlAPI) -> list[str]:
         f"AGENTTAP_API={ends.api_url}",
         f"AGENTTAP_TOKEN={api.token}",
         f"AGENTTAP_CA={ends.ca_path}",
+        f"AGENTTAP_CA_BUNDLE={ends.bundle_path}",
         f"Proxy mode: HTTPS_PROXY={ends.env('SESSION').get('HTTPS_PROXY', '')} "
         f"SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
         "Base-URL mode (SESSION: any name you pick):",

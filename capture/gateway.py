@@ -119,6 +119,7 @@ class GatewayConfig:
     # mitmdump's proxy URL (http://HOST:PORT) and CA certificate, for sessions' environments.
     proxy_url: str = ""
     ca_path: str = ""
+    bundle_path: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -234,7 +235,7 @@ class Gateway:
         self.api = ControlAPI(
             self,
             self.api_token,
-            Endpoints(api_url, config.proxy_url, config.ca_path),
+            Endpoints(api_url, config.proxy_url, config.ca_path, config.bundle_path),
             config.max_rollouts,
         )
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

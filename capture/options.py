@@ -14,6 +14,7 @@ Values users naturally write are read: YAML numbers and booleans in ``config.yam
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
@@ -108,6 +109,20 @@ def parse_hosts(text: str) -> frozenset[str]:
         if not all(c.isalnum() or c in "-._" for c in host) or host.startswith("."):
             raise ValueError(f"{host!r} is not a host name")
     return hosts
+
+
+def parse_passthrough(text: str) -> tuple[str, ...]:
+    """Host patterns (fnmatch: ``*.pypi.org``) whose traffic is tunnelled or forwarded unchanged."""
+    patterns = tuple(p.lower() for p in parse_list(text))
+    for pattern in patterns:
+        if not all(c.isalnum() or c in "-._*?" for c in pattern) or pattern.strip("*.?") == "":
+            raise ValueError(f"{pattern!r} is not a host name or pattern such as *.pypi.org")
+    return patterns
+
+
+def passes_through(host: str, patterns: Iterable[str]) -> bool:
+    host = host.lower().rstrip(".")
+    return any(fnmatch.fnmatchcase(host, pattern) for pattern in patterns)
 
 
 def parse_host(text: str) -> str:
@@ -314,6 +329,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_token,
     ),
     Option(
+        "agenttap_passthrough",
+        "",
+        "Hosts (comma-separated, fnmatch patterns such as *.pypi.org) whose traffic is tunnelled "
+        "or forwarded unchanged, never answered nor recorded: for the agent's own tools (package "
+        "indexes, git hosts). Empty: every host but the API hosts is refused. May not match an "
+        "API host.",
+        parse_passthrough,
+    ),
+    Option(
         "agenttap_max_rollouts",
         "8",
         "Agents that rollouts (POST /rollouts) may run at once; past it a rollout is refused "
@@ -427,6 +451,7 @@ class Settings:
     token: str = ""
     advertise_host: str = ""
     max_rollouts: int = 8
+    passthrough: tuple[str, ...] = ()
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -447,6 +472,15 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         except ValueError as exc:
             names = ", ".join(f"--set {name}" for name in own)
             raise ValueError(f"agenttap: {names}: {exc}") from None
+    overlap = sorted(
+        h for h in values["agenttap_hosts"] if passes_through(h, values["agenttap_passthrough"])
+    )
+    if overlap:
+        raise ValueError(
+            f"agenttap: --set agenttap_passthrough would let {', '.join(overlap)} through: API "
+            f"calls, keys included, would reach the real provider. Remove the pattern(s) that "
+            f"match it (the API hosts are answered by the policy, never passed through)."
+        )
     return Settings(
         policy_urls=values["agenttap_policy_url"],
         tokenizer=values["agenttap_tokenizer"],
@@ -467,5 +501,6 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         token=values["agenttap_token"],
         advertise_host=values["agenttap_advertise_host"],
         max_rollouts=values["agenttap_max_rollouts"],
+        passthrough=values["agenttap_passthrough"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

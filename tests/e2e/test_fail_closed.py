@@ -184,6 +184,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_token": "short",
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
+    "agenttap_passthrough": "*.openai.com",
 }
 
 

@@ -11,7 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from capture.control_api import Endpoints
-from capture.options import parse_host, parse_port, parse_token
+from capture.options import (
+    parse_host,
+    parse_passthrough,
+    parse_port,
+    parse_settings,
+    parse_token,
+    passes_through,
+)
 from capture.records import TurnRecord
 from capture.session_control import (
     END_CLOSED,
@@ -238,3 +245,19 @@ def test_api_options_are_checked() -> None:
     for parse, bad in [(parse_host, "a b"), (parse_port, "70000"), (parse_token, "short")]:
         with pytest.raises(ValueError):
             parse(bad)
+
+
+def test_passthrough_patterns_never_let_an_api_host_through() -> None:
+    patterns = parse_passthrough("pypi.org, *.pythonhosted.org,GitHub.com")
+    assert patterns == ("pypi.org", "*.pythonhosted.org", "github.com")
+    assert passes_through("files.pythonhosted.org", patterns)
+    assert passes_through("GITHUB.COM.", patterns) and not passes_through(
+        "api.github.com", patterns
+    )
+    for bad in ["*", "a b", "https://pypi.org"]:
+        with pytest.raises(ValueError):
+            parse_passthrough(bad)
+    for overlapping in ["*.openai.com", "api.anthropic.com", "*.googleapis.com"]:
+        with pytest.raises(ValueError, match="would let .* through"):
+            parse_settings({"agenttap_passthrough": overlapping})
+    assert parse_settings({"agenttap_passthrough": "pypi.org"}).passthrough == ("pypi.org",)
