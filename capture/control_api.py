@@ -62,6 +62,7 @@ DUMMY_KEYS = {
     "ANTHROPIC_API_KEY": "sk-ant-agenttap",
     "GEMINI_API_KEY": "agenttap",
     "GOOGLE_API_KEY": "agenttap",
+    "GOOGLE_GENERATIVE_AI_API_KEY": "agenttap",  # OpenCode's Gemini provider
 }
 
 
@@ -148,6 +149,8 @@ def banner_lines(api: ControlAPI) -> list[str]:
         f"AGENTTAP_CA_BUNDLE={ends.bundle_path}",
         f"Proxy mode: HTTPS_PROXY={ends.env('SESSION').get('HTTPS_PROXY', '')} "
         f"SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
+        "API keys: any value works (none reaches a provider); clients insist on one: "
+        + " ".join(f"{name}={value}" for name, value in DUMMY_KEYS.items()),
         "Base-URL mode (SESSION: any name you pick):",
         f"  OPENAI_BASE_URL={urls['openai']}",
         f"  ANTHROPIC_BASE_URL={urls['anthropic']}",

@@ -70,6 +70,8 @@ Proxy mode: point a client at it (SESSION names the session in the shards):
   export HTTPS_PROXY=http://SESSION:x@127.0.0.1:$PORT
   export SSL_CERT_FILE=$CA          # Python SDKs (httpx)
   export NODE_EXTRA_CA_CERTS=$CA    # Node CLIs (Claude Code, Gemini CLI)
+Any API key works (none reaches a provider); the clients insist on one:
+  export OPENAI_API_KEY=sk-agenttap ANTHROPIC_API_KEY=sk-ant-agenttap GEMINI_API_KEY=agenttap
 Base-URL mode: no proxy, no CA (SESSION: any name you pick):
   export OPENAI_BASE_URL=$API/sess/SESSION/v1
   export ANTHROPIC_BASE_URL=$API/sess/SESSION/anthropic

@@ -49,4 +49,7 @@ if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
 fi
-echo "[setup] done: .venv (proxy), .venv-vllm (policy server) and the agent CLIs are ready"
+READY=".venv (proxy)"
+[ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
+[ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node)"
+echo "[setup] done: $READY ready"
