@@ -329,6 +329,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_token,
     ),
     Option(
+        "agenttap_check_policy",
+        "true",
+        "At start, check that every policy server answers, serves a model and tokenizes as "
+        "agenttap_tokenizer does; else stop with what to fix (true/false; false starts anyway, "
+        "and calls get the provider's retryable error until the policy answers).",
+        parse_bool,
+    ),
+    Option(
         "agenttap_passthrough",
         "",
         "Hosts (comma-separated, fnmatch patterns such as *.pypi.org) whose traffic is tunnelled "
@@ -452,6 +460,7 @@ class Settings:
     advertise_host: str = ""
     max_rollouts: int = 8
     passthrough: tuple[str, ...] = ()
+    check_policy: bool = True
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -502,5 +511,6 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         advertise_host=values["agenttap_advertise_host"],
         max_rollouts=values["agenttap_max_rollouts"],
         passthrough=values["agenttap_passthrough"],
+        check_policy=values["agenttap_check_policy"],
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

@@ -20,7 +20,10 @@ ENDPOINTS = {
     "openai.chat": ("api.openai.com", "/v1/chat/completions"),
     "anthropic": ("api.anthropic.com", "/v1/messages"),
     "openai.responses": ("api.openai.com", "/v1/responses"),
-    "gemini": ("generativelanguage.googleapis.com", "/v1beta/models/gemini-2.5-flash:generateContent"),
+    "gemini": (
+        "generativelanguage.googleapis.com",
+        "/v1beta/models/gemini-2.5-flash:generateContent",
+    ),
 }
 
 
@@ -153,7 +156,9 @@ class ParallelSession:
         assert sorted(r for t in threads for r in t["trained_request_ids"]) == sorted(
             t["request_id"] for t in turns
         )
-        print(f"parallel session {self.protocol}: {len(turns)} calls answered and recorded whole during the fuzz")
+        print(
+            f"parallel session {self.protocol}: {len(turns)} calls answered and recorded whole during the fuzz"
+        )
         for row in threads:
             assert sum(row["loss_mask"]) == sum(
                 len(t["completion_ids"])

@@ -155,6 +155,21 @@ class StubPolicy:
             dumps=_dumps,
         )
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize (a prompt's ids with its tokenizer)."""
+        body = await request.json()
+        ids = self.tok.encode(
+            body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
+        )
+        return web.json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         index = len(self.requests)
@@ -386,6 +401,7 @@ class StubPolicy:
             app = web.Application()
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/completions", self._completions)
+            app.router.add_post("/tokenize", self._tokenize)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, "127.0.0.1", 0)

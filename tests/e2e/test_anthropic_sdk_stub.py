@@ -337,7 +337,13 @@ def test_overloaded_when_policy_is_down(
 ) -> None:
     from rewriter.policy_server import free_port
 
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", tmp_path / "out", confdir)
+    # A policy that is down: started anyway, so its calls get the provider's retryable error.
+    proxy = start_proxy(
+        f"http://127.0.0.1:{free_port()}",
+        tmp_path / "out",
+        confdir,
+        extra=["--set", "agenttap_check_policy=false"],
+    )
     try:
         client = proxy.anthropic("anth-down", monkeypatch)
         with pytest.raises(anthropic.APIStatusError) as exc:

@@ -131,7 +131,9 @@ def test_runs_without_a_proxy_username(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Hello from the policy." in done.stdout
     stub_proxy.flush()  # its session is named by Claude Code's own header: write them all
-    rows = [r for r in read_turns(stub_proxy.out) if r["completion_text"] == "Hello from the policy."]
+    rows = [
+        r for r in read_turns(stub_proxy.out) if r["completion_text"] == "Hello from the policy."
+    ]
     assert len(rows) == 1
     # Named by Claude Code's X-Claude-Code-Session-Id (a UUID), not "anonymous".
     session = rows[0]["session_id"]

@@ -65,7 +65,10 @@ def test_identical_replies_across_conversations_then_a_rewrite(
     a += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the backup."}]
     ra2 = ask(client, a)
     # The scaffold injects a reminder into B's first user message and goes on.
-    b[1] = {"role": "user", "content": "<system-reminder>cwd: /repo</system-reminder>\nDelete the temp folder."}
+    b[1] = {
+        "role": "user",
+        "content": "<system-reminder>cwd: /repo</system-reminder>\nDelete the temp folder.",
+    }
     b += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
     rb3 = ask(client, b)
     assert rb3.choices[0].message.content == "All set."
@@ -91,11 +94,17 @@ def test_a_retry_is_a_dead_sibling_and_the_live_row_keeps_the_history(
     client = stub_proxy.openai(session, monkeypatch)
     msgs = [SYSTEM, {"role": "user", "content": "Why did the job fail?"}]
     first = ask(client, msgs)
-    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    msgs += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Go on."},
+    ]
     lost = ask(client, msgs)
     kept = ask(client, msgs, retry=marked)  # identical request, resent
     assert lost.choices[0].message.content != kept.choices[0].message.content
-    msgs += [{"role": "assistant", "content": kept.choices[0].message.content}, {"role": "user", "content": "Fix it."}]
+    msgs += [
+        {"role": "assistant", "content": kept.choices[0].message.content},
+        {"role": "user", "content": "Fix it."},
+    ]
     after = ask(client, msgs)
 
     turns = stub_proxy.turns(session, expect=4)

@@ -185,6 +185,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
     "agenttap_passthrough": "*.openai.com",
+    "agenttap_check_policy": "maybe",
 }
 
 

@@ -224,4 +224,6 @@ def test_gemini_cli_against_the_real_policy(
             for lp, r in zip(t["completion_logprobs"], rescored[start:], strict=True)
         ]
         assert gaps and min(gaps) >= -1e-5, min(gaps)
-        print(f"router call: {len(gaps)} constrained tokens, sampler minus policy up to {max(gaps):.3f} nats")
+        print(
+            f"router call: {len(gaps)} constrained tokens, sampler minus policy up to {max(gaps):.3f} nats"
+        )

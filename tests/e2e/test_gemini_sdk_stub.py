@@ -362,7 +362,13 @@ def test_errors_in_googles_shape(
 
 @pytest.fixture
 def dead_policy_proxy(confdir: Path, tmp_path: Path) -> Iterator[Proxy]:
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", tmp_path / "out", confdir)
+    # A policy that is down: started anyway, so its calls get the provider's retryable error.
+    proxy = start_proxy(
+        f"http://127.0.0.1:{free_port()}",
+        tmp_path / "out",
+        confdir,
+        extra=["--set", "agenttap_check_policy=false"],
+    )
     yield proxy
     proxy.stop()
 

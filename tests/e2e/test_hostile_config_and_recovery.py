@@ -34,7 +34,11 @@ from tests.stub_vllm import StubPolicy
 
 
 def _raw(
-    proxy: Proxy, user: bytes, path: str, body: dict[str, Any], headers: dict[str, Any] | None = None
+    proxy: Proxy,
+    user: bytes,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, Any] | None = None,
 ) -> tuple[int, bytes]:
     ctx = ssl.create_default_context(cafile=str(proxy.ca))
     conn = http.client.HTTPSConnection("127.0.0.1", proxy.port, context=ctx, timeout=60)
@@ -42,7 +46,11 @@ def _raw(
     conn.set_tunnel("api.openai.com", 443, headers={"Proxy-Authorization": f"Basic {auth}"})
     conn.putrequest("POST", path)
     data = json.dumps(body).encode()
-    for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+    for key, value in {
+        "Content-Type": "application/json",
+        "Content-Length": str(len(data)),
+        **(headers or {}),
+    }.items():
         conn.putheader(key, value)
     conn.endheaders(data)
     resp = conn.getresponse()
@@ -62,12 +70,18 @@ def test_api_keys_in_the_query_string_are_never_stored(
     stub.replies.clear()
     stub.script("Hello.")
     with recording(stub.url, tmp_path / "out", confdir, flow_file) as proxy:
-        status, _ = _raw(proxy, b"keys", f"/v1/chat/completions?key={secret}&api-key={secret}", CHAT)
+        status, _ = _raw(
+            proxy, b"keys", f"/v1/chat/completions?key={secret}&api-key={secret}", CHAT
+        )
         assert status == 200
         # A refused request (plain HTTP to a host that is not intercepted) is logged and saved
         # too: its keys go before the refusal.
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-        conn.request("GET", f"http://elsewhere.example/v1/models?key={secret}", headers={"Authorization": f"Bearer {secret}", "x-goog-api-key": secret})
+        conn.request(
+            "GET",
+            f"http://elsewhere.example/v1/models?key={secret}",
+            headers={"Authorization": f"Bearer {secret}", "x-goog-api-key": secret},
+        )
         refused = conn.getresponse()
         assert refused.status == 403, refused.read()
         conn.close()
@@ -92,7 +106,9 @@ def test_usernames_with_control_characters_and_undecodable_headers_are_made_safe
     status, body = _raw(stub_proxy, user, "/v1/chat/completions", CHAT)
     assert status == 200, body
     # A User-Agent with bytes that are not UTF-8: recorded as replacement characters.
-    status, body = _raw(stub_proxy, b"ua-bytes", "/v1/chat/completions", CHAT, {"User-Agent": b"agent\xff\xfe/1"})
+    status, body = _raw(
+        stub_proxy, b"ua-bytes", "/v1/chat/completions", CHAT, {"User-Agent": b"agent\xff\xfe/1"}
+    )
     assert status == 200, body
     turns = stub_proxy.turns("run\r\n7\x00x", expect=1)
     assert turns[0]["completion_text"] == "One."
@@ -126,7 +142,9 @@ def test_turn_indices_go_on_after_a_crash(qwen3_dir: Path, tmp_path: Path) -> No
     assert restarted.next_turn_index("crash") == 6
 
 
-def test_turn_indices_go_on_for_a_session_written_before_a_restart(qwen3_dir: Path, tmp_path: Path) -> None:
+def test_turn_indices_go_on_for_a_session_written_before_a_restart(
+    qwen3_dir: Path, tmp_path: Path
+) -> None:
     """A session whose turns were written to shards (an idle or explicit flush) before the
     proxy restarted goes on counting after the restart: its shards already hold 0..3."""
     template = ChatTemplate(qwen3_dir)
@@ -139,7 +157,9 @@ def test_turn_indices_go_on_for_a_session_written_before_a_restart(qwen3_dir: Pa
     assert restarted.next_turn_index("someone-else") == 0
 
 
-def test_one_bad_journal_does_not_stop_recovery_or_the_proxy(qwen3_dir: Path, tmp_path: Path) -> None:
+def test_one_bad_journal_does_not_stop_recovery_or_the_proxy(
+    qwen3_dir: Path, tmp_path: Path
+) -> None:
     template = ChatTemplate(qwen3_dir)
     good = _store_with_turns(tmp_path, template, 2)  # never closed: its journal is left
     bad_journal = tmp_path / "journal" / "broken-0000.jsonl"
@@ -168,13 +188,21 @@ def test_damaged_lines_cost_only_themselves(qwen3_dir: Path, tmp_path: Path) -> 
     lines = journal.read_bytes().splitlines()
     last = json.loads(lines[2])
     last["call"] = {"parent": 5}  # its placement cannot be read; the turn itself can
-    damaged = [lines[0], b'{"turn": "x"}', b'{"turn": {"request_id": "\xff\xfe"}}', lines[1], json.dumps(last).encode()]
+    damaged = [
+        lines[0],
+        b'{"turn": "x"}',
+        b'{"turn": {"request_id": "\xff\xfe"}}',
+        lines[1],
+        json.dumps(last).encode(),
+    ]
     journal.write_bytes(b"\n".join(damaged) + b"\n")
     del good
     written = SessionStore(tmp_path, template).recover()
     assert written
     assert [t["request_id"] for t in read_turns(tmp_path)] == ["r0", "r1", "r2"]
-    assert not list((tmp_path / "journal").glob("*.bad")) and not list((tmp_path / "journal").glob("*.jsonl"))
+    assert not list((tmp_path / "journal").glob("*.bad")) and not list(
+        (tmp_path / "journal").glob("*.jsonl")
+    )
 
 
 def test_the_proxy_starts_over_a_folder_with_a_bad_journal(
@@ -184,7 +212,9 @@ def test_the_proxy_starts_over_a_folder_with_a_bad_journal(
 
     out = tmp_path / "out"
     (out / "journal").mkdir(parents=True)
-    (out / "journal" / "junk-1.jsonl").write_text('{"turn": {"session_id": "\\ud800", "request_id": 5}, "call": {"parent": "nope", "base": -1}}\n')
+    (out / "journal" / "junk-1.jsonl").write_text(
+        '{"turn": {"session_id": "\\ud800", "request_id": 5}, "call": {"parent": "nope", "base": -1}}\n'
+    )
     proxy = start_proxy(stub.url, out, confdir)
     try:
         stub.replies.clear()

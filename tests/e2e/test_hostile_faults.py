@@ -122,7 +122,12 @@ def test_a_policy_that_stalls_mid_stream_ends_the_stream_with_the_providers_erro
     stub.script("One two three four five six.")
     stub.chunk_delay_s = POLICY_TIMEOUT_S + 2.0
     try:
-        answer = post(impatient_proxy, session, protocol, json.dumps(good_body(protocol, stream=True)).encode())
+        answer = post(
+            impatient_proxy,
+            session,
+            protocol,
+            json.dumps(good_body(protocol, stream=True)).encode(),
+        )
     finally:
         stub.chunk_delay_s = 0.0
     assert answer.status == 200, answer.body[:300]

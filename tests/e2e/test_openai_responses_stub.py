@@ -354,10 +354,21 @@ def test_codex_session_header_names_the_session_without_a_proxy_username(
     conn = http.client.HTTPSConnection("127.0.0.1", stub_proxy.port, context=ctx, timeout=60)
     conn.set_tunnel("api.openai.com", 443)  # no Proxy-Authorization: no username
     body = json.dumps({"model": "gpt-5", "input": "Say hello.", "store": False})
-    conn.request("POST", "/v1/responses", body=body, headers={"Content-Type": "application/json", "session-id": run, "Authorization": "Bearer sk-x"})
+    conn.request(
+        "POST",
+        "/v1/responses",
+        body=body,
+        headers={
+            "Content-Type": "application/json",
+            "session-id": run,
+            "Authorization": "Bearer sk-x",
+        },
+    )
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:300]
     assert json.loads(resp.read())["output"][-1]["content"][0]["text"] == "Hello from the policy."
     conn.close()
     (row,) = stub_proxy.turns(f"codex:{run}", expect=1)
-    assert row["session_id"] == f"codex:{run}" and row["completion_text"] == "Hello from the policy."
+    assert (
+        row["session_id"] == f"codex:{run}" and row["completion_text"] == "Hello from the policy."
+    )

@@ -23,7 +23,10 @@ from tests.stub_vllm import StubPolicy
 def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Path) -> None:
     """Threads rebuilt from the journal alone equal the ones the live process would write."""
     template = ChatTemplate(qwen3_dir)
-    live, crashed = SessionStore(tmp_path / "live", template), SessionStore(tmp_path / "crash", template)
+    live, crashed = (
+        SessionStore(tmp_path / "live", template),
+        SessionStore(tmp_path / "crash", template),
+    )
     msgs = [Message("system", "s"), Message("user", "q0")]
     for i in range(4):
         if i == 3:
@@ -45,7 +48,9 @@ def test_recovery_from_journal_equals_live_shards(qwen3_dir: Path, tmp_path: Pat
     assert len(read_turns(tmp_path / "crash")) == 4
 
 
-def test_session_going_on_after_an_idle_flush_keeps_exact_ids(qwen3_dir: Path, tmp_path: Path) -> None:
+def test_session_going_on_after_an_idle_flush_keeps_exact_ids(
+    qwen3_dir: Path, tmp_path: Path
+) -> None:
     """A scaffold idle past the timeout, then back: its next prompt still extends the exact ids,
     on a new thread whose earlier tokens are prompt (trained in the first shard, not twice)."""
     template = ChatTemplate(qwen3_dir)
@@ -86,7 +91,13 @@ def test_session_going_on_after_an_idle_flush_keeps_exact_ids(qwen3_dir: Path, t
 def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None:
     rows = [
         {name: None for name in TURN_SCHEMA.names}
-        | {"session_id": f"s{i}", "prompt_ids": list(range(1000)), "completion_ids": [1, 2], "completion_logprobs": [-1.0, -2.0], "turn_index": i}
+        | {
+            "session_id": f"s{i}",
+            "prompt_ids": list(range(1000)),
+            "completion_ids": [1, 2],
+            "completion_logprobs": [-1.0, -2.0],
+            "turn_index": i,
+        }
         for i in range(10)
     ]
     paths = write_rows(tmp_path, rows, TURN_SCHEMA, "turns", target_bytes=12_000)
@@ -97,6 +108,7 @@ def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None
     (tmp_path / ".turns-partial.parquet.tmp").write_bytes(b"PAR1 garbage")
     assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 10
     import datasets
+
     loaded = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train")
     assert len(loaded) == 10 and loaded[0]["completion_ids"] == [1, 2]
     # Ray Data (one local worker), as a distributed trainer would read them.
@@ -116,7 +128,12 @@ def test_shards_are_atomic_roll_over_and_load_everywhere(tmp_path: Path) -> None
 
 def test_reader_pads_batches(tmp_path: Path) -> None:
     rows = [
-        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -2.0], "provenance": [0, 1, 1]},
+        {
+            "input_ids": [5, 6, 7],
+            "loss_mask": [0, 1, 1],
+            "logprobs": [0.0, -1.0, -2.0],
+            "provenance": [0, 1, 1],
+        },
         {"input_ids": [8], "loss_mask": [0], "logprobs": [0.0], "provenance": [0]},
     ]
     batch = to_batch(rows, pad_id=99)
@@ -128,7 +145,9 @@ def test_reader_pads_batches(tmp_path: Path) -> None:
     assert left["input_ids"].tolist() == [[5, 6, 7], [99, 99, 8]]
 
 
-def test_kill_9_mid_session_keeps_completed_turns(stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kill_9_mid_session_keeps_completed_turns(
+    stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     idle = 3600  # the session never ends by itself
     proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle)
@@ -138,7 +157,10 @@ def test_kill_9_mid_session_keeps_completed_turns(stub: StubPolicy, confdir: Pat
         for i in range(3):
             stub.script(f"answer number {i}")
             reply = client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=50)
-            msgs += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": f"q{i}"}]
+            msgs += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"q{i}"},
+            ]
         assert read_turns(out, "crashy") == []  # not sharded yet: only journaled
         os.kill(proxy.proc.pid, signal.SIGKILL)
         proxy.proc.wait()

@@ -76,10 +76,10 @@ def get_json(url: str) -> Any:
         return json.load(resp)
 
 
-def post(url: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
-    """POST ``body`` to ``url``/v1/completions: (status, media type, raw body)."""
+def post(url: str, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, str, bytes]:
+    """POST ``body`` to ``url`` + ``path``: (status, media type, raw body)."""
     req = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
@@ -396,7 +396,14 @@ def test_prompt_logprobs_shape(
     """The proxy re-scores rewritten history with ``prompt_logprobs: 0``: the stub answers it in
     vLLM's shape (entry 0 null, then the prompt token's own entry)."""
     (rs, _, rraw), (fs, _, fraw) = both(
-        vllm_url, stub, models, prompt_ids, LONG_REPLY, prompt_logprobs=0, max_tokens=1, logprobs=None
+        vllm_url,
+        stub,
+        models,
+        prompt_ids,
+        LONG_REPLY,
+        prompt_logprobs=0,
+        max_tokens=1,
+        logprobs=None,
     )
     assert rs == fs == 200
     real, fake = json.loads(rraw)["choices"][0], json.loads(fraw)["choices"][0]
@@ -406,3 +413,20 @@ def test_prompt_logprobs_shape(
         assert len(entries) == len(prompt_ids) and entries[0] is None
         for token, entry in zip(prompt_ids[1:], entries[1:], strict=True):
             assert str(token) in entry and entry[str(token)]["logprob"] <= 0
+
+
+def test_tokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
+    """POST /tokenize (agenttap's startup check compares its ids with the tokenizer given)."""
+    from capture.startup import PROBE
+
+    real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]
+    answers = []
+    for url, model in [(vllm_url, real_model), (stub.url, stub_model)]:
+        status, _, raw = post(
+            url, {"model": model, "prompt": PROBE, "add_special_tokens": False}, path="/tokenize"
+        )
+        assert status == 200, raw[:300]
+        answers.append(json.loads(raw))
+    real, fake = answers
+    assert_same_shape(real, fake, "/tokenize")
+    assert real["tokens"] == fake["tokens"] and real["count"] == len(real["tokens"])

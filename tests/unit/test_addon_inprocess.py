@@ -59,7 +59,9 @@ def test_a_bad_value_at_startup_refuses_every_flow(name: str, value: object) -> 
             flow.request.host = "api.openai.com"
             asyncio.run(tap.request(flow))
             assert flow.response is not None and flow.response.status_code == 503
-            assert "agenttap is not running" in json.loads(flow.response.content)["error"]["message"]
+            assert (
+                "agenttap is not running" in json.loads(flow.response.content)["error"]["message"]
+            )
             assert not flow.metadata.get("agenttap_routed")
 
 

@@ -35,13 +35,25 @@ from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
 
 TOOLS = [
-    ToolSpec("bash", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}}),
-    ToolSpec("agent", "Spawn a sub-agent", {"type": "object", "properties": {"prompt": {"type": "string"}}}),
+    ToolSpec(
+        "bash", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}}
+    ),
+    ToolSpec(
+        "agent",
+        "Spawn a sub-agent",
+        {"type": "object", "properties": {"prompt": {"type": "string"}}},
+    ),
 ]
 # Few distinct replies: identical text across conversations is the point.
 TEXTS = ["Done.", "ok", "Let me check.", "<think>\nhmm\n</think>\n\nDone."]
-CALLS = [{"name": "bash", "arguments": {"cmd": "ls"}}, {"name": "bash", "arguments": {"cmd": "cat a.py", "n": 2}}]
-SPAWN = {"name": "agent", "arguments": {"prompt": "Investigate the failing test in the parser module."}}
+CALLS = [
+    {"name": "bash", "arguments": {"cmd": "ls"}},
+    {"name": "bash", "arguments": {"cmd": "cat a.py", "n": 2}},
+]
+SPAWN = {
+    "name": "agent",
+    "arguments": {"prompt": "Investigate the failing test in the parser module."},
+}
 
 RUNS: Counter[str] = Counter()
 
@@ -69,7 +81,6 @@ class InFlight:
     expected_parent: CallNode | None = None
     abandoned: bool = False
     call: CallNode | None = field(default=None)
-
 
 
 class Session:
@@ -110,7 +121,11 @@ class Session:
     # -- actions -----------------------------------------------------------------------------
     def new_conversation(self, user: str, spawned_by: tuple[int, str] | None = None) -> None:
         msgs = [Message("system", "Agent."), Message("user", user)]
-        self.convs.append(Conversation(msgs, renames_ids=self.rng.random() < 0.5, spawned_by=spawned_by, opening=user))
+        self.convs.append(
+            Conversation(
+                msgs, renames_ids=self.rng.random() < 0.5, spawned_by=spawned_by, opening=user
+            )
+        )
 
     def send(self, c: int) -> None:
         conv = self.convs[c]
@@ -123,16 +138,26 @@ class Session:
     def retry(self, c: int) -> None:
         """The scaffold resends its last request; it goes on with the new answer."""
         live = [f for f in self.inflight if f.conv == c and not f.abandoned]
-        done = [f for f in self.done if f.conv == c and not f.abandoned and f.call is self.convs[c].last]
+        done = [
+            f for f in self.done if f.conv == c and not f.abandoned and f.call is self.convs[c].last
+        ]
         if live:
             first = live[-1]
-        elif done and done[-1].call is not None and not self.convs[c].messages[-1].role == "assistant":
+        elif (
+            done
+            and done[-1].call is not None
+            and not self.convs[c].messages[-1].role == "assistant"
+        ):
             return
         else:
             return
         first.abandoned = True
         assembly = self.threads.assemble(list(first.request), TOOLS, None, client_retry=True)
-        self.inflight.append(InFlight(c, assembly, first.request, retry_of=first, expected_parent=first.expected_parent))
+        self.inflight.append(
+            InFlight(
+                c, assembly, first.request, retry_of=first, expected_parent=first.expected_parent
+            )
+        )
 
     def retry_answered(self, c: int) -> None:
         """The scaffold timed out on a call the proxy did answer, and resends it."""
@@ -146,7 +171,11 @@ class Session:
         conv.last = first.expected_parent
         first.abandoned = True
         assembly = self.threads.assemble(list(first.request), TOOLS, None, client_retry=True)
-        self.inflight.append(InFlight(c, assembly, first.request, retry_of=first, expected_parent=first.expected_parent))
+        self.inflight.append(
+            InFlight(
+                c, assembly, first.request, retry_of=first, expected_parent=first.expected_parent
+            )
+        )
 
     def complete(self, k: int) -> None:
         f = self.inflight.pop(k)
@@ -179,7 +208,11 @@ class Session:
         if len(msgs) > 3 and users:
             i = self.rng.choice(users)
             m = msgs[i]
-            msgs[i] = Message(m.role, "<system-reminder>r</system-reminder>\n" + m.content, tool_call_id=m.tool_call_id)
+            msgs[i] = Message(
+                m.role,
+                "<system-reminder>r</system-reminder>\n" + m.content,
+                tool_call_id=m.tool_call_id,
+            )
 
     def flush(self) -> None:
         rows, thread_of = self.threads.export()
@@ -224,7 +257,11 @@ def check(session: Session) -> None:
                 assert all(row.loss_mask[i] == 1 for i in span)
                 # Logprobs: the sampler's, unless re-scored after a rewrite (filled by the caller).
                 kept = [row.logprobs[i] for i in span if row.provenance[i] == 1]
-                assert kept == [lp for i, lp in zip(span, call.sampled_logprobs, strict=True) if row.provenance[i] == 1]
+                assert kept == [
+                    lp
+                    for i, lp in zip(span, call.sampled_logprobs, strict=True)
+                    if row.provenance[i] == 1
+                ]
                 mask_positions.update(span)
             else:
                 assert t["trained_in"] in by_id and t["trained_in"] != row.thread_id
@@ -274,13 +311,23 @@ def check(session: Session) -> None:
         RUNS["sessions with twin conversations"] += 1
         return
     for members in sets.values():
-        assert len(abandoned & members) <= len(dead & members) <= len(abandoned_any & members), members
+        assert len(abandoned & members) <= len(dead & members) <= len(abandoned_any & members), (
+            members
+        )
         RUNS["dead rows checked"] += len(dead & members)
 
+
 # CI runs a fixed set of examples (derandomized); a developer's run explores new ones.
-@settings(max_examples=int(os.environ.get("AGENTTAP_PROPERTY_EXAMPLES", "400")), derandomize=bool(os.environ.get("CI")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("AGENTTAP_PROPERTY_EXAMPLES", "400")),
+    derandomize=bool(os.environ.get("CI")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(4, 28), n_conv=st.integers(1, 4))
-def test_every_sampled_token_is_trained_exactly_once(template: ChatTemplate, seed: int, steps: int, n_conv: int) -> None:
+def test_every_sampled_token_is_trained_exactly_once(
+    template: ChatTemplate, seed: int, steps: int, n_conv: int
+) -> None:
     rng = random.Random(seed)
     s = Session(template, rng)
     # Conversations opened with identical prompts: their replies will often be identical too.
@@ -322,14 +369,23 @@ def test_zz_report_counts() -> None:
     assert RUNS["sessions"] > 0 or not RUNS
 
 
-def _one_call(threads: ThreadSet, msgs: list[Message], text: str, template: ChatTemplate, rid: str, retry: bool = False) -> CallNode:
+def _one_call(
+    threads: ThreadSet,
+    msgs: list[Message],
+    text: str,
+    template: ChatTemplate,
+    rid: str,
+    retry: bool = False,
+) -> CallNode:
     a = threads.assemble(msgs, TOOLS, None, client_retry=retry)
     ids = template.encode(text) + [template.eos_token_id]
     return threads.commit(a, parse_completion(text).as_message(), ids, [-0.5] * len(ids),
                           request_id=rid, turn_index=0, finish_reason="stop", latency_s=0, backend="b")  # fmt: skip
 
 
-def test_identical_replies_then_a_rewrite_stay_in_their_own_conversation(template: ChatTemplate) -> None:
+def test_identical_replies_then_a_rewrite_stay_in_their_own_conversation(
+    template: ChatTemplate,
+) -> None:
     """The defect this core was rebuilt for: two conversations of one session whose replies
     are identical; a later call rewrites the first user message of the second one. It belongs
     to the second conversation; the first keeps its turn; nothing is trained twice."""
@@ -354,13 +410,24 @@ def test_identical_replies_then_a_rewrite_stay_in_their_own_conversation(templat
     assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in (a1, b1, b2, b3))
 
 
-def test_a_rewrite_goes_where_the_echoed_id_points_among_many_identical_replies(template: ChatTemplate) -> None:
+def test_a_rewrite_goes_where_the_echoed_id_points_among_many_identical_replies(
+    template: ChatTemplate,
+) -> None:
     """Twenty conversations whose first replies are the same tool call; the oldest one goes on,
     its minted tool-call id echoed, with its first user message rewritten. More calls share
     the reply than the rewrite owner search looks at closely; the echoed id still decides."""
     threads = ThreadSet("s", template)
     call_text = "<tool_call>\n" + json.dumps(CALLS[0]) + "\n</tool_call>"
-    firsts = [_one_call(threads, [Message("system", "Agent."), Message("user", f"Task {i}")], call_text, template, f"c{i}") for i in range(20)]
+    firsts = [
+        _one_call(
+            threads,
+            [Message("system", "Agent."), Message("user", f"Task {i}")],
+            call_text,
+            template,
+            f"c{i}",
+        )
+        for i in range(20)
+    ]
     tc = ToolCall(next(iter(firsts[0].tool_ids)), "bash", '{"cmd": "ls"}')
     rewritten = [Message("system", "Agent."), Message("user", "<system-reminder>x</system-reminder>Task 0"),
                  Message("assistant", "", tool_calls=(tc,)), Message("tool", "a.py", tool_call_id=tc.id)]  # fmt: skip
@@ -394,7 +461,9 @@ def test_a_reply_id_decides_between_identical_text_replies(template: ChatTemplat
     assert thread_of["a2"] == thread_of["a1"] != thread_of["b1"]
 
 
-def test_retry_makes_a_dead_sibling_and_the_live_row_keeps_the_history(template: ChatTemplate) -> None:
+def test_retry_makes_a_dead_sibling_and_the_live_row_keeps_the_history(
+    template: ChatTemplate,
+) -> None:
     threads = ThreadSet("s", template)
     msgs = [Message("system", "Agent."), Message("user", "Go")]
     first = _one_call(threads, msgs, "step one", template, "r1")
@@ -421,7 +490,13 @@ def test_twin_sub_agents_each_extend_their_own_thread(template: ChatTemplate) ->
     continuations arrive crossed. The tool-call ids they echo put each on its own thread."""
     threads = ThreadSet("s", template)
     main = [Message("system", "Main."), Message("user", "Split the work")]
-    spawn_text = "<tool_call>\n" + json.dumps(SPAWN) + "\n</tool_call>\n<tool_call>\n" + json.dumps(SPAWN) + "\n</tool_call>"
+    spawn_text = (
+        "<tool_call>\n"
+        + json.dumps(SPAWN)
+        + "\n</tool_call>\n<tool_call>\n"
+        + json.dumps(SPAWN)
+        + "\n</tool_call>"
+    )
     parent = _one_call(threads, main, spawn_text, template, "m1")
     sub = [Message("system", "Agent."), Message("user", SPAWN["arguments"]["prompt"])]
     call_text = "<tool_call>\n" + json.dumps(CALLS[0]) + "\n</tool_call>"
@@ -432,7 +507,10 @@ def test_twin_sub_agents_each_extend_their_own_thread(template: ChatTemplate) ->
 
     def cont(c: CallNode) -> list[Message]:
         tc = ToolCall(next(iter(c.tool_ids)), "bash", '{"cmd":"ls"}')  # its own minted id, echoed
-        return sub + [Message("assistant", "", tool_calls=(tc,)), Message("tool", "out", tool_call_id=tc.id)]
+        return sub + [
+            Message("assistant", "", tool_calls=(tc,)),
+            Message("tool", "out", tool_call_id=tc.id),
+        ]
 
     y2 = _one_call(threads, cont(y), "Done.", template, "y2")
     x2 = _one_call(threads, cont(x), "Done.", template, "x2")
@@ -447,9 +525,18 @@ def test_twin_sub_agents_each_extend_their_own_thread(template: ChatTemplate) ->
 def test_compaction_links_the_new_conversation_to_the_summary(template: ChatTemplate) -> None:
     threads = ThreadSet("s", template)
     msgs = [Message("system", "Agent."), Message("user", "Summarize everything so far.")]
-    summary = " ".join(f"Point {i}: the parser fails on nested input and the fix is in module {i}." for i in range(6))
+    summary = " ".join(
+        f"Point {i}: the parser fails on nested input and the fix is in module {i}."
+        for i in range(6)
+    )
     s = _one_call(threads, msgs, summary, template, "s1")
-    fresh = [Message("system", "Agent."), Message("user", "This session is being continued from a previous conversation. Summary:\n" + summary)]
+    fresh = [
+        Message("system", "Agent."),
+        Message(
+            "user",
+            "This session is being continued from a previous conversation. Summary:\n" + summary,
+        ),
+    ]
     c = _one_call(threads, fresh, "ok", template, "c1")
     assert c.parent is None and c.compaction_of is s
     rows, thread_of = threads.export()
@@ -457,7 +544,9 @@ def test_compaction_links_the_new_conversation_to_the_summary(template: ChatTemp
     assert row.parent_relation == "compaction" and row.parent_thread_id == thread_of["s1"]
 
 
-def test_a_truncated_history_trains_the_removed_calls_in_a_rewritten_row(template: ChatTemplate) -> None:
+def test_a_truncated_history_trains_the_removed_calls_in_a_rewritten_row(
+    template: ChatTemplate,
+) -> None:
     """A scaffold drops its oldest turns (after "prompt is too long"): the removed calls are not
     lost; they are trained in a row of the sequence they were sampled in, linked to the live one."""
     threads = ThreadSet("s", template)
@@ -490,7 +579,10 @@ def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, t
     from rewriter.canonical import ChatRequest
     from tests.conftest import read_threads, record_turn
 
-    live, crashed = SessionStore(tmp_path / "live", template), SessionStore(tmp_path / "crash", template)
+    live, crashed = (
+        SessionStore(tmp_path / "live", template),
+        SessionStore(tmp_path / "crash", template),
+    )
     msgs = [Message("system", "s"), Message("user", "q0")]
     script = [(list(msgs), "a0", False)]
     msgs2 = msgs + [Message("assistant", "a0"), Message("user", "q1")]

@@ -260,10 +260,14 @@ def test_items_sent_back_name_the_response_they_came_from() -> None:
     req = parse_request(body(input="x", tools=[EXEC_TOOL], include=["reasoning.encrypted_content"]))
     reply = AssistantReply("Running.", "Think.", [ToolCall("call_1", "exec", '{"input": "ls()"}')])
     writer = EventWriter(rid, req, 1)
-    writer.events([ReasoningDelta("Think."), ContentDelta("Running."), ToolCallEvent(0, reply.tool_calls[0])])
+    writer.events(
+        [ReasoningDelta("Think."), ContentDelta("Running."), ToolCallEvent(0, reply.tool_calls[0])]
+    )
     streamed = writer.finish("stop", 3)[-1]["response"]["output"]
     for output in (whole_response(rid, req, reply, "stop", 1, 1)["output"], streamed):
-        assert len(output) == 3 and all(item["id"].split("_", 1)[1].startswith(rid[5:]) for item in output)
+        assert len(output) == 3 and all(
+            item["id"].split("_", 1)[1].startswith(rid[5:]) for item in output
+        )
         back = parse_request(body(tools=[EXEC_TOOL], input=[
             {"role": "user", "content": "x"}, *output,
             {"type": "custom_tool_call_output", "call_id": "call_1", "output": "ok"}]))  # fmt: skip

@@ -238,7 +238,9 @@ def test_a_bug_in_a_provider_is_a_500_in_its_format_not_the_clients_400(
         def parse(self, call: Call, body: bytes, session_id: str) -> Any:
             return None.missing  # type: ignore[attr-defined]
 
-    gw = Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path, providers=["test.broken"]))
+    gw = Gateway(
+        GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path, providers=["test.broken"])
+    )
 
     async def call() -> Any:
         request = make_mocked_request(

@@ -51,14 +51,20 @@ def thread_row(
         "protocol": "openai.chat",
         "user_agent": "test",
         "reward": reward,
-        "metadata": metadata if metadata is None or isinstance(metadata, str) else json.dumps(metadata),
+        "metadata": metadata
+        if metadata is None or isinstance(metadata, str)
+        else json.dumps(metadata),
     }
 
 
 # Two turns: prompt 10 11 12, sampled 20 21, environment (tool result) 30 31, sampled 22.
 TWO_TURN = thread_row(
-    "s1", "t-two", [10, 11, 12, 20, 21, 30, 31, 22], [0, 0, 0, 1, 1, 0, 0, 1],
-    logprobs=[0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3], reward=1.0,
+    "s1",
+    "t-two",
+    [10, 11, 12, 20, 21, 30, 31, 22],
+    [0, 0, 0, 1, 1, 0, 0, 1],
+    logprobs=[0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3],
+    reward=1.0,
     metadata={"group_id": "g7", "task_id": "task-3", "split": "train"},
 )
 # One turn: prompt 40 41, sampled 50 51 52; no reward yet, no metadata.
@@ -77,7 +83,13 @@ def _write_out(out: Path, rows: list[dict[str, Any]]) -> None:
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
     out = tmp_path / "OUT"
-    _write_out(out, [thread_row("s1", "t-a", [1, 2], [0, 1], reward=0.5), thread_row("s1", "t-b", [1, 3], [0, 1])])
+    _write_out(
+        out,
+        [
+            thread_row("s1", "t-a", [1, 2], [0, 1], reward=0.5),
+            thread_row("s1", "t-b", [1, 3], [0, 1]),
+        ],
+    )
     _write_out(out, [thread_row("s2", "t-c", [4, 5], [0, 1], reward=0.25)])
     return out
 
@@ -109,7 +121,11 @@ def test_load_threads_columns_subset_still_joins(out: Path) -> None:
     write_rewards(out, "s2", 2.0, set_at=1.0)
     rows = load_threads(out, columns=["reward", "input_ids"])
     assert all(set(r) == {"reward", "input_ids"} for r in rows)
-    assert sorted((r["reward"] is None, r["reward"]) for r in rows) == [(False, 0.5), (False, 2.0), (True, None)]
+    assert sorted((r["reward"] is None, r["reward"]) for r in rows) == [
+        (False, 0.5),
+        (False, 2.0),
+        (True, None),
+    ]
     # Without the reward column there is nothing to join, and nothing else is added.
     assert all(set(r) == {"input_ids"} for r in load_threads(out, columns=["input_ids"]))
 
@@ -131,7 +147,9 @@ def test_rl_batch_two_turn_row_and_one_turn_row() -> None:
     # Responses: the rest, environment tokens included, right-padded.
     assert batch["responses"].tolist() == [[20, 21, 30, 31, 22], [50, 51, 52, PAD, PAD]]
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]]
-    assert np.allclose(batch["rollout_log_probs"], [[-0.1, -0.2, 0.0, 0.0, -0.3], [-1.0, -2.0, -3.0, 0.0, 0.0]])
+    assert np.allclose(
+        batch["rollout_log_probs"], [[-0.1, -0.2, 0.0, 0.0, -0.3], [-1.0, -2.0, -3.0, 0.0, 0.0]]
+    )
     assert batch["input_ids"].tolist() == [
         [10, 11, 12, 20, 21, 30, 31, 22],
         [PAD, 40, 41, 50, 51, 52, PAD, PAD],
@@ -195,14 +213,21 @@ def test_rl_batch_empty() -> None:
 
 # -- truncation -----------------------------------------------------------------------------
 
-LONG = thread_row("s", "t-long", [1, 2, 3, 4, 5, 6, 20, 30, 21], [0, 0, 0, 0, 0, 0, 1, 0, 1], reward=3.0)
+LONG = thread_row(
+    "s", "t-long", [1, 2, 3, 4, 5, 6, 20, 30, 21], [0, 0, 0, 0, 0, 0, 1, 0, 1], reward=3.0
+)
 
 
 def test_truncation_error_names_row_and_lengths() -> None:
     with pytest.raises(ValueError) as info:
         to_rl_batch([ONE_TURN, LONG], pad_id=0, max_prompt_len=4)
     message = str(info.value)
-    assert "row 1" in message and "t-long" in message and "6 tokens" in message and "max_prompt_len=4" in message
+    assert (
+        "row 1" in message
+        and "t-long" in message
+        and "6 tokens" in message
+        and "max_prompt_len=4" in message
+    )
     with pytest.raises(ValueError) as info:
         to_rl_batch([LONG], pad_id=0, max_response_len=2)
     message = str(info.value)
@@ -217,7 +242,9 @@ def test_truncation_left_right_middle_for_prompts() -> None:
     middle = to_rl_batch([LONG], pad_id=0, max_prompt_len=5, truncation="middle")
     assert middle["prompts"].tolist() == [[1, 2, 4, 5, 6]]
     # The response is untouched by the prompt's cut.
-    assert left["responses"].tolist() == [[20, 30, 21]] and left["response_mask"].tolist() == [[1, 0, 1]]
+    assert left["responses"].tolist() == [[20, 30, 21]] and left["response_mask"].tolist() == [
+        [1, 0, 1]
+    ]
 
 
 def test_truncation_cuts_responses_at_their_end() -> None:
@@ -239,7 +266,12 @@ def test_truncation_rows_within_limits_are_unchanged() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"truncation": "both"}, {"max_prompt_len": 0}, {"max_response_len": -1}, {"max_response_len": 2.5}],
+    [
+        {"truncation": "both"},
+        {"max_prompt_len": 0},
+        {"max_response_len": -1},
+        {"max_response_len": 2.5},
+    ],
 )
 def test_bad_batch_options(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

@@ -96,9 +96,17 @@ def test_write_rewards_per_thread(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("session_id", "reward", "set_at"),
-    [("s", float("nan"), None), ("s", True, None), ("s", {}, None), ("", 1.0, None), ("s", 1.0, math.inf)],
+    [
+        ("s", float("nan"), None),
+        ("s", True, None),
+        ("s", {}, None),
+        ("", 1.0, None),
+        ("s", 1.0, math.inf),
+    ],
 )
-def test_write_rewards_rejects_bad_input_and_writes_nothing(tmp_path: Path, session_id: str, reward: Any, set_at: Any) -> None:
+def test_write_rewards_rejects_bad_input_and_writes_nothing(
+    tmp_path: Path, session_id: str, reward: Any, set_at: Any
+) -> None:
     with pytest.raises(ValueError):
         write_rewards(tmp_path, session_id, reward, set_at=set_at)
     assert not (tmp_path / "rewards").exists() or not any((tmp_path / "rewards").iterdir())
@@ -119,15 +127,24 @@ def test_load_rewards_reads_files_in_write_order(tmp_path: Path) -> None:
     assert table.column("session_id").to_pylist() == ["s1", "s2", "s1"]
 
 
-def test_load_rewards_skips_unreadable_and_temp_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_load_rewards_skips_unreadable_and_temp_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     write_rewards(tmp_path, "s1", 1.0, set_at=1.0)
     folder = tmp_path / "rewards"
     (folder / "rewards-0-garbage.parquet").write_bytes(b"not parquet at all")
-    pq.write_table(pa.table({"session_id": ["s1"], "score": [9.0]}), folder / "rewards-1-wrong.parquet")
-    pq.write_table(pa.table({"session_id": ["s1"], "thread_id": [None], "reward": [7.0], "set_at": [99.0]}), folder / ".rewards-2.parquet.tmp")
+    pq.write_table(
+        pa.table({"session_id": ["s1"], "score": [9.0]}), folder / "rewards-1-wrong.parquet"
+    )
+    pq.write_table(
+        pa.table({"session_id": ["s1"], "thread_id": [None], "reward": [7.0], "set_at": [99.0]}),
+        folder / ".rewards-2.parquet.tmp",
+    )
     with caplog.at_level(logging.WARNING, logger="capture.rewards"):
         table = load_rewards(tmp_path)
-    assert table.to_pylist() == [{"session_id": "s1", "thread_id": None, "reward": 1.0, "set_at": 1.0}]
+    assert table.to_pylist() == [
+        {"session_id": "s1", "thread_id": None, "reward": 1.0, "set_at": 1.0}
+    ]
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "rewards-0-garbage.parquet" in warned and "rewards-1-wrong.parquet" in warned
     assert ".tmp" not in warned
@@ -160,7 +177,11 @@ def test_join_session_reward_set_later_beats_thread_reward() -> None:
 
 
 def test_join_latest_of_several_for_one_thread_wins() -> None:
-    late = [_late("s1", "t-a", 1.0, 3.0), _late("s1", "t-a", 2.0, 9.0), _late("s1", "t-a", 3.0, 4.0)]
+    late = [
+        _late("s1", "t-a", 1.0, 3.0),
+        _late("s1", "t-a", 2.0, 9.0),
+        _late("s1", "t-a", 3.0, 4.0),
+    ]
     assert join_rewards([_row("s1", "t-a")], late)[0]["reward"] == 2.0
 
 

@@ -17,8 +17,14 @@ from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
 
 TOOLS = [
-    ToolSpec("bash", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}}),
-    ToolSpec("agent", "Spawn a sub-agent", {"type": "object", "properties": {"prompt": {"type": "string"}}}),
+    ToolSpec(
+        "bash", "Run a command", {"type": "object", "properties": {"cmd": {"type": "string"}}}
+    ),
+    ToolSpec(
+        "agent",
+        "Spawn a sub-agent",
+        {"type": "object", "properties": {"prompt": {"type": "string"}}},
+    ),
 ]
 WORDS = ["alpha", "beta", "files", "done", "ok", "result", "x = 1", "naïve", "日本", "{json}"]
 
@@ -42,10 +48,20 @@ class Policy:
         kind = rng.random()
         if spawn:
             prompt = f"Investigate subsystem {self.n} " + " ".join(rng.choices(WORDS, k=3))
-            text += "<tool_call>\n" + json.dumps({"name": "agent", "arguments": {"prompt": prompt}}) + "\n</tool_call>"
+            text += (
+                "<tool_call>\n"
+                + json.dumps({"name": "agent", "arguments": {"prompt": prompt}})
+                + "\n</tool_call>"
+            )
         elif kind < 0.5:
-            args = {"cmd": "ls " + rng.choice(WORDS), "n": rng.randint(0, 99), "flag": rng.random() < 0.5}
-            text += "<tool_call>\n" + json.dumps({"name": "bash", "arguments": args}) + "\n</tool_call>"
+            args = {
+                "cmd": "ls " + rng.choice(WORDS),
+                "n": rng.randint(0, 99),
+                "flag": rng.random() < 0.5,
+            }
+            text += (
+                "<tool_call>\n" + json.dumps({"name": "bash", "arguments": args}) + "\n</tool_call>"
+            )
         else:
             text += " ".join(rng.choices(WORDS, k=rng.randint(1, 6)))
         self.n += 1
@@ -65,18 +81,30 @@ def echo(reply_text: str, rng: random.Random) -> Message:
         items = list(args.items())
         rng.shuffle(items)
         sep = rng.choice([(",", ":"), (", ", ": ")])
-        calls.append(ToolCall("toolu_" + str(rng.randint(0, 10**9)), c.name, json.dumps(dict(items), separators=sep)))
+        calls.append(
+            ToolCall(
+                "toolu_" + str(rng.randint(0, 10**9)),
+                c.name,
+                json.dumps(dict(items), separators=sep),
+            )
+        )
     content = parsed.content if rng.random() < 0.5 else " " + parsed.content + "\n"
     return Message("assistant", content, tool_calls=tuple(calls))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(2, 9))
-def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: int, steps: int) -> None:
+def test_threads_hold_exactly_what_the_policy_saw(
+    template: ChatTemplate, seed: int, steps: int
+) -> None:
     rng = random.Random(seed)
     policy = Policy(template, rng)
     threads = ThreadSet("s", template)
-    convs: list[list[Message]] = [[Message("system", "Main agent."), Message("user", "Start the task.")]]
+    convs: list[list[Message]] = [
+        [Message("system", "Main agent."), Message("user", "Start the task.")]
+    ]
     sampled_by_request: dict[str, list[int]] = {}
     seen_by_request: dict[str, list[int]] = {}
     expected_parent: dict[int, tuple[CallNode, str]] = {}
@@ -132,7 +160,9 @@ def test_threads_hold_exactly_what_the_policy_saw(template: ChatTemplate, seed: 
         for t in mine:
             assert thread_of[t["request_id"]] == row.thread_id
         # Trained tokens are exactly this row's own calls' sampled tokens.
-        assert {i for i, m in enumerate(row.loss_mask) if m} == {i for t in mine for i in range(t["start"], t["end"])}
+        assert {i for i, m in enumerate(row.loss_mask) if m} == {
+            i for t in mine for i in range(t["start"], t["end"])
+        }
         # The row is what its last call saw, plus what it sampled.
         last = row.turns[-1]
         assert seen_by_request[last["request_id"]] == row.input_ids[: last["start"]]

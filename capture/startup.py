@@ -1,0 +1,71 @@
+"""Checks at start: every policy server answers, serves a model, and tokenizes as the tokenizer
+agenttap was given does. A mistake here (a wrong port, a server still loading, the tokenizer of
+another model) would otherwise show up only at the first call, or worse, as silently wrong
+token ids; so the proxy refuses to start and says what to fix (``agenttap_check_policy=false``
+starts it anyway).
+
+Plain HTTP with the standard library, run once while mitmproxy configures the addon.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+# Text whose ids tell tokenizers apart: special tokens, accents, CJK, JSON, whitespace runs.
+PROBE = '<|im_start|>user\nnaïve 日本 {"k": [1, 2]}\n\n  tabs\tand <think>x</think><|im_end|>'
+SKIP_HINT = "or --set agenttap_check_policy=false to start anyway"
+
+
+def _get(url: str, timeout: float, body: Any = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    req = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def check_policy(url: str, encode: Callable[[str], list[int]], timeout: float = 10.0) -> str | None:
+    """Why the policy server at ``url`` cannot be used with this tokenizer (``encode``: text to
+    ids, no special tokens added), or None when it can."""
+    base = url.rstrip("/")
+    try:
+        models = _get(f"{base}/v1/models", timeout)
+        model = models["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return (
+            f"agenttap: the policy server at {url} does not answer ({reason}). Start it first "
+            f"(it must serve vLLM's OpenAI API), fix --set agenttap_policy_url, {SKIP_HINT}."
+        )
+    except (KeyError, IndexError, TypeError):
+        return (
+            f"agenttap: the policy server at {url} answers GET /v1/models with no model: is "
+            f"it a vLLM server? Fix --set agenttap_policy_url, {SKIP_HINT}."
+        )
+    body = {"model": model, "prompt": PROBE, "add_special_tokens": False}
+    try:
+        served = _get(f"{base}/tokenize", timeout, body)["tokens"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None  # a server without /tokenize: nothing to compare against
+        return f"agenttap: the policy server at {url} refused POST /tokenize ({exc.code})."
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        return f"agenttap: the policy server at {url} did not tokenize a probe text ({exc})."
+    ours = encode(PROBE)
+    if served != ours:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
+            min(len(served), len(ours)),
+        )
+        return (
+            f"agenttap: the tokenizer given (--set agenttap_tokenizer) does not match the model "
+            f"{model!r} served at {url}: a probe text gives {len(ours)} ids here and "
+            f"{len(served)} there, first different at position {at} ({ours[at : at + 3]} here, "
+            f"{served[at : at + 3]} there). Give the folder of the served model's tokenizer, "
+            f"{SKIP_HINT}."
+        )
+    return None

@@ -1,0 +1,76 @@
+"""At start, every policy server must answer and tokenize as the tokenizer given does: a wrong
+URL or another model's tokenizer stops mitmdump with what to fix (capture/startup.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from capture.startup import check_policy
+from rewriter.policy_server import free_port
+from rewriter.template import ChatTemplate
+from tests.conftest import CAPTURE, MITMDUMP, QWEN3, QWEN25, REPO, agenttap_options
+from tests.stub_vllm import StubPolicy
+
+
+def start(
+    policy_url: str, tokenizer: Path, confdir: Path, tmp_path: Path, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """mitmdump with the addon, stopped after 60 s if it did not exit by itself."""
+    cmd = [
+        str(MITMDUMP), "-s", str(CAPTURE), "--listen-host", "127.0.0.1", "--listen-port", str(free_port()),
+        *agenttap_options(policy_url, tmp_path / "out", confdir, tokenizer, 300), *extra,
+    ]  # fmt: skip
+    try:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"mitmdump kept running: {exc.stdout!r}") from None
+
+
+def test_an_unreachable_policy_stops_mitmdump_naming_the_url(confdir: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = start(url, QWEN3, confdir, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"the policy server at {url} does not answer" in out
+    assert "agenttap_check_policy=false" in out  # and how to start anyway
+
+
+def test_another_models_tokenizer_stops_mitmdump(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    # The stub serves Qwen3's tokenizer; Qwen2.5's splits <think> into pieces.
+    done = start(stub.url, QWEN25, confdir, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "does not match the model 'stub-policy'" in out and "first different at position" in out
+
+
+def test_the_check_passes_a_matching_policy_and_can_be_skipped(
+    stub: StubPolicy, confdir: Path, tmp_path: Path
+) -> None:
+    assert check_policy(stub.url, ChatTemplate(QWEN3).encode) is None
+    # Switched off, an unreachable policy starts anyway (the user said so): the proxy listens.
+    url, port = f"http://127.0.0.1:{free_port()}", free_port()
+    cmd = [
+        str(MITMDUMP), "-s", str(CAPTURE), "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        *agenttap_options(url, tmp_path / "out", confdir, QWEN3, 300), "--set", "agenttap_check_policy=false",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the proxy did not listen within 60 s"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
