@@ -63,7 +63,7 @@ from capture.options import (  # noqa: E402
     unknown_names,
 )
 from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
-from capture.startup import check_policy  # noqa: E402
+from capture.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class AgentTap:
         self.settings = settings
         if not self._running and not self._policy_checked:
             self._policy_checked = True
-            self._startup_error = self._check_policies(settings)
+            self._template, self._startup_error = check_startup(settings)
             if self._startup_error:
                 logger.error("%s", self._startup_error)  # mitmdump exits non-zero
         self.broken = self._load_error or self._startup_error
@@ -183,30 +183,6 @@ class AgentTap:
             "agenttap_out",
         }:
             logger.warning("agenttap: policy, tokenizer and output changes apply after a restart")
-
-    def _check_policies(self, settings: Settings) -> str | None:
-        """Every policy server answers and tokenizes as the tokenizer given does; else why not.
-        Runs while mitmproxy configures the addon, before its servers start."""
-        if settings.tokenizer is None or not settings.policy_urls:
-            return None
-        try:
-            self._template = ChatTemplate(settings.tokenizer)
-        except Exception as exc:  # a folder that holds no usable tokenizer
-            return (
-                f"agenttap: --set agenttap_tokenizer={settings.tokenizer} holds no tokenizer "
-                f"with a chat template that loads ({exc}). Give the policy model's folder."
-            )
-        if not settings.check_policy:
-            return None
-        urls = list(dict.fromkeys(
-            [*settings.policy_urls, *(u for _, servers in settings.model_map for u in servers)]
-        ))  # fmt: skip
-        for url in urls:
-            problem = check_policy(url, self._template.encode)
-            if problem:
-                return problem
-        logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
-        return None
 
     async def running(self) -> None:
         self._running = True

@@ -10,10 +10,18 @@ Plain HTTP with the standard library, run once while mitmproxy configures the ad
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rewriter.template import ChatTemplate
+
+if TYPE_CHECKING:
+    from capture.options import Settings
+
+logger = logging.getLogger(__name__)
 
 # Text whose ids tell tokenizers apart: special tokens, accents, CJK, JSON, whitespace runs.
 PROBE = '<|im_start|>user\nnaïve 日本 {"k": [1, 2]}\n\n  tabs\tand <think>x</think><|im_end|>'
@@ -69,3 +77,28 @@ def check_policy(url: str, encode: Callable[[str], list[int]], timeout: float = 
             f"{SKIP_HINT}."
         )
     return None
+
+
+def check_startup(settings: Settings) -> tuple[ChatTemplate | None, str | None]:
+    """The policy's tokenizer, loaded once (the gateway reuses it), and why the configuration
+    cannot serve (None: it can): a tokenizer folder that does not load, or a policy server that
+    does not answer or tokenizes otherwise (unless ``check_policy`` is off)."""
+    if settings.tokenizer is None or not settings.policy_urls:
+        return None, None
+    try:
+        template = ChatTemplate(settings.tokenizer)
+    except Exception as exc:  # a folder that holds no usable tokenizer
+        return None, (
+            f"agenttap: --set agenttap_tokenizer={settings.tokenizer} holds no tokenizer with a "
+            f"chat template that loads ({exc}). Give the policy model's folder."
+        )
+    if not settings.check_policy:
+        return template, None
+    servers = (u for _, urls in settings.model_map for u in urls)
+    urls = list(dict.fromkeys([*settings.policy_urls, *servers]))
+    for url in urls:
+        problem = check_policy(url, template.encode)
+        if problem:
+            return template, problem
+    logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
+    return template, None
