@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import secrets
 from collections.abc import Callable
 
 from mitmproxy import http
 
 from addons.credentials import strip_secrets
+from capture.control_api import bearer_state
 from capture.gateway import (
     BEARER_HEADER,
     CONTROL_HOST,
@@ -75,11 +75,7 @@ class ControlHost:
         """Once per flow, before the header is stripped: ``ok``, ``wrong`` or "" (none)."""
         if "agenttap_bearer" in flow.metadata:
             return
-        scheme, _, given = flow.request.headers.get("Authorization", "").partition(" ")
-        state = ""
-        if scheme.lower() == "bearer" and given.strip():
-            gateway = self._gateway()
-            token = gateway.api_token if gateway is not None else ""
-            ok = bool(token) and secrets.compare_digest(given.strip().encode(), token.encode())
-            state = "ok" if ok else "wrong"
-        flow.metadata["agenttap_bearer"] = state
+        gateway = self._gateway()
+        token = gateway.api_token if gateway is not None else ""
+        authorization = flow.request.headers.get("Authorization", "")
+        flow.metadata["agenttap_bearer"] = bearer_state(authorization, token)

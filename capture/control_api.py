@@ -158,6 +158,17 @@ def banner_lines(api: ControlAPI) -> list[str]:
     ]
 
 
+def bearer_state(authorization: str, token: str) -> str:
+    """An ``Authorization`` header checked against the control API's token: ``ok``, ``wrong``,
+    or "" when it holds no bearer token (the addon tells the gateway this word, through the
+    proxy, after stripping the header)."""
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return ""
+    ok = bool(token) and secrets.compare_digest(given.strip().encode(), token.encode())
+    return "ok" if ok else "wrong"
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "status": status}}, status=status)
 
@@ -206,12 +217,7 @@ class ControlAPI:
 
     def _check_token(self, request: web.Request, bearer: str | None) -> web.Response | None:
         if bearer is None:
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() == "bearer" and given.strip():
-                ok = secrets.compare_digest(given.strip().encode(), self.token.encode())
-                bearer = "ok" if ok else "wrong"
-            else:
-                bearer = ""
+            bearer = bearer_state(request.headers.get("Authorization", ""), self.token)
         if not bearer:
             return _error(
                 401,
