@@ -35,7 +35,7 @@ done
 # The environments this needs (idempotent: a finished environment is left alone); the policy
 # server's only when it is started here.
 if [ -n "$POLICY_URL" ]; then export AGENTTAP_SKIP_VLLM=1; fi
-AGENTTAP_SKIP_CLIENTS=1 bash "$ROOT/scripts/setup.sh" >&2
+AGENTTAP_SKIP_CLIENTS=1 AGENTTAP_SKIP_BROWSER=1 bash "$ROOT/scripts/setup.sh" >&2
 
 POLICY_PID=""
 cleanup() { [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null; wait 2>/dev/null || true; }

@@ -45,6 +45,17 @@ if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ];
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch .venv-vllm/.agenttap-ready
 fi
+# The viewer's browser tests drive Debian's chromium with the playwright package (playwright's
+# own browser download cannot reach its servers here).
+if [ "${AGENTTAP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium (apt) for the viewer's browser tests"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "[setup] chromium is missing: install it (apt-get install chromium) for the viewer's browser tests" >&2
+  fi
+fi
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
