@@ -247,6 +247,12 @@ class SessionStore:
                 annotations.apply(row)
         return out
 
+    def pending_turns(self, session_id: str) -> list[dict[str, Any]]:
+        """The turns rows of ``session_id``'s calls not written yet, as they would be written
+        (the viewer shows a live session's calls before its shards exist)."""
+        sess = self._sessions.get(session_id)
+        return [_turn_row(t) for t in sess.turns] if sess is not None else []
+
     def written_threads(self, session_id: str, forget: bool = False) -> list[Path]:
         """The thread shards written for ``session_id`` by this process (shards hold rows of
         one session each); ``forget``: the session is over, stop remembering them."""
