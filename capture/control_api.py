@@ -47,6 +47,7 @@ from capture.session_control import (
 )
 from capture.sessions import RowAnnotations
 from capture.shards import THREAD_SCHEMA, rows_to_table
+from capture.viewer_http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 from rewriter.vllm_client import PolicyError
 
@@ -147,6 +148,7 @@ def banner_lines(api: ControlAPI) -> list[str]:
         f"AGENTTAP_TOKEN={api.token}",
         f"AGENTTAP_CA={ends.ca_path}",
         f"AGENTTAP_CA_BUNDLE={ends.bundle_path}",
+        f"AGENTTAP_UI={ends.api_url}/ui/#token={api.token}",
         f"Proxy mode: HTTPS_PROXY={ends.env('SESSION').get('HTTPS_PROXY', '')} "
         f"SSL_CERT_FILE={ends.ca_path} NODE_EXTRA_CA_CERTS={ends.ca_path}",
         "API keys: any value works (none reaches a provider); clients insist on one: "
@@ -182,6 +184,7 @@ class ControlAPI:
         self.endpoints = endpoints
         self.started_at = time.time()
         self.rollouts = RolloutRoutes(self, max_rollouts)
+        self.viewer = live_viewer(gateway)
 
     @property
     def out_dir(self) -> Path:
@@ -197,6 +200,13 @@ class ControlAPI:
         "" for none); None: check the request's own ``Authorization`` header."""
         path = request.path.rstrip("/") or "/"
         method = request.method
+        if path == UI_PREFIX or path.startswith(f"{UI_PREFIX}/"):
+            # The page itself holds no data (it asks for the token); its data routes want it.
+            if not ViewerRoutes.is_page(request.path):
+                refused = self._check_token(request, bearer)
+                if refused is not None:
+                    return refused
+            return await self.viewer.handle(request)
         if path not in OPEN_ROUTES and not (loopback and path == "/flush"):
             refused = self._check_token(request, bearer)
             if refused is not None:
@@ -208,7 +218,8 @@ class ControlAPI:
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
-                f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush.",
+                f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush, and the "
+                f"viewer at GET /ui/.",
             )
         try:
             return await handler(request, *(args or ()))

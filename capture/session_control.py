@@ -141,6 +141,8 @@ class ControlledSession:
     end_reason: str | None = None
     # Calls in flight now.
     in_flight: int = 0
+    # Unix time of the session's last call start or end (the viewer's "last activity").
+    last_active_at: float = field(default_factory=time.time)
     # Once closed: the thread shards holding its rows (GET /sessions/{id} reads them back).
     thread_shards: list[Any] = field(default_factory=list)
 
@@ -155,6 +157,7 @@ class ControlledSession:
             "closed": self.closed,
             "end_reason": self.end_reason,
             "in_flight": self.in_flight,
+            "last_active_at": self.last_active_at,
             "metrics": self.metrics.as_dict(),
         }
 
@@ -247,13 +250,16 @@ class SessionControl:
         return max(0, sess.limits.max_tokens - sess.metrics.completion_tokens)
 
     def call_started(self, session_id: str) -> None:
-        self._seen(session_id).in_flight += 1
+        sess = self._seen(session_id)
+        sess.in_flight += 1
+        sess.last_active_at = time.time()
 
     def call_finished(self, session_id: str) -> None:
         """A call ``call_started`` counted is over, whatever became of it."""
         sess = self._live.get(session_id)
         if sess is not None:
             sess.in_flight = max(0, sess.in_flight - 1)
+            sess.last_active_at = time.time()
 
     def note_recorded(
         self,
