@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from mitmproxy.proxy import server_hooks  # noqa: E402
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from addons.control_host import ControlHost  # noqa: E402
 from addons.credentials import proxy_user, strip_secrets  # noqa: E402
+from capture.banner import ready_line, start_lines  # noqa: E402
 from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
@@ -73,6 +75,81 @@ logger = logging.getLogger(__name__)
 # needs no token (tests and scripts use it instead of waiting for the idle timeout).
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
+# How long the start-up check waits for both listeners to accept a connection.
+READY_WAIT_S = 10.0
+# mitmproxy's dumper prints each WebSocket message from this flow_detail on (below it, the
+# Responses WebSocket's dozens of messages per call would bury the one ``agenttap call:`` line).
+WEBSOCKET_MESSAGES_DETAIL = 3
+
+
+def quiet_websocket_messages(master: Any) -> None:
+    """Make mitmproxy's dumper print WebSocket messages only at flow_detail >= 3. mitmproxy
+    looks an addon's hook up by name on every event, so the instance attribute set here is what
+    it calls; done once per dumper (a reloaded script finds it done)."""
+    dumper = master.addons.get("dumper")
+    if dumper is None or "websocket_message" in vars(dumper):
+        return
+    original = dumper.websocket_message
+
+    def websocket_message(flow: http.HTTPFlow) -> None:
+        if master.options.flow_detail >= WEBSOCKET_MESSAGES_DETAIL:
+            original(flow)
+
+    dumper.websocket_message = websocket_message
+
+
+class _ProbeQuiet(logging.Filter):
+    """Drops mitmproxy's ``client connect`` / ``client disconnect`` lines of the start-up
+    check's own connections (known by their local port) and nothing else."""
+
+    MESSAGES = ("client connect", "client disconnect")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ports: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        client = getattr(record, "client", None)
+        if not client or len(client) < 2 or client[1] not in self.ports:
+            return True
+        message = record.getMessage()
+        if message not in self.MESSAGES:
+            return True
+        if message == "client disconnect":
+            self.ports.discard(client[1])
+        return False
+
+
+_PROBE_QUIET = _ProbeQuiet()
+logging.getLogger("mitmproxy.proxy.server").addFilter(_PROBE_QUIET)
+
+
+def _loopback(host: str) -> str:
+    """Where to reach a listener bound to ``host`` from this machine."""
+    if host in ("", "0.0.0.0", "*"):
+        return "127.0.0.1"
+    return "::1" if host == "::" else host
+
+
+async def accepts(host: str, port: int, timeout: float = 2.0) -> bool:
+    """A TCP connection to ``host:port`` opens (then it is closed at once)."""
+    loop = asyncio.get_running_loop()
+    host = _loopback(host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            sock.bind((host, 0))  # the local port is known before mitmproxy logs the connect
+        except OSError:
+            return False
+        local_port = sock.getsockname()[1]
+        _PROBE_QUIET.ports.add(local_port)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+        except (OSError, TimeoutError):
+            _PROBE_QUIET.ports.discard(local_port)
+            return False
+    return True
 
 
 class AgentTap:
@@ -115,6 +192,7 @@ class AgentTap:
         # session; we read it ourselves rather than turn on proxyauth, whose 407 would lock out
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
+        quiet_websocket_messages(loader.master)
         self._take_deferred(loader.master.options)
 
     def _take_deferred(self, options: optmanager.OptManager) -> None:
@@ -190,6 +268,8 @@ class AgentTap:
             await self._start_gateway()
         finally:
             self._ready.set()
+        if self.gateway is not None:
+            await self._announce_ready(self.gateway)
 
     async def _start_gateway(self) -> None:
         settings = self.settings
@@ -241,17 +321,47 @@ class AgentTap:
             os.path.abspath(config.out_dir),
         )
         assert gateway.api is not None
-        for line in banner_lines(gateway.api):
+        for line in start_lines(banner_lines(gateway.api), gateway.api.endpoints):
             logger.info("%s", line)
+
+    async def _announce_ready(self, gateway: Gateway) -> None:
+        """The last start-up line, once the proxy's listener (unless mitmdump runs without one,
+        -n) and the API listener each accept a connection."""
+        listeners = []
+        if ctx.options.server:
+            listeners = [(h, p) for h, p, *_ in self._listen_addrs()] or [("", 0)]
+        api_host = gateway.config.api_host
+        if api_host is not None:
+            listeners.append((api_host, gateway.api_port))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_WAIT_S
+        waiting = list(listeners)
+        while waiting and loop.time() < deadline:
+            waiting = [(h, p) for h, p in waiting if not (p and await accepts(h, p))]
+            if waiting:
+                await asyncio.sleep(0.1)
+        if waiting:
+            logger.error(
+                "agenttap: not ready: nothing accepts connections at %s after %.0f s",
+                ", ".join(f"{_loopback(h)}:{p}" for h, p in waiting),
+                READY_WAIT_S,
+            )
+            return
+        proxy = gateway.config.proxy_url if ctx.options.server else "(none: mitmdump -n)"
+        logger.info("%s", ready_line(proxy, self.hosts, gateway.config.policy_urls))
+
+    @staticmethod
+    def _listen_addrs() -> list[Any]:
+        server: Any = ctx.master.addons.get("proxyserver")
+        return list(server.listen_addrs()) if server is not None else []
 
     @staticmethod
     async def _proxy_url(advertise: str) -> str:
         """mitmdump's own listener as clients elsewhere reach it (its port may be 0: a free
         one, known once its server listens)."""
-        server: Any = ctx.master.addons.get("proxyserver")
         addrs: list[Any] = []
         for _ in range(100):
-            addrs = list(server.listen_addrs()) if server is not None else []
+            addrs = AgentTap._listen_addrs()
             if addrs:
                 break
             await asyncio.sleep(0.05)

@@ -10,6 +10,7 @@ format, and is journaled as failed, never trained. Nothing here routes calls or 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import weakref
@@ -52,6 +53,24 @@ def prompt_text_bytes(chat: ChatRequest) -> int:
     longer, re-serialized)."""
     verbatim = (m.content for m in chat.messages if m.role != "assistant")
     return sum(len(text.encode("utf-8", "surrogatepass")) for text in verbatim)
+
+
+def log_field(value: str) -> str:
+    """A client-chosen value (a session name, a request id) as one word of a log line: as it is
+    when it is plain, else JSON-quoted (no space, newline or control character gets through)."""
+    if value and value.isprintable() and not any(c.isspace() or c == '"' for c in value):
+        return value
+    return json.dumps(value)
+
+
+def call_line(record: TurnRecord) -> str:
+    """The one log line of a recorded call (``agenttap call: ...``)."""
+    return (
+        f"agenttap call: session={log_field(record.session_id)} {record.protocol} "
+        f"{log_field(record.request_id)} {len(record.prompt_ids)}+{len(record.completion_ids)} "
+        f"tokens {log_field(record.finish_reason or '?')} "
+        f"{record.latency_s:.2f} s via {record.backend}"
+    )
 
 
 def session_ended_message(session_id: str, reason: str) -> str:
@@ -250,7 +269,8 @@ class TurnPipeline:
             self.control.call_finished(parsed.session_id)
 
     def note_recorded(self, record: TurnRecord) -> None:
-        """Metrics of a call answered and recorded."""
+        """Metrics and the log line of a call answered and recorded."""
+        logger.info("%s", call_line(record))
         m, protocol = self.metrics, record.protocol
         self.totals["calls"] += 1
         self.totals["completion_tokens"] += len(record.completion_ids)
@@ -394,10 +414,14 @@ class TurnPipeline:
         """Journal a call the policy failed (see FailedCall); its tokens are never trained."""
         parsed = turn.parsed
         logger.warning(
-            "agenttap: session %r call %s failed at the policy after %d tokens: %s",
-            parsed.session_id,
-            parsed.response_id,
+            "agenttap call failed: session=%s %s %s %d+%d tokens after %.2f s via %s: %s",
+            log_field(parsed.session_id),
+            turn.provider.name,
+            log_field(parsed.response_id),
+            len(turn.prompt_ids),
             streamed,
+            time.time() - turn.started,
+            turn.client.base_url,
             error,
         )
         self.control.note_failure(parsed.session_id)

@@ -1,0 +1,64 @@
+"""The proxy's start-up lines for a person: what to copy for each client family, and the one
+``agenttap ready:`` line printed once both listeners accept connections (addons/capture.py).
+
+The ``AGENTTAP_*=`` lines tools parse come from ``capture.control_api.banner_lines``; this
+module replaces only its generic proxy-mode and API-key lines with one line per client family."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from capture.control_api import Endpoints
+
+# banner_lines' lines that the per-family lines below say better (and with the CA bundle where
+# a client's CA variable replaces the system's).
+REPLACED_PREFIXES = ("Proxy mode:", "API keys:")
+
+# Client families: their label, and the variables (from Endpoints.env) each needs in proxy mode.
+FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Claude Code, Gemini CLI, Node SDKs",
+        ("HTTPS_PROXY", "NODE_EXTRA_CA_CERTS", "ANTHROPIC_API_KEY", "GEMINI_API_KEY"),
+    ),
+    (
+        "Codex CLI",
+        ("HTTPS_PROXY", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "OPENAI_API_KEY"),
+    ),
+    (
+        "Python SDKs (openai, anthropic, google-genai)",
+        ("HTTPS_PROXY", "SSL_CERT_FILE", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GOOGLE_API_KEY"),
+    ),
+)
+
+
+def start_lines(banner: Iterable[str], endpoints: Endpoints) -> list[str]:
+    """``banner`` (banner_lines) with its generic proxy lines replaced, where they stood, by one
+    ``export`` line per client family (SESSION names the session; any API key works)."""
+    families = family_lines(endpoints)
+    lines: list[str] = []
+    for line in banner:
+        if line.startswith(REPLACED_PREFIXES):
+            lines += families
+            families = []
+        else:
+            lines.append(line)
+    return lines + families
+
+
+def family_lines(endpoints: Endpoints) -> list[str]:
+    env = endpoints.env("SESSION")
+    if not env.get("HTTPS_PROXY"):
+        return []  # the proxy's address is not known: base-URL mode only
+    lines = ["Proxy mode, per client (SESSION names the session; any API key works):"]
+    for label, names in FAMILIES:
+        exports = " ".join(f"{name}={env[name]}" for name in names if env.get(name))
+        lines += [f"  {label}:", f"    export {exports}"]
+    return lines
+
+
+def ready_line(proxy_url: str, hosts: Iterable[str], policy_urls: Iterable[str]) -> str:
+    """The last start-up line, printed once the proxy and the API listener accept connections."""
+    return (
+        f"agenttap ready: proxy {proxy_url} answering {', '.join(sorted(hosts))} "
+        f"from {', '.join(policy_urls)}"
+    )
