@@ -19,6 +19,17 @@ from rewriter.canonical import Message, RequestError, ToolSpec
 logger = logging.getLogger(__name__)
 
 
+def _no_torch_notice(record: logging.LogRecord) -> bool:
+    """transformers announces on import that PyTorch is missing; only its tokenizers are used
+    here (the proxy's environment has no torch on purpose), so that notice is noise."""
+    return not record.getMessage().startswith("PyTorch was not found")
+
+
+# Set before transformers is imported (it logs the notice while it loads): transformers'
+# own logger, so no other message is touched.
+logging.getLogger("transformers").addFilter(_no_torch_notice)
+
+
 def message_to_template_dict(message: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.reasoning is not None:
