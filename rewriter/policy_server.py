@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,11 +96,73 @@ def start_vllm(
     )
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
+# A vLLM log line: "(EngineCore pid=12) INFO 11-25 04:34:53 [default_loader.py:501] Loading
+# weights took 0.33 seconds"; the message is what is left after the level, date and source.
+_VLLM_LINE = re.compile(
+    r"^(?:\([^)]*\) )?(?P<level>INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] (?P<msg>.*)$"
+)
+# How much of the log's end is read for the progress line, and how much of a message is shown.
+_LOG_TAIL_BYTES = 64 * 1024
+_STEP_CHARS = 120
+# Messages that say nothing of the progress: the list of routes once it serves.
+_NOT_A_STEP = ("Route: ",)
+
+
+def last_log_step(log_path: Path | None) -> str:
+    """The last line of vLLM's log that says what it is doing (an INFO or ERROR message, its
+    prefix dropped: "Loading weights took 0.33 seconds", "Warming up model for the
+    compilation..."); "" when there is none yet. Warnings (vLLM warns of missing optional
+    libraries at every start), a message's continuation lines (indented) and the route list
+    are skipped."""
+    if log_path is None:
+        return ""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+            tail = log.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for line in reversed(tail.replace("\r", "\n").splitlines()):
+        match = _VLLM_LINE.match(line.strip())
+        if match is None or match["level"] == "WARNING" or match["msg"][:1].isspace():
+            continue
+        message = " ".join(match["msg"].split())
+        if message.startswith(_NOT_A_STEP) or not message.isprintable():
+            continue
+        if any(c.isalnum() for c in message):
+            return message if len(message) <= _STEP_CHARS else message[: _STEP_CHARS - 3] + "..."
+    return ""
+
+
+def wait_ready(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float = 300.0,
+    *,
+    log_path: Path | None = None,
+    report: Callable[[str], None] | None = None,
+    report_every_s: float = 5.0,
+) -> None:
+    """Wait until vLLM at ``url`` serves its model. With ``report``, every ``report_every_s``
+    seconds a line says how long it has been starting and what its log (``log_path``) says it
+    is doing."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_report = started + report_every_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise PolicyServerError(f"vLLM exited with code {proc.returncode} before it was ready")
+            where = f"; its log: {log_path}" if log_path else ""
+            step = last_log_step(log_path)
+            raise PolicyServerError(
+                f"vLLM exited with code {proc.returncode} before it was ready"
+                + (f" (last: {step})" if step else "")
+                + where
+            )
+        if report is not None and time.monotonic() >= next_report:
+            step = last_log_step(log_path) or "nothing in its log yet"
+            report(f"agenttap: policy starting ({time.monotonic() - started:.0f} s): {step}")
+            next_report += report_every_s
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
                 if resp.status == 200:
@@ -152,15 +216,25 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or ensure_tiny_model()
         port = args.port or free_port()
         url = f"http://127.0.0.1:{port}"
-        print(f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU)", flush=True)
+        log = args.log
+        if log is None:
+            fd, name = tempfile.mkstemp(prefix="agenttap-policy.", suffix=".log")
+            os.close(fd)
+            log = Path(name)
+        print(
+            f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU); "
+            f"its full log: {log}",
+            flush=True,
+        )
         spawning = True
         try:
-            proc = start_vllm(model, port, log_path=args.log, max_model_len=args.max_model_len)
+            proc = start_vllm(model, port, log_path=log, max_model_len=args.max_model_len)
         finally:
             spawning = False
         if stop_asked:
             raise KeyboardInterrupt
-        wait_ready(url, proc)
+        wait_ready(url, proc, log_path=log, report=lambda line: print(line, flush=True))
+        print(f"agenttap: policy ready at {url}", flush=True)
         print(f"POLICY_URL={url}", flush=True)
         return proc.wait()
     except (PolicyServerError, subprocess.CalledProcessError) as exc:

@@ -7,7 +7,8 @@
 # (default the proxy's port + 1). AGENTTAP_TOKEN in the environment sets the API's token.
 # With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
 # here, 32768 tokens of context unless --max-model-len says otherwise) is started first, so the
-# whole path can be seen working offline. Sets up what it needs first (scripts/setup.sh).
+# whole path can be seen working offline (it prints its progress while it loads). Sets up what it
+# needs first (scripts/setup.sh). Ready when it prints "agenttap ready: ...".
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --confdir) CONFDIR="$2"; shift 2;;
     --max-model-len) MAX_MODEL_LEN="$2"; shift 2;;
     --) shift; break;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0;;
     *) echo "agenttap: unknown argument $1 (mitmdump arguments go after --)" >&2; exit 2;;
   esac
 done
@@ -59,27 +60,12 @@ if [ -z "$TOKENIZER" ]; then
   exit 2
 fi
 
-CA="$CONFDIR/mitmproxy-ca-cert.pem"
 [ -n "$API_PORT" ] || API_PORT=$((PORT + 1))
 TOKEN="${AGENTTAP_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
-API="http://127.0.0.1:$API_PORT"
-cat <<MSG
-agenttap proxy:  http://127.0.0.1:$PORT   (policy: $POLICY_URL, shards: $OUT)
-CA certificate:  $CA   (created on first start)
-Proxy mode: point a client at it (SESSION names the session in the shards):
-  export HTTPS_PROXY=http://SESSION:x@127.0.0.1:$PORT
-  export SSL_CERT_FILE=$CA          # Python SDKs (httpx)
-  export NODE_EXTRA_CA_CERTS=$CA    # Node CLIs (Claude Code, Gemini CLI)
-Any API key works (none reaches a provider); the clients insist on one:
-  export OPENAI_API_KEY=sk-agenttap ANTHROPIC_API_KEY=sk-ant-agenttap GEMINI_API_KEY=agenttap
-Base-URL mode: no proxy, no CA (SESSION: any name you pick):
-  export OPENAI_BASE_URL=$API/sess/SESSION/v1
-  export ANTHROPIC_BASE_URL=$API/sess/SESSION/anthropic
-  export GOOGLE_GEMINI_BASE_URL=$API/sess/SESSION/gemini
-Control API (sessions, rewards; Authorization: Bearer \$AGENTTAP_TOKEN): $API/openapi.json
-  AGENTTAP_TOKEN=$TOKEN
-MSG
 
+# The addon prints the lines to copy (AGENTTAP_PROXY=, AGENTTAP_TOKEN=, ..., one export line per
+# client family) once mitmdump listens, and last "agenttap ready: ..." once both listeners
+# accept connections.
 "$ROOT/.venv/bin/mitmdump" -s "$ROOT/addons/capture.py" \
   --listen-host 127.0.0.1 --listen-port "$PORT" --set confdir="$CONFDIR" \
   --set agenttap_policy_url="$POLICY_URL" --set agenttap_tokenizer="$TOKENIZER" \

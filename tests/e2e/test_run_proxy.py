@@ -1,6 +1,8 @@
 """``scripts/run_proxy.sh`` itself, with its embedded policy (issue 10, items 8 and 9): the
 default context fits Claude Code's first call (~11.5k tokens), and stopping the script, while
-vLLM is still starting or once it serves, leaves no vLLM server and no mitmdump behind."""
+vLLM is still starting or once it serves, leaves no vLLM server and no mitmdump behind. Issue 18:
+the embedded policy prints its progress while it loads, nothing is printed for a client to copy
+before the proxy listens, and one ``agenttap ready:`` line ends the start-up once it answers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -85,6 +88,33 @@ class RunProxy:
             pass
 
 
+def check_start_up_lines(output: str, port: int) -> None:
+    """The embedded policy's progress, then the proxy's banner only once it listens, then the
+    ready line, last."""
+    lines = [
+        line.split("] ", 1)[-1] if line.startswith("[") else line for line in output.splitlines()
+    ]
+    progress = [line for line in lines if line.startswith("agenttap: policy starting (")]
+    # vLLM takes about a minute on a CPU: a line every 5 s, each saying what its log says.
+    assert len(progress) >= 3, "\n".join(lines[:40])
+    assert all(re.fullmatch(r"agenttap: policy starting \(\d+ s\): \S.*", p) for p in progress)
+    assert len(set(progress)) > 1
+    log = re.search(r"starting vLLM for .* its full log: (\S+)", output)
+    assert log and Path(log.group(1)).stat().st_size > 0
+    listening = lines.index(f"HTTP(S) proxy listening at 127.0.0.1:{port}.")
+    before = lines[:listening]
+    assert not [line for line in before if "AGENTTAP_" in line or "export " in line], before
+    assert not [line for line in before if "HTTPS_PROXY" in line or "BASE_URL" in line], before
+    assert max(i for i, line in enumerate(lines) if line.startswith("POLICY_URL=")) < listening
+    ready = [i for i, line in enumerate(lines) if line.startswith("agenttap ready:")]
+    assert len(ready) == 1 and listening < ready[0], lines[listening:]
+    assert lines[ready[0]].startswith(f"agenttap ready: proxy http://127.0.0.1:{port} answering ")
+    startup = ("AGENTTAP_", "export ", "Proxy mode", "Base-URL mode", "agenttap: answering")
+    banner = [i for i, line in enumerate(lines) if line.strip().startswith(startup)]
+    assert banner and max(banner) < ready[0]
+    assert not any("PyTorch was not found" in line for line in lines)
+
+
 @pytest.mark.parametrize("loading_s", [0.0, 8.0], ids=["just-spawned", "loading"])
 def test_stopping_run_proxy_while_the_embedded_policy_starts_leaves_nothing(
     confdir: Path, tmp_path: Path, loading_s: float
@@ -105,7 +135,11 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
 ) -> None:
     run = RunProxy(tmp_path, confdir)
     try:
-        _wait_for("the proxy", lambda: "agenttap: answering" in run.output(), 600)
+        _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+        # The moment the ready line is out, both listeners take a connection (no retry).
+        for port in (run.port, run.api_port):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        check_start_up_lines(run.output(), run.port)
         policy_url = re.search(r"POLICY_URL=(\S+)", run.output())
         assert policy_url, run.output()[-3000:]
         with urllib.request.urlopen(f"{policy_url.group(1)}/v1/models", timeout=30) as resp:
