@@ -14,6 +14,7 @@ offline (see ``tests/flows.py``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -321,7 +322,10 @@ class AgentTap:
             os.path.abspath(config.out_dir),
         )
         assert gateway.api is not None
-        for line in start_lines(banner_lines(gateway.api), gateway.api.endpoints):
+        endpoints = gateway.api.endpoints
+        if not ctx.options.server:  # mitmdump -n: no proxy to point a client at
+            endpoints = dataclasses.replace(endpoints, proxy_url="")
+        for line in start_lines(banner_lines(gateway.api), endpoints):
             logger.info("%s", line)
 
     async def _announce_ready(self, gateway: Gateway) -> None:
