@@ -62,11 +62,56 @@ def write_table(
         name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
     final = directory / name
     tmp = directory / f".{name}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, **parquet_options(table.schema))
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, final)
     return final
+
+
+# One data page per column chunk up to this size: a session's calls repeat their conversation in
+# every prompt_ids, and zstd finds an earlier row's ids again only within one page.
+PAGE_BYTES = 64 * 1024 * 1024
+ZSTD_LEVEL = 9
+
+
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """``pyarrow.parquet.write_table``'s options for a shard of ``schema`` (docs/SHARDS.md,
+    "Storage"): zstd; number lists (token ids, masks, logprobs) without a dictionary (PLAIN keeps
+    each row's ids byte-aligned, so a prompt that repeats the row before compresses to almost
+    nothing), float lists BYTE_STREAM_SPLIT; strings keep their dictionary. Readers need none of
+    this: every Parquet reader decodes these encodings."""
+    dictionary: list[str] = []
+    encodings: dict[str, str] = {}
+    for path, leaf, in_list in _leaves(list(schema), ""):
+        if in_list and pa.types.is_floating(leaf):
+            encodings[path] = "BYTE_STREAM_SPLIT"
+        elif not (in_list and pa.types.is_integer(leaf)):
+            dictionary.append(path)
+    return {
+        "compression": "zstd",
+        "compression_level": ZSTD_LEVEL,
+        "use_dictionary": dictionary,
+        "column_encoding": encodings,
+        "data_page_size": PAGE_BYTES,
+    }
+
+
+def _leaves(
+    fields: list[pa.Field], prefix: str, in_list: bool = False
+) -> list[tuple[str, pa.DataType, bool]]:
+    """(Parquet column path, type, whether inside a list of numbers or structs) of each leaf."""
+    out: list[tuple[str, pa.DataType, bool]] = []
+    for f in fields:
+        path = prefix + f.name
+        if pa.types.is_list(f.type):
+            value = f.type.value_field
+            out += _leaves([value.with_name("element")], f"{path}.list.", True)
+        elif pa.types.is_struct(f.type):
+            out += _leaves(list(f.type), f"{path}.", in_list)
+        else:
+            out.append((path, f.type, in_list))
+    return out
 
 
 def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
