@@ -1,12 +1,12 @@
 """Sessions: the calls of one scaffold run, journaled as they complete, sharded when it ends.
 
-Durability: every completed call is appended to the session's journal (one JSON line, flushed and
-fsynced) before the client's response finishes. The line holds the call's record and how it
-changed its thread (what was kept, what replaced the rest), so threads can be rebuilt from the
-journal alone. A session becomes Parquet shards (``turns/`` one row per call, ``threads/`` one
-training row per thread) when it has been idle for ``idle_timeout_s`` or the proxy stops; only
-then is its journal removed. A proxy killed with ``kill -9`` leaves journals behind, and the next
-start turns them into shards.
+Durability: every completed call is appended to the session's journal (one compact JSON line,
+``capture.journal_lines``; flushed and fsynced) before the client's response finishes. The line
+holds the call's record and how it changed its thread (what was kept, what replaced the rest), so
+threads can be rebuilt from the journal alone. A session becomes Parquet shards (``turns/`` one
+row per call, ``threads/`` one training row per thread) when it has been idle for
+``idle_timeout_s`` or the proxy stops; only then is its journal removed. A proxy killed with
+``kill -9`` leaves journals behind, and the next start turns them into shards.
 
 A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
 and written to ``failed/``: counted per session, never part of a thread row.
@@ -20,11 +20,12 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capture import journal_lines
 from capture.records import SCHEMA_VERSION, FailedCall, TurnRecord
 from capture.shards import (
     FAILED_SCHEMA,
@@ -198,7 +199,8 @@ class SessionStore:
             turn.metadata["assembly"] = assembly.kind
             # Enough to rebuild the call's place in the tree from the journal alone.
             entry = call_entry(call)
-        _append(sess.journal_path, {"turn": turn.to_row(), "call": entry})
+        # Compact: its prompt as the journal's earlier call it extends plus the new ids.
+        _append(sess.journal_path, {"turn": turn.to_row(), "call": entry}, sess.turns)
         sess.turns.append(turn)
         sess.last_active = time.monotonic()
 
@@ -375,16 +377,17 @@ class SessionStore:
         turns: list[TurnRecord] = []
         failed: list[FailedCall] = []
         calls: dict[str, CallNode] = {}
-        # errors="replace": a damaged byte costs that line at most, never the journal.
-        for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+        for entry in journal_lines.read(journal):
             try:
-                entry = json.loads(line)
+                if entry is None:
+                    raise ValueError("unreadable")
                 if "failed" in entry:
                     failed.append(FailedCall.from_row(entry["failed"]))
                     continue
-                turn = TurnRecord.from_row(entry["turn"])
+                turn = entry["record"]
             except Exception:
-                # A line cut short by the crash (that call had not completed), or damaged.
+                # A line cut short by the crash (that call had not completed), or damaged (or
+                # its prompt refers to a damaged line).
                 logger.warning("skipping a torn or unreadable line in %s", journal)
                 continue
             turns.append(turn)
@@ -409,10 +412,11 @@ class SessionStore:
         return written
 
 
-def _append(journal: Path, entry: dict[str, Any]) -> None:
-    """One journal line, durable (flushed and fsynced) before this returns."""
-    line = json.dumps(entry, separators=(",", ":")) + "\n"
-    with open(journal, "a", encoding="utf-8") as fh:
+def _append(journal: Path, entry: dict[str, Any], earlier: Sequence[TurnRecord] = ()) -> None:
+    """One journal line, durable (flushed and fsynced) before this returns. ``earlier``: the
+    calls this journal holds already (capture.journal_lines: a prompt refers to one of them)."""
+    line = journal_lines.encode(entry, earlier) + b"\n"
+    with open(journal, "ab") as fh:
         fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())

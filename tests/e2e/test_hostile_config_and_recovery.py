@@ -164,8 +164,9 @@ def test_one_bad_journal_does_not_stop_recovery_or_the_proxy(
     good = _store_with_turns(tmp_path, template, 2)  # never closed: its journal is left
     bad_journal = tmp_path / "journal" / "broken-0000.jsonl"
     (good_journal,) = (tmp_path / "journal").glob("*.jsonl")
-    # A well-formed line whose thread delta cannot be applied (a corrupted base).
-    line = json.loads(good_journal.read_text().splitlines()[1])
+    # A well-formed line whose thread delta cannot be applied (a corrupted base). The first
+    # line: it holds its prompt whole (a later one names an earlier call of its own journal).
+    line = json.loads(good_journal.read_text().splitlines()[0])
     line["turn"]["session_id"] = "other"
     line["call"]["parent"] = None
     line["call"]["base"] = 10**6
