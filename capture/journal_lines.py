@@ -15,8 +15,9 @@ these values where the JSON lists were (lines of older journals, all lists, stil
   base64. Logprobs become float32 here, as the shards store them; an int list that does not fit
   its type stays a list.
 
-A line whose reference cannot be resolved (the line it names was damaged) is skipped like a
-damaged line: its call is lost, the others are not.
+A line whose reference cannot be resolved (the line it names was damaged, or itself refers to
+one that was) is skipped like a damaged line: a damaged line costs its call and the later calls
+that build on its prompt. A line torn by a crash is the last one: no line refers to it.
 """
 
 from __future__ import annotations
