@@ -23,7 +23,7 @@ from aiohttp import web
 
 from capture.bodies import read_body
 from capture.metrics import Metrics
-from capture.policies import POLICY_FAILURES, PolicyPools, policy_failure
+from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_failure
 from capture.records import FailedCall, TurnRecord
 from capture.session_control import SessionControl
 from capture.session_ids import request_session_id
@@ -70,6 +70,16 @@ def call_line(record: TurnRecord) -> str:
         f"{log_field(record.request_id)} {len(record.prompt_ids)}+{len(record.completion_ids)} "
         f"tokens {log_field(record.finish_reason or '?')} "
         f"{record.latency_s:.2f} s via {record.backend}"
+    )
+
+
+def failed_line(failed: FailedCall) -> str:
+    """The one log line of a call the policy failed (``agenttap call failed: ...``)."""
+    return (
+        f"agenttap call failed: session={log_field(failed.session_id)} {failed.protocol} "
+        f"{log_field(failed.request_id)} {failed.prompt_tokens}+{failed.completion_tokens} "
+        f"tokens after {failed.failed_at - failed.started_at:.2f} s via {failed.backend}: "
+        f"{failed.reason}"
     )
 
 
@@ -352,7 +362,10 @@ class TurnPipeline:
     async def _whole(self, turn: _TurnContext, parser: OutputParser) -> web.Response:
         provider = turn.provider
         try:
-            completion = await turn.client.complete(turn.prompt_ids, turn.chat.sampling)
+            async with self._generation(turn) as gen:
+                completion = await turn.client.complete(
+                    turn.prompt_ids, turn.chat.sampling, failover=gen.failover
+                )
         except (PolicyError, *POLICY_FAILURES) as exc:
             return self._refused_by_policy(turn, exc)
         parser.feed(completion.text)
@@ -367,10 +380,29 @@ class TurnPipeline:
     ) -> web.Response | None:
         """Stream one turn through ``send``; an error response when the policy refused it
         before anything was sent, else None."""
+        gen = self._generation(turn)
+        try:
+            await gen.acquire()
+        except PolicyError as exc:  # the replica's slots and queue are full
+            return self._refused_by_policy(turn, exc)
+        try:
+            return await self._stream_on(turn, parser, send, gen)
+        finally:
+            await gen.release()
+
+    async def _stream_on(
+        self,
+        turn: _TurnContext,
+        parser: OutputParser,
+        send: Callable[[bytes], Awaitable[None]],
+        gen: Generation,
+    ) -> web.Response | None:
         provider = turn.provider
         writer = provider.stream_writer(turn.parsed, len(turn.prompt_ids))
         completion = Completion()
-        deltas = turn.client.stream_resuming(turn.prompt_ids, turn.chat.sampling)
+        deltas = turn.client.stream_resuming(
+            turn.prompt_ids, turn.chat.sampling, failover=gen.failover
+        )
         try:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
             first = await anext(deltas, None)
@@ -403,6 +435,10 @@ class TurnPipeline:
         await send(writer.end())
         return None
 
+    def _generation(self, turn: _TurnContext) -> Generation:
+        """The call's generation slot on its replica (capture/policies.py ``generation``)."""
+        return self.policies.generation(turn.parsed.session_id, turn.chat.model, turn.client)
+
     def _refused_by_policy(self, turn: _TurnContext, exc: BaseException) -> web.Response:
         """The policy failed before anything was sent: the call is recorded as failed and the
         client gets its provider's error."""
@@ -413,38 +449,27 @@ class TurnPipeline:
     def _record_failure(self, turn: _TurnContext, error: PolicyError, streamed: int) -> None:
         """Journal a call the policy failed (see FailedCall); its tokens are never trained."""
         parsed = turn.parsed
-        logger.warning(
-            "agenttap call failed: session=%s %s %s %d+%d tokens after %.2f s via %s: %s",
-            log_field(parsed.session_id),
-            turn.provider.name,
-            log_field(parsed.response_id),
-            len(turn.prompt_ids),
-            streamed,
-            time.time() - turn.started,
-            turn.client.base_url,
-            error,
+        failed = FailedCall(
+            session_id=parsed.session_id,
+            request_id=parsed.response_id,
+            protocol=turn.provider.name,
+            requested_model=turn.chat.model,
+            policy_model=turn.policy_model,
+            backend=turn.client.base_url,
+            user_agent=turn.user_agent,
+            stream=turn.chat.stream,
+            reason=str(error),
+            policy_status=error.status,
+            prompt_tokens=len(turn.prompt_ids),
+            completion_tokens=streamed,
+            started_at=turn.started,
+            failed_at=time.time(),
         )
+        logger.warning("%s", failed_line(failed))
         self.control.note_failure(parsed.session_id)
         self.note_policy_error(turn.provider.name, error, turn.client.base_url)
         try:
-            self.store.record_failure(
-                FailedCall(
-                    session_id=parsed.session_id,
-                    request_id=parsed.response_id,
-                    protocol=turn.provider.name,
-                    requested_model=turn.chat.model,
-                    policy_model=turn.policy_model,
-                    backend=turn.client.base_url,
-                    user_agent=turn.user_agent,
-                    stream=turn.chat.stream,
-                    reason=str(error),
-                    policy_status=error.status,
-                    prompt_tokens=len(turn.prompt_ids),
-                    completion_tokens=streamed,
-                    started_at=turn.started,
-                    failed_at=time.time(),
-                )
-            )
+            self.store.record_failure(failed)
         except OSError:
             # A full disk must not turn the client's error into a hang or a 500.
             logger.exception("could not journal a failed call")
@@ -491,7 +516,8 @@ class TurnPipeline:
             protocol=turn.provider.name,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
-            backend=turn.client.base_url,
+            # The server that finished the generation (failover: the last of its spans).
+            backend=completion.backends[-1][0] if completion.backends else turn.client.base_url,
             user_agent=turn.user_agent,
             prompt_ids=list(turn.prompt_ids),
             completion_ids=completion.token_ids,
@@ -507,6 +533,11 @@ class TurnPipeline:
                 for v, start, end in completion.weight_versions
             ],
         )
+        if len(completion.backends) > 1:
+            # A replica failed mid-generation: which server sampled which completion tokens.
+            record.metadata["backends"] = [
+                {"backend": b, "start": start, "end": end} for b, start, end in completion.backends
+            ]
         async with self.session_lock(parsed.session_id):
             self.store.record(
                 record,

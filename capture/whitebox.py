@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.pipeline import TurnPipeline, session_ended_message
+from capture.pipeline import TurnPipeline, failed_line, session_ended_message
 from capture.records import FailedCall, TurnRecord
 from capture.session_control import reject_unknown
 from rewriter import jsonbody
@@ -142,19 +142,20 @@ async def _generate(
     request_id = "gen-" + uuid.uuid4().hex[:24]
     user_agent = request.headers.get("User-Agent", "")
     try:
-        completion = await client.complete(ids, sampling)
+        async with pipeline.policies.generation(session_id, model, client) as gen:
+            completion = await client.complete(ids, sampling, failover=gen.failover)
     except PolicyError as exc:
         pipeline.control.note_failure(session_id)
         pipeline.note_policy_error(PROTOCOL, exc, client.base_url)
-        pipeline.store.record_failure(
-            FailedCall(
-                session_id=session_id, request_id=request_id, protocol=PROTOCOL,
-                requested_model=model, policy_model=info.model, backend=client.base_url,
-                user_agent=user_agent, stream=False, reason=str(exc), policy_status=exc.status,
-                prompt_tokens=len(ids), completion_tokens=0, started_at=started,
-                failed_at=time.time(),
-            )
+        failed = FailedCall(
+            session_id=session_id, request_id=request_id, protocol=PROTOCOL,
+            requested_model=model, policy_model=info.model, backend=client.base_url,
+            user_agent=user_agent, stream=False, reason=str(exc), policy_status=exc.status,
+            prompt_tokens=len(ids), completion_tokens=0, started_at=started,
+            failed_at=time.time(),
         )  # fmt: skip
+        logger.warning("%s", failed_line(failed))
+        pipeline.store.record_failure(failed)
         status = 400 if exc.status == 400 else 503 if exc.unavailable else 502
         return _error(status, f"agenttap: the policy failed: {exc}")
     record = TurnRecord(
@@ -164,7 +165,7 @@ async def _generate(
         protocol=PROTOCOL,
         requested_model=model,
         policy_model=info.model,
-        backend=client.base_url,
+        backend=completion.backends[-1][0] if completion.backends else client.base_url,
         user_agent=user_agent,
         prompt_ids=ids,
         completion_ids=completion.token_ids,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from capture.banner import ready_line, start_lines
 from capture.control_api import Endpoints
-from capture.pipeline import call_line, log_field
-from capture.records import TurnRecord
+from capture.pipeline import call_line, failed_line, log_field
+from capture.records import FailedCall, TurnRecord
 from rewriter.policy_server import last_log_step
 
 
@@ -39,6 +39,29 @@ def test_call_line() -> None:
     assert call_line(_record()) == (
         "agenttap call: session=s1 openai.responses resp_1 1234+56 tokens stop 0.41 s "
         "via http://127.0.0.1:8000"
+    )
+
+
+def test_failed_line() -> None:
+    failed = FailedCall(
+        session_id="s1",
+        request_id="chatcmpl-1",
+        protocol="openai.chat",
+        requested_model="m",
+        policy_model="p",
+        backend="http://127.0.0.1:8000",
+        user_agent="",
+        stream=True,
+        reason="the policy server stopped sending",
+        policy_status=0,
+        prompt_tokens=900,
+        completion_tokens=12,
+        started_at=100.0,
+        failed_at=102.5,
+    )
+    assert failed_line(failed) == (
+        "agenttap call failed: session=s1 openai.chat chatcmpl-1 900+12 tokens after 2.50 s "
+        "via http://127.0.0.1:8000: the policy server stopped sending"
     )
 
 
