@@ -136,9 +136,7 @@ class ChatTemplate:
         """The most UTF-8 bytes of text one token stands for."""
         if self._max_token_bytes is None:
             vocab = self.tokenizer.get_vocab()
-            special = set(self.tokenizer.all_special_tokens) | set(
-                self.tokenizer.get_added_vocab()
-            )
+            special = set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab())
             # A byte-level vocabulary writes each byte as one character.
             byte_level = self._backend is not None and '"ByteLevel"' in self._backend.to_str()
             self._max_token_bytes = max(
