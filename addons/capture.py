@@ -298,6 +298,8 @@ class AgentTap:
             max_body_bytes=settings.max_body_bytes,
             policy_timeout_s=settings.policy_timeout_s,
             policy_max_connections=settings.policy_connections,
+            replica_max_inflight=settings.replica_max_inflight,
+            replica_queue=settings.replica_queue,
             model_map=settings.model_map,
             model_names=settings.model_names,
             recompute_logprobs=settings.recompute_logprobs,

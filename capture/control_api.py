@@ -36,6 +36,7 @@ from aiohttp import web
 
 from capture.metrics import CONTENT_TYPE as METRICS_TYPE
 from capture.openapi import ARROW_STREAM, openapi_spec
+from capture.options import parse_urls
 from capture.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.rollouts_api import RolloutRoutes
 from capture.session_control import (
@@ -218,6 +219,7 @@ class ControlAPI:
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
+                f"GET /replicas, POST /replicas, DELETE /replicas?url=URL, "
                 f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush, and the "
                 f"viewer at GET /ui/.",
             )
@@ -252,6 +254,11 @@ class ControlAPI:
             ("flush",): {"POST": self._flush},
             ("metrics",): {"GET": self._metrics},
             ("sessions",): {"GET": self._list, "POST": self._open},
+            ("replicas",): {
+                "GET": self._replicas,
+                "POST": self._add_replica,
+                "DELETE": self._remove_replica,
+            },
         }
         args: tuple[str, ...] = ()
         key = tuple(parts)
@@ -302,6 +309,60 @@ class ControlAPI:
         return web.Response(
             body=self.gateway.metrics.exposition(), headers={"Content-Type": METRICS_TYPE}
         )
+
+    # -- policy replicas (capture/replicas.py): agenttap_policy_url's pool ---------------------
+    def _replica_list(self) -> web.Response:
+        replicas = self.gateway.policies.default
+        assert replicas is not None
+        return web.json_response(
+            {
+                "replicas": replicas.summary(),
+                "max_inflight": replicas.max_in_flight,
+                "queue": replicas.max_queue,
+            }
+        )
+
+    async def _replicas(self, request: web.Request) -> web.Response:
+        return self._replica_list()
+
+    async def _add_replica(self, request: web.Request) -> web.Response:
+        """``{"url": "http://HOST:PORT"}``: a vLLM server joins agenttap_policy_url's pool once
+        it answers ``GET /health``; new sessions may go there from then on."""
+        body = await self.body(request)
+        reject_unknown(body, ("url",))
+        urls = parse_urls(str(body.get("url") or ""))
+        if len(urls) != 1:
+            raise ValueError('"url" must be one http(s) URL such as http://127.0.0.1:8000')
+        policies = self.gateway.policies
+        replicas = policies.default
+        assert replicas is not None and policies.http is not None
+        if urls[0].rstrip("/") in replicas.replicas:
+            return self._replica_list()
+        replica = replicas.add(urls[0])
+        if not await replicas.check(replica, policies.http):
+            replicas.remove(replica.url)
+            return _error(
+                400,
+                f"agenttap: the policy server at {replica.url} does not answer GET /health "
+                f"({replica.last_error}); start it first, then add it",
+            )
+        logger.info("agenttap: policy server %s added", replica.url)
+        return self._replica_list()
+
+    async def _remove_replica(self, request: web.Request) -> web.Response:
+        """``?url=URL``: no new call goes there; generations running on it finish; its
+        sessions move to another server on their next call."""
+        url = request.query.get("url", "")
+        if not url:
+            raise ValueError("DELETE /replicas wants ?url=URL (one of GET /replicas)")
+        replicas = self.gateway.policies.default
+        assert replicas is not None
+        try:
+            replicas.remove(url)
+        except KeyError:
+            return _error(404, f"agenttap: no policy server {url!r} (GET /replicas lists them)")
+        logger.info("agenttap: policy server %s removed", url.rstrip("/"))
+        return self._replica_list()
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_spec(self.endpoints.api_url))

@@ -106,6 +106,12 @@ class GatewayConfig:
     policy_timeout_s: float = 300.0
     # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
     policy_max_connections: int = 1024
+    # Generations at once per policy server (0: unbounded) and calls that may wait for one
+    # beyond that; then the provider's retryable error (capture/replicas.py).
+    replica_max_inflight: int = 0
+    replica_queue: int = 256
+    # Seconds between health checks of the policy servers (GET /health); 0: none.
+    health_interval_s: float = 5.0
     # The control API and per-session base URLs listen here (port 0: a free one); None: not
     # at all (only the proxy's http://agenttap.local serves the control API).
     api_host: str | None = None
@@ -167,6 +173,9 @@ class Gateway:
             config.model_names,
             timeout_s=config.policy_timeout_s,
             max_connections=config.policy_max_connections,
+            max_in_flight=config.replica_max_inflight,
+            max_queue=config.replica_queue,
+            health_interval_s=config.health_interval_s,
         )
         self.pipeline = TurnPipeline(
             self.template,
@@ -221,6 +230,8 @@ class Gateway:
         if recovered:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
         self.policies.open(partial(self.template.decode, skip_special_tokens=True))
+        self.policies.on_health = self._note_health
+        self.policies.start_health_checks()
         # We enforce the body limit ourselves so the client gets its provider's error format.
         self._runner = await self._app_runner(self._dispatch)
         self.port = await self._listen(self._runner, "127.0.0.1", 0)
@@ -284,6 +295,9 @@ class Gateway:
         # Assemblies still running in the workers finish before the sessions are written.
         await self.pipeline.shutdown()
         self.store.close()
+
+    def _note_health(self, url: str, healthy: bool) -> None:
+        self.metrics.policy_up.labels(url).set(1 if healthy else 0)
 
     async def flush(self, session_id: str | None = None) -> list[Path]:
         """Write a session's shards now (all sessions: None). The session may go on: its next

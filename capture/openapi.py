@@ -158,6 +158,33 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "{written: [paths]}"}},
                 }
             },
+            "/replicas": {
+                "get": {
+                    "summary": "the policy servers of agenttap_policy_url: health and load",
+                    "security": secured,
+                    "responses": {"200": {"description": "{replicas: [...], max_inflight, queue}"}},
+                },
+                "post": {
+                    "summary": "add a policy server (it must answer GET /health)",
+                    "security": secured,
+                    "requestBody": body({"url": {"type": "string"}}),
+                    "responses": {
+                        "200": {"description": "the replicas now"},
+                        "400": {"description": "not an http(s) URL, or it does not answer"},
+                    },
+                },
+                "delete": {
+                    "summary": "remove a policy server (?url=URL); running generations finish",
+                    "security": secured,
+                    "responses": {"200": {"description": "the replicas now"}},
+                },
+            },
+            "/ui/": {
+                "get": {
+                    "summary": "the trajectory viewer (open it as /ui/#token=TOKEN)",
+                    "responses": {"200": {"description": "the page"}},
+                }
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics (names start with agenttap_)",

@@ -279,6 +279,20 @@ CORE_OPTIONS: tuple[Option, ...] = (
         lambda text: parse_whole(text, positive=True),
     ),
     Option(
+        "agenttap_replica_max_inflight",
+        "0",
+        "Generations at once per policy server (a whole number; 0: unbounded). Calls beyond it "
+        "wait (agenttap_replica_queue).",
+        parse_whole,
+    ),
+    Option(
+        "agenttap_replica_queue",
+        "256",
+        "Calls that may wait per policy server when agenttap_replica_max_inflight are running "
+        "(a whole number, 0 or more); beyond it a call gets its provider's retryable error.",
+        parse_whole,
+    ),
+    Option(
         "agenttap_client_timeout",
         "60",
         "Seconds a client connection may take to send a whole request (headers and body) after "
@@ -447,6 +461,8 @@ class Settings:
     max_body_bytes: int
     policy_timeout_s: float
     policy_connections: int
+    replica_max_inflight: int
+    replica_queue: int
     client_timeout_s: int
     model_map: list[tuple[str, list[str]]]
     model_names: list[str]
@@ -501,6 +517,8 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         max_body_bytes=values["agenttap_max_body_bytes"],
         policy_timeout_s=values["agenttap_policy_timeout"],
         policy_connections=values["agenttap_policy_connections"],
+        replica_max_inflight=values["agenttap_replica_max_inflight"],
+        replica_queue=values["agenttap_replica_queue"],
         client_timeout_s=values["agenttap_client_timeout"],
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],

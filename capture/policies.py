@@ -8,14 +8,18 @@ consecutive calls reuse that server's prefix cache. Each session's own model nam
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
-import zlib
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import aiohttp
 
+from capture.replicas import Replica, ReplicaSet
 from rewriter.vllm_client import PolicyError, VLLMClient
+
+logger = logging.getLogger(__name__)
 
 # The policy connection failing mid-call (a read timeout, a dropped connection).
 POLICY_FAILURES = (aiohttp.ClientError, TimeoutError)
@@ -44,6 +48,9 @@ class PolicyPools:
         model_names: Sequence[str],
         timeout_s: float,
         max_connections: int,
+        max_in_flight: int = 0,
+        max_queue: int = 256,
+        health_interval_s: float = 5.0,
     ) -> None:
         self.policy_urls = list(policy_urls)
         # (pattern, servers): the first pattern a requested name matches picks its servers.
@@ -53,6 +60,16 @@ class PolicyPools:
         self.max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[str, VLLMClient] = {}
+        self.max_in_flight = max_in_flight
+        self.max_queue = max_queue
+        self.health_interval_s = health_interval_s
+        # One replica set per pool: agenttap_policy_url's (the default), then model_map's.
+        self.default: ReplicaSet | None = None
+        self._mapped: list[tuple[str, ReplicaSet]] = []
+        self._decode: Callable[[list[int]], str] | None = None
+        self._health: asyncio.Task[None] | None = None
+        # Told each replica's health after every check (the gateway's policy_up gauge).
+        self.on_health: Callable[[str, bool], None] = lambda _url, _ok: None
         # Model names each session asked for (GET /v1/models lists the asker's own), bounded.
         self._session_models: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
 
@@ -65,26 +82,84 @@ class PolicyPools:
         urls = list(self.policy_urls)
         for _, servers in self.model_map:
             urls += servers
-        # The policy timeout bounds time without a new token, not without a byte (keep-alives).
-        self._clients = {
-            url: VLLMClient(url, self._http, decode=decode, progress_timeout_s=self.timeout_s)
-            for url in dict.fromkeys(urls)
-        }
+        self._decode = decode
+        self.default = ReplicaSet(
+            self.policy_urls, self._client, self.max_in_flight, self.max_queue
+        )
+        self._mapped = [
+            (pattern, ReplicaSet(servers, self._client, self.max_in_flight, self.max_queue))
+            for pattern, servers in self.model_map
+        ]
+
+    @property
+    def http(self) -> aiohttp.ClientSession | None:
+        return self._http
+
+    def _client(self, url: str) -> VLLMClient:
+        """The one client of ``url`` (shared by every pool that lists it)."""
+        client = self._clients.get(url)
+        if client is None:
+            assert self._http is not None and self._decode is not None
+            # The policy timeout bounds time without a new token, not without a byte.
+            client = VLLMClient(
+                url, self._http, decode=self._decode, progress_timeout_s=self.timeout_s
+            )
+            self._clients[url] = client
+        return client
+
+    def start_health_checks(self) -> None:
+        """Check every replica's health every ``health_interval_s`` (in the running loop)."""
+        if self._health is None and self.health_interval_s > 0:
+            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # a probe must never kill the loop
+                logger.exception("agenttap: the policy health check failed")
+
+    async def check_health(self) -> dict[str, bool]:
+        assert self._http is not None
+        out: dict[str, bool] = {}
+        for replicas in self.sets():
+            out.update(await replicas.check_all(self._http))
+        for url, ok in out.items():
+            self.on_health(url, ok)
+        return out
+
+    def sets(self) -> list[ReplicaSet]:
+        assert self.default is not None
+        return [self.default, *(r for _, r in self._mapped)]
 
     async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
         if self._http:
             await self._http.close()
 
-    def pool_for(self, model: str) -> list[VLLMClient]:
-        for pattern, servers in self.model_map:
+    def set_for(self, model: str) -> ReplicaSet:
+        for pattern, replicas in self._mapped:
             if fnmatch.fnmatchcase(model, pattern):
-                return [self._clients[u] for u in servers]
-        return [self._clients[u] for u in self.policy_urls]
+                return replicas
+        assert self.default is not None
+        return self.default
+
+    def pool_for(self, model: str) -> list[VLLMClient]:
+        return [r.client for r in self.set_for(model).replicas.values()]
 
     def client_for(self, session_id: str, model: str = "") -> VLLMClient:
-        pool = self.pool_for(model)
-        # Sticky per session: a scaffold's consecutive calls reuse one server's prefix cache.
-        return pool[zlib.crc32(session_id.encode()) % len(pool)]
+        """The session's replica (see capture/replicas.py): sticky while healthy, else the
+        least-loaded healthy one."""
+        return self.set_for(model).pick(session_id).client
+
+    def generation(self, session_id: str, model: str, client: VLLMClient) -> Generation:
+        """A generation slot on ``client``'s replica, for ``async with`` (or acquire/release):
+        bounded per replica (ReplicasBusy when its queue is full too), moved on failover."""
+        replicas = self.set_for(model)
+        replica = replicas.replica_of(client) or replicas.add(client.base_url)
+        return Generation(replicas, session_id, replica)
 
     def model_names(self, served: str, session_id: str = "") -> list[str]:
         """Names clients may ask for: every one maps to a policy (``model_map``). Besides the
@@ -104,3 +179,37 @@ class PolicyPools:
         self._session_models[session_id] = models
         while len(self._session_models) > MAX_SESSIONS_WITH_MODELS:
             self._session_models.popitem(last=False)
+
+
+class Generation:
+    """One call's hold on a replica; ``failover`` moves it to another when its replica fails
+    mid-generation (passed to ``VLLMClient.stream_resuming``)."""
+
+    def __init__(self, replicas: ReplicaSet, session_id: str, replica: Replica) -> None:
+        self.replicas = replicas
+        self.session_id = session_id
+        self.replica = replica
+        self._held = False
+
+    async def acquire(self) -> None:
+        await self.replicas.acquire(self.replica)
+        self._held = True
+
+    async def release(self) -> None:
+        if self._held:
+            self._held = False
+            await self.replicas.release(self.replica)
+
+    async def __aenter__(self) -> Generation:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    async def failover(self, client: VLLMClient, error: BaseException) -> VLLMClient | None:
+        target = await self.replicas.failover(self.session_id, self.replica, error)
+        if target is None:
+            return None
+        self.replica = target
+        return target.client

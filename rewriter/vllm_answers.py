@@ -44,6 +44,8 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list[WeightSpan] = field(default_factory=list)
+    # The policy server that sampled this piece ("" when not known).
+    backend: str = ""
 
 
 @dataclass
@@ -56,8 +58,18 @@ class Completion:
     prompt_token_ids: list[int] | None = None
     # Which weights sampled which tokens: (version, start, end) over token_ids; empty: unknown.
     weight_versions: list[WeightSpan] = field(default_factory=list)
+    # Which server sampled which tokens: (backend, start, end) over token_ids; more than one
+    # where a generation moved to another server after its first failed (failover).
+    backends: list[tuple[str, int, int]] = field(default_factory=list)
 
     def extend(self, delta: CompletionDelta) -> None:
+        if delta.backend:
+            start, end = len(self.token_ids), len(self.token_ids) + len(delta.token_ids)
+            last = self.backends[-1] if self.backends else None
+            if last is not None and last[0] == delta.backend and last[2] == start:
+                self.backends[-1] = (delta.backend, last[1], end)
+            elif end > start or not self.backends:
+                self.backends.append((delta.backend, start, end))
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +45,8 @@ __all__ = ["Completion", "CompletionDelta", "PolicyError", "PolicyInfo", "VLLMCl
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 16
+# Servers a generation may move to after the one sampling it failed (see stream_resuming).
+MAX_FAILOVERS = 8
 GENERATE_PATH = "/inference/v1/generate"
 # Sampling defaults /v1/completions takes from the model's generation_config.json and the
 # generate endpoint does not: learned once from /v1/completions/render.
@@ -57,6 +59,12 @@ SERVER_DEFAULTS = (
     "presence_penalty",
     "frequency_penalty",
 )
+
+
+def _may_fail_over(exc: BaseException) -> bool:
+    """Whether another server may succeed where this one failed: no answer, a cut or stalled
+    stream, overloaded (429 / 503); not a request the server refused as such (4xx)."""
+    return not isinstance(exc, PolicyError) or exc.unavailable
 
 
 @dataclass
@@ -97,6 +105,9 @@ class ResumedText:
             return ""
         self._prefix, self._read = self._read, len(ids)
         return text[len(before) :]
+
+
+Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"]]
 
 
 class VLLMClient:
@@ -280,23 +291,40 @@ class VLLMClient:
             raise PolicyError(f"policy server answered {resp.status}: {message}", resp.status)
         return resp
 
-    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """A whole completion; generations aborted by the server (weight sync) are resumed."""
+    async def complete(
+        self, prompt_ids: list[int], params: SamplingParams, failover: Failover | None = None
+    ) -> Completion:
+        """A whole completion; generations aborted by the server (weight sync) are resumed, and
+        with ``failover`` a server that fails is replaced (see :meth:`stream_resuming`)."""
         out = Completion()
-        async for delta in self.stream_resuming(prompt_ids, params, stream=False):
+        async for delta in self.stream_resuming(
+            prompt_ids, params, stream=False, failover=failover
+        ):
             out.extend(delta)
         return out
 
     async def stream_resuming(
-        self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool = True,
+        failover: Failover | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Like :meth:`stream`, but a generation the server ends with ``finish_reason: abort``
         (a paused server, a weight sync) is resubmitted with the tokens so far appended to the
-        prompt and the remaining budget, and stitched: the caller sees one completion."""
+        prompt and the remaining budget, and stitched: the caller sees one completion.
+
+        ``failover(client, error)``: called when the server fails in a way another server may
+        not (no answer, a cut or stalled stream, 429 / 503); the client it returns goes on
+        from the tokens so far, the same way (None: the error is raised). Each piece says
+        which server sampled it (``backend``)."""
         sampled: list[int] = []
         emitted: list[str] = []  # the text yielded so far
         resumed: ResumedText | None = None
-        for resume in range(MAX_RESUMES + 1):
+        current = self
+        aborts = failovers = 0
+        while True:
             before = len(sampled)
             budget = replace(
                 params,
@@ -307,35 +335,47 @@ class VLLMClient:
             )
             aborted = False
             parts = (
-                self.stream(prompt_ids + sampled, budget)
+                current.stream(prompt_ids + sampled, budget)
                 if stream
-                else self._complete_once(prompt_ids + sampled, budget)
+                else current._complete_once(prompt_ids + sampled, budget)
             )
-            async for delta in parts:
-                if delta.finish_reason == "abort":
-                    aborted = True
-                    delta.finish_reason = None
-                # The server's spans count this generation's tokens; the caller's, the whole.
-                delta.weight_versions = [
-                    (v, start + before, end + before) for v, start, end in delta.weight_versions
-                ]
-                sampled.extend(delta.token_ids)
-                if resumed is not None:
-                    delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
-                emitted.append(delta.text)
-                yield delta
-            if not aborted:
-                return
+            try:
+                async for delta in parts:
+                    if delta.finish_reason == "abort":
+                        aborted = True
+                        delta.finish_reason = None
+                    # The server's spans count this generation's tokens; the caller's, the whole.
+                    delta.weight_versions = [
+                        (v, start + before, end + before) for v, start, end in delta.weight_versions
+                    ]
+                    delta.backend = current.base_url
+                    sampled.extend(delta.token_ids)
+                    if resumed is not None:
+                        delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
+                    emitted.append(delta.text)
+                    yield delta
+            except (PolicyError, aiohttp.ClientError, TimeoutError) as exc:
+                if failover is None or failovers >= MAX_FAILOVERS or not _may_fail_over(exc):
+                    raise
+                replacement = await failover(current, exc)
+                if replacement is None:
+                    raise
+                current, failovers = replacement, failovers + 1
+            else:
+                if not aborted:
+                    return
+                aborts += 1
+                if aborts > MAX_RESUMES:
+                    raise PolicyError(f"generation aborted {aborts} times; giving up")
+                logger.info("generation aborted by the policy server; resuming (%d)", aborts)
             if params.max_tokens is not None and len(sampled) >= params.max_tokens:
-                yield CompletionDelta("", [], [], finish_reason="length")
+                yield CompletionDelta("", [], [], finish_reason="length", backend=current.base_url)
                 return
-            logger.info("generation aborted by the policy server; resuming (%d)", resume + 1)
-            if self._decode is not None and resumed is None:
+            if self._decode is not None and resumed is None and (aborted or sampled):
                 # vLLM detokenizes a resubmission from its prompt: where the tokens so far end
                 # inside a character (a byte-level token), its first text can repeat the whole
                 # prompt. From here on the text is decoded from the stitched ids instead.
                 resumed = ResumedText.start(self._decode, sampled, "".join(emitted))
-        raise PolicyError(f"generation aborted {MAX_RESUMES + 1} times; giving up")
 
     async def _complete_once(
         self, prompt_ids: list[int], params: SamplingParams

@@ -63,6 +63,8 @@ class StubPolicy:
         self.garbage = b"{not json"
         self.keepalive_every_s = 0.1
         self.url = ""
+        # GET /health answers 200 (vLLM: an empty body) while true, 503 once false.
+        self.healthy = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -391,6 +393,9 @@ class StubPolicy:
                     return
             await asyncio.sleep(self.keepalive_every_s)
 
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
     def start(self) -> str:
         """Serve on 127.0.0.1 from a background thread; returns the base URL."""
         ready = threading.Event()
@@ -402,6 +407,7 @@ class StubPolicy:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/completions", self._completions)
             app.router.add_post("/tokenize", self._tokenize)
+            app.router.add_get("/health", self._health)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, "127.0.0.1", 0)

@@ -430,3 +430,12 @@ def test_tokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
     real, fake = answers
     assert_same_shape(real, fake, "/tokenize")
     assert real["tokens"] == fake["tokens"] and real["count"] == len(real["tokens"])
+
+
+def test_health_answers_alike(vllm_url: str, stub: StubPolicy) -> None:
+    """GET /health (agenttap's replica health checks): 200 with an empty body on both."""
+    answers = []
+    for url in (vllm_url, stub.url):
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
+            answers.append((resp.status, resp.read()))
+    assert answers[0] == answers[1] == (200, b"")
