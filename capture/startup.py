@@ -102,3 +102,34 @@ def check_startup(settings: Settings) -> tuple[ChatTemplate | None, str | None]:
             return template, problem
     logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
     return template, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m capture.startup --policy-url URL[,URL] --tokenizer DIR``: the start-up check
+    alone, before anything listens (scripts/run_proxy.sh runs it before mitmdump). Exits 1 with
+    what to fix, 0 when every server answers and tokenizes as the tokenizer does."""
+    import argparse
+    import sys
+
+    from capture.options import parse_urls
+
+    parser = argparse.ArgumentParser(prog="python -m capture.startup", description=main.__doc__)
+    parser.add_argument("--policy-url", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    args = parser.parse_args(argv)
+    try:
+        urls = parse_urls(args.policy_url)
+        template = ChatTemplate(args.tokenizer)
+    except Exception as exc:  # a bad URL, a folder without a tokenizer
+        print(f"agenttap: {exc}", file=sys.stderr)
+        return 1
+    for url in urls:
+        problem = check_policy(url, template.encode)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

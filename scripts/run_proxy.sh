@@ -63,6 +63,13 @@ fi
 [ -n "$API_PORT" ] || API_PORT=$((PORT + 1))
 TOKEN="${AGENTTAP_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
 
+# Check the policy before anything listens (the addon checks again, with --set options too);
+# --set agenttap_check_policy=false after -- skips both.
+case " $* " in
+  *agenttap_check_policy=false*|*agenttap_check_policy=no*|*agenttap_check_policy=0*|*agenttap_check_policy=off*) ;;
+  *) "$PY" -m capture.startup --policy-url "$POLICY_URL" --tokenizer "$TOKENIZER" || exit 1;;
+esac
+
 # The addon prints the lines to copy (AGENTTAP_PROXY=, AGENTTAP_TOKEN=, ..., one export line per
 # client family) once mitmdump listens, and last "agenttap ready: ..." once both listeners
 # accept connections.

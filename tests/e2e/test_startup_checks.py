@@ -3,6 +3,7 @@ URL or another model's tokenizer stops mitmdump with what to fix (capture/startu
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -74,3 +75,23 @@ def test_the_check_passes_a_matching_policy_and_can_be_skipped(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_run_proxy_refuses_an_unreachable_policy_before_anything_listens(tmp_path: Path) -> None:
+    """scripts/run_proxy.sh checks the policy before it starts mitmdump: nothing ever listens
+    (plain mitmdump checks when its script loads, which mitmproxy does while its listener
+    starts: it binds for an instant before exiting non-zero)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "run_proxy.sh"), "--policy-url", url, "--tokenizer", str(QWEN3)]
+        + ["--port", str(port), "--out", str(tmp_path / "out")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "AGENTTAP_CONFDIR": str(tmp_path / "conf")},
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert f"the policy server at {url} does not answer" in out
+    assert "proxy listening" not in out and "AGENTTAP_" not in out
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
