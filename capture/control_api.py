@@ -417,7 +417,15 @@ class ControlAPI:
         )
 
     async def _list(self, request: web.Request) -> web.Response:
-        return web.json_response({"sessions": [s.summary() for s in self.gateway.control.live()]})
+        policies = self.gateway.policies
+        return web.json_response(
+            {
+                "sessions": [
+                    s.summary() | {"backend": policies.backend_of(s.id)}
+                    for s in self.gateway.control.live()
+                ]
+            }
+        )
 
     def _known(self, sid: str) -> ControlledSession:
         sess = self.gateway.control.get(sid)

@@ -154,6 +154,14 @@ class PolicyPools:
         least-loaded healthy one."""
         return self.set_for(model).pick(session_id).client
 
+    def backend_of(self, session_id: str) -> str | None:
+        """The policy server a session's calls go to (None: it made none yet); places nothing."""
+        for replicas in self.sets():
+            url = replicas.assigned(session_id)
+            if url is not None:
+                return url
+        return None
+
     def generation(self, session_id: str, model: str, client: VLLMClient) -> Generation:
         """A generation slot on ``client``'s replica, for ``async with`` (or acquire/release):
         bounded per replica (ReplicasBusy when its queue is full too), moved on failover."""

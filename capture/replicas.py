@@ -153,6 +153,10 @@ class ReplicaSet:
             if url in self.replicas:
                 self.replicas[url].sessions = max(0, self.replicas[url].sessions - 1)
 
+    def assigned(self, session_id: str) -> str | None:
+        """The replica the session is placed on (None: not placed yet); places nothing."""
+        return self._assigned.get(session_id)
+
     def forget(self, session_id: str) -> None:
         """The session is over: its replica stops counting it."""
         url = self._assigned.pop(session_id, None)

@@ -55,7 +55,7 @@ class LiveSource:
         out = {}
         for sess in self.gateway.control.live():
             state = sess.summary()
-            state["backend"] = policies.client_for(sess.id).base_url
+            state["backend"] = policies.backend_of(sess.id)
             out[sess.id] = state
         return out
 

@@ -117,6 +117,9 @@ def test_proxy_mode_session_closed_with_reward_then_a_late_one(
     client.chat.completions.create(model="gpt-5", messages=history)
     live = {s["id"]: s for s in tap.sessions()}
     assert live[sess.id]["metrics"]["calls"] == 2 and live[sess.id]["metadata"] == meta
+    # Live status: the policy server its calls go to, and when it was last active.
+    assert live[sess.id]["backend"] == stub.url.rstrip("/")
+    assert time.time() - 60 < live[sess.id]["last_active_at"] <= time.time()
 
     table = sess.close(reward=2.5)
     assert isinstance(table, pa.Table)
