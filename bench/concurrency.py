@@ -1,6 +1,6 @@
 """Many streaming clients at once through one proxy: does every one get its whole answer?
 
-    .venv/bin/python bench/concurrency.py [--clients 1200] [--runs 5] [--timeout 240]
+    .venv/bin/python bench/concurrency.py [--clients 1200] [--runs 5] [--timeout 240] [--proxies N]
 
 Starts the scripted stub policy (tests/stub_vllm.py, in a process of its own, with vLLM's
 listen backlog) and a real mitmdump with the addon, then, per run, opens ``--clients`` streaming
@@ -92,16 +92,44 @@ async def one_call(
     return "ok", took
 
 
-async def one_run(proxy: Proxy, clients: int, run: int, timeout: float) -> dict[str, object]:
-    ctx = ssl.create_default_context(cafile=str(proxy.ca))
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def peak_rss(pid: int, peak: list[float]) -> None:
+    """Sample ``pid``'s resident memory until cancelled; ``peak[0]`` holds the highest."""
+    while True:
+        peak[0] = max(peak[0], rss_mib(pid))
+        await asyncio.sleep(0.05)
+
+
+async def one_run(
+    proxies: list[Proxy], clients: int, run: int, timeout: float
+) -> dict[str, object]:
+    """``clients`` calls at once, client i through proxy ``i % len(proxies)`` (all proxies
+    share one CA: one confdir)."""
+    ctx = ssl.create_default_context(cafile=str(proxies[0].ca))
     # No pool limit: every call its own connection (its own CONNECT), all at once.
     connector = aiohttp.TCPConnector(limit=0, ssl=ctx)
+    idle = [rss_mib(p.proc.pid) for p in proxies]
+    peaks = [[m] for m in idle]
+    loop = asyncio.get_running_loop()
+    samplers = [
+        loop.create_task(peak_rss(p.proc.pid, k)) for p, k in zip(proxies, peaks, strict=True)
+    ]
     async with aiohttp.ClientSession(connector=connector) as http:
         began = time.monotonic()
         results = await asyncio.gather(
-            *(one_call(http, proxy, i, run, timeout) for i in range(clients))
+            *(one_call(http, proxies[i % len(proxies)], i, run, timeout) for i in range(clients))
         )
         wall = time.monotonic() - began
+    for sampler in samplers:
+        sampler.cancel()
+    idle_total, peak_total = sum(idle), sum(k[0] for k in peaks)
     outcomes = collections.Counter(o for o, _ in results)
     times = sorted(t for _, t in results)
 
@@ -115,6 +143,10 @@ async def one_run(proxy: Proxy, clients: int, run: int, timeout: float) -> dict[
         "p50_s": round(pct(0.5), 2),
         "p99_s": round(pct(0.99), 2),
         "max_s": round(times[-1], 2),
+        "rss_idle_mib": round(idle_total, 1),
+        "rss_peak_mib": round(peak_total, 1),
+        # What the proxy processes held per session in flight, at their peaks.
+        "kib_per_session": round((peak_total - idle_total) * 1024 / clients, 1),
     }
 
 
@@ -123,6 +155,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=1200)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run, at most")
+    parser.add_argument(
+        "--proxies", type=int, default=1, help="proxy processes the clients are spread over"
+    )
     parser.add_argument("--chunk-delay", type=float, default=0.02, help="stub: s between tokens")
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,27 +175,36 @@ def main() -> int:
     assert stub.stdout is not None
     url = stub.stdout.readline().strip()
     tmp = Path(tempfile.mkdtemp(prefix="agenttap-concurrency-"))
-    proxy = start_proxy(url, tmp / "out", tmp / "conf", QWEN3)
+    proxies = [start_proxy(url, tmp / f"out-{n}", tmp / "conf", QWEN3) for n in range(args.proxies)]
     rows = []
     try:
         for run in range(1, args.runs + 1):
-            row = asyncio.run(one_run(proxy, args.clients, run, args.timeout))
+            row = asyncio.run(one_run(proxies, args.clients, run, args.timeout))
             rows.append(row)
             print(json.dumps(row), flush=True)
-            proxy.flush()  # write the run's sessions, as a trainer's idle flush would
+            for proxy in proxies:
+                proxy.flush()  # write the run's sessions, as a trainer's idle flush would
     finally:
-        proxy.stop()
+        for proxy in proxies:
+            proxy.stop()
         stub.communicate("", timeout=30)
     bad = sum(n for r in rows for o, n in r["outcomes"].items() if o != "ok")  # type: ignore[attr-defined]
-    print(f"\n{'run':>4} {'ok':>6} {'not ok':>7} {'wall s':>7} {'p50 s':>6} {'p99 s':>6}  other")
+    print(
+        f"\n{'run':>4} {'ok':>6} {'not ok':>7} {'wall s':>7} {'p50 s':>6} {'p99 s':>6} "
+        f"{'RSS idle MiB':>12} {'RSS peak MiB':>12} {'KiB/session':>11}  other"
+    )
     for r in rows:
         outcomes = dict(r["outcomes"])  # type: ignore[call-overload]
         ok = outcomes.pop("ok", 0)
         print(
             f"{r['run']:>4} {ok:>6} {sum(outcomes.values()):>7} {r['wall_s']:>7} "
-            f"{r['p50_s']:>6} {r['p99_s']:>6}  {outcomes or ''}"
+            f"{r['p50_s']:>6} {r['p99_s']:>6} {r['rss_idle_mib']:>12} {r['rss_peak_mib']:>12} "
+            f"{r['kib_per_session']:>11}  {outcomes or ''}"
         )
-    print(f"\n{args.clients} clients x {args.runs} runs: {bad} calls not ok; log: {proxy.log}")
+    print(
+        f"\n{args.clients} clients over {args.proxies} proxy process(es) x {args.runs} runs: "
+        f"{bad} calls not ok; logs: {', '.join(str(p.log) for p in proxies)}"
+    )
     return 1 if bad else 0
 
 
