@@ -1,0 +1,581 @@
+"""What each proxy adds to a chat call, side by side: direct, plain mitmdump, agenttap, LiteLLM.
+
+    .venv/bin/python bench/overhead.py [--quick] [--calls 200] [--seconds 5] [--rounds 3]
+                                       [--no-litellm] [--only direct,mitmdump,agenttap]
+
+Paths, all in one run, interleaved (each round rotates which path goes first):
+
+- ``direct``: an OpenAI-compatible fake server (aiohttp, its own process) answering chat
+  completions at once: ``max_tokens`` words, whole or as an SSE stream of one chunk per word.
+- ``mitmdump``: plain mitmdump (no script) in regular mode; the client calls
+  ``https://api.openai.com`` through ``HTTPS_PROXY``-style CONNECT, TLS intercepted with the
+  mitmproxy CA, and mitmproxy's own ``map_remote`` sends it to the fake server over HTTP.
+- ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
+  vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
+  at once), prompts rendered and calls recorded as in real use.
+- ``litellm``: LiteLLM's proxy (``litellm --config``) in front of the fake server, called at its
+  base URL (plain HTTP, as its users do). Installed on first use into ``.cache/litellm-venv``
+  (never into ``.venv``); the column is skipped with a note if that fails.
+
+Each client is an agent-like conversation: every call resends the history plus the reply it got
+and a new user message, eight calls, then it starts over (agenttap: one proxy session per client,
+extending its calls). Reported per path: the latency it adds over ``direct`` at concurrency 1
+(p50, p95 of the path's latencies minus direct's), non-streamed 1 token and a 64-token stream;
+calls per second with 32 and 64 clients at once (each its own keep-alive connection); and the
+ratios to plain mitmdump. Every answer is checked (status, whole stream, content).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+
+QWEN3 = REPO.parent / "shared" / "tokenizers" / "qwen3"
+MITMDUMP = REPO / ".venv" / "bin" / "mitmdump"
+LITELLM_VENV = REPO / ".cache" / "litellm-venv"
+STREAM_TOKENS = 64
+# What every path is called with (LiteLLM's master key; the others take any).
+API_KEY = "sk-bench-" + "0123456789abcdef" * 2
+TURNS = 8  # calls per conversation before a client starts over
+# Each one token of Qwen3's with and without a leading space: n words are n tokens.
+WORDS = (
+    "the and for are but not you all any can had her was one our out day get has him his how man "
+    "new now old see two way who boy did its let put say she too use time long make many over "
+    "such take them then they this well were what when will with word work year back call come "
+    "each find give good hand high keep last left life line look made more most move must name "
+    "need next open part play read room same seem show side tell than that turn want went"
+).split()
+
+
+def reply_words(n: int) -> list[str]:
+    """The answer of ``n`` tokens, word by word (the stub's and the fake server's alike)."""
+    return [("" if i == 0 else " ") + WORDS[i % len(WORDS)] for i in range(n)]
+
+
+PATHS = ("direct", "mitmdump", "agenttap", "litellm")
+# (name, max_tokens, stream)
+KINDS = (("1 token", 1, False), (f"{STREAM_TOKENS}-token stream", STREAM_TOKENS, True))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(
+    port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port} in {timeout:.0f} s; see {log}")
+
+
+# -- the servers, each in a process of its own ---------------------------------------------------
+def serve_fake() -> None:
+    """An OpenAI-compatible chat completions server answering at once (``--serve-fake``)."""
+    from aiohttp import web
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}]}
+        )
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        n = int(body.get("max_tokens") or 16)
+        created = int(time.time())
+        base = {"id": "chatcmpl-fake", "created": created, "model": body.get("model", "m")}
+        words = reply_words(n)
+        prompt = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4
+        usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "".join(words)}
+            choice = {"index": 0, "message": message, "finish_reason": "length"}
+            out = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            return web.json_response(out)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate(words):
+            delta: dict[str, Any] = {"content": word}
+            if i == 0:
+                delta["role"] = "assistant"
+            chunk = {**base, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        last = {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}  # fmt: skip
+        if (body.get("stream_options") or {}).get("include_usage"):
+            last["usage"] = usage
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        print(f"http://127.0.0.1:{port}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(main())
+
+
+class _CachedTokenizer:
+    """The stub's tokenizer with ``decode`` memoized: the stub decodes each answer token by
+    token (quadratic in its length), work a real vLLM does not do per call."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self._decode = functools.lru_cache(maxsize=100_000)(self._decode_tuple)
+
+    def _decode_tuple(self, ids: tuple[int, ...], skip: bool) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._decode(tuple(ids), skip_special_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def serve_stub() -> None:
+    """The vLLM-shaped stub policy, answering at once (``--serve-stub``)."""
+    from tests.stub_vllm import StubPolicy
+
+    stub = StubPolicy(str(QWEN3))
+    stub.tok = _CachedTokenizer(stub.tok)  # type: ignore[assignment]
+    stub.default_reply = "".join(reply_words(2 * STREAM_TOKENS))
+    print(stub.start(), flush=True)
+    sys.stdin.read()
+    stub.stop()
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""  # where the client sends its calls
+    proxy: str | None = None  # the HTTP proxy it goes through
+    note: str = ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT if self.name != "litellm" else signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def spawn_child(flag: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """This script in a child process serving ``flag``; its URL from its first line."""
+    log = work / f"{flag.strip('-')}.log"
+    proc = subprocess.Popen(
+        [sys.executable, __file__, flag],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "wb"),  # noqa: SIM115 (the child holds it)
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().decode().strip()
+    if not url.startswith("http"):
+        raise RuntimeError(f"{flag} did not start; see {log}")
+    return proc, url
+
+
+def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Server:
+    port = free_port()
+    log = work / f"{name}.log"
+    cmd = [
+        str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy", *args,
+    ]  # fmt: skip
+    profile = os.environ.get("OVERHEAD_PROFILE")  # agenttap under cProfile, written on exit
+    if profile and name == "agenttap":
+        cmd = [sys.executable, "-m", "cProfile", "-o", profile, *cmd]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+    wait_port(port, proc, name, log, 120)
+    return Server(name, proc, log, "https://api.openai.com", f"http://127.0.0.1:{port}")
+
+
+def install_litellm(work: Path) -> Path | None:
+    """LiteLLM's proxy in its own venv under .cache/ (first use: pip install); None if it fails."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    print(f"installing litellm[proxy] into {LITELLM_VENV} (first use) ...", flush=True)
+    log = work / "litellm-install.log"
+    with open(log, "wb") as fh:
+        ok = (
+            subprocess.call([sys.executable, "-m", "venv", str(LITELLM_VENV)], stdout=fh, stderr=fh)
+            == 0
+            and subprocess.call(
+                [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+                stdout=fh,
+                stderr=fh,
+            )
+            == 0
+        )
+    if ok and exe.exists():
+        return exe
+    shutil.rmtree(LITELLM_VENV, ignore_errors=True)
+    print(f"  litellm install failed (see {log}); its column is skipped", flush=True)
+    return None
+
+
+def start_litellm(fake_url: str, work: Path) -> Server | str:
+    exe = install_litellm(work)
+    if exe is None:
+        return "install failed"
+    config = work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: gpt-4o-mini\n"
+        "    litellm_params:\n"
+        "      model: openai/gpt-4o-mini\n"
+        f"      api_base: {fake_url}/v1\n"
+        "      api_key: sk-fake\n"
+        "general_settings:\n"
+        f"  master_key: {API_KEY}\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "  drop_params: true\n"
+    )
+    port = free_port()
+    log = work / "litellm.log"
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    env.pop("HTTPS_PROXY", None)
+    env.pop("HTTP_PROXY", None)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+             "--num_workers", "1"],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
+        )  # fmt: skip
+    try:
+        wait_port(port, proc, "litellm", log, 180)
+    except RuntimeError as exc:
+        proc.kill()
+        proc.wait()
+        return str(exc)
+    return Server("litellm", proc, log, f"http://127.0.0.1:{port}")
+
+
+# -- the client ----------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    """One agent-like client: its history grows by each reply and a new question."""
+
+    session: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    calls: int = 0
+
+    def next_body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
+        if self.calls % TURNS == 0:
+            self.messages = [{"role": "system", "content": "You are a terse assistant."}]
+        self.messages.append(
+            {"role": "user", "content": f"Step {self.calls % TURNS} of task {self.calls // TURNS}."}
+        )
+        self.calls += 1
+        body: dict[str, Any] = {
+            "model": "gpt-4o-mini",
+            "messages": list(self.messages),
+            "max_tokens": max_tokens,
+        }
+        if stream:
+            body["stream"] = True
+        return body
+
+    def answered(self, content: str) -> None:
+        self.messages.append({"role": "assistant", "content": content})
+
+
+class Path_:
+    """One path's client side: a keep-alive pool, one proxy session per conversation."""
+
+    def __init__(self, server: Server, ca: Path) -> None:
+        self.server = server
+        self.url = server.url + "/v1/chat/completions"
+        self.ssl = ssl.create_default_context(cafile=str(ca))
+        self.http: aiohttp.ClientSession | None = None
+        self.conversations: dict[str, Conversation] = {}
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ssl=self.ssl)
+        self.http = aiohttp.ClientSession(connector=connector)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+
+    async def call(self, client: str, max_tokens: int, stream: bool) -> float:
+        """One call by conversation ``client``; its seconds. Raises on any wrong answer."""
+        conv = self.conversations.get(client)
+        if conv is None:
+            conv = self.conversations[client] = Conversation(f"bench-{client}")
+        body = json.dumps(conv.next_body(max_tokens, stream)).encode()
+        assert self.http is not None
+        kwargs: dict[str, Any] = {}
+        if self.server.proxy:
+            auth = aiohttp.encode_basic_auth(conv.session, "x")
+            kwargs = {"proxy": self.server.proxy, "proxy_headers": {"Proxy-Authorization": auth}}
+        began = time.perf_counter()
+        async with self.http.post(
+            self.url,
+            data=body,
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+            **kwargs,
+        ) as resp:
+            raw = await resp.read()
+        took = time.perf_counter() - began
+        if resp.status != 200:
+            raise RuntimeError(f"{self.server.name}: HTTP {resp.status}: {raw[:300]!r}")
+        if stream:
+            events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+            if not events or events[-1] != b"[DONE]":
+                raise RuntimeError(f"{self.server.name}: stream cut short: {raw[-300:]!r}")
+            parts = []
+            for event in events[:-1]:
+                for choice in json.loads(event).get("choices", []):
+                    parts.append(choice.get("delta", {}).get("content") or "")
+            content = "".join(parts)
+        else:
+            content = json.loads(raw)["choices"][0]["message"]["content"] or ""
+        if len(content.split()) != max_tokens:
+            raise RuntimeError(f"{self.server.name}: {max_tokens} tokens asked, got {content!r}")
+        conv.answered(content)
+        return took
+
+
+async def throughput(
+    path: Path_, clients: int, seconds: float, max_tokens: int, stream: bool
+) -> float:
+    """Calls per second with ``clients`` conversations calling back to back for ``seconds``."""
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(i: int) -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            await path.call(f"t{clients}-{i}", max_tokens, stream)
+            done += 1
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(clients)))
+    return done / (time.perf_counter() - began)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def measure(
+    paths: dict[str, Path_], calls: int, warmup: int, seconds: float, rounds: int
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str, int], list[float]]]:
+    names = list(paths)
+    for path in paths.values():
+        await path.open()
+    latency: dict[tuple[str, str], list[float]] = {}
+    rates: dict[tuple[str, str, int], list[float]] = {}
+    try:
+        for kind, max_tokens, stream in KINDS:
+            for _ in range(warmup):
+                for name in names:
+                    await paths[name].call("lat", max_tokens, stream)
+            for i in range(calls):
+                order = names[i % len(names) :] + names[: i % len(names)]
+                for name in order:
+                    took = await paths[name].call("lat", max_tokens, stream)
+                    latency.setdefault((name, kind), []).append(took * 1000.0)
+            print(f"  latency, {kind}: {calls} calls per path", flush=True)
+        for r in range(rounds):
+            for clients in (32, 64):
+                for kind, max_tokens, stream in KINDS:
+                    order = names[r % len(names) :] + names[: r % len(names)]
+                    for name in order:
+                        rate = await throughput(paths[name], clients, seconds, max_tokens, stream)
+                        rates.setdefault((name, kind, clients), []).append(rate)
+            print(f"  throughput round {r + 1}/{rounds} done", flush=True)
+    finally:
+        for path in paths.values():
+            await path.close()
+    return latency, rates
+
+
+def report(
+    names: list[str],
+    latency: dict[tuple[str, str], list[float]],
+    rates: dict[tuple[str, str, int], list[float]],
+    notes: dict[str, str],
+) -> None:
+    kinds = [k for k, _, _ in KINDS]
+    print("\nAdded latency per call at concurrency 1, ms (the path's p50/p95 minus direct's):")
+    head = f"{'path':<10}"
+    for kind in kinds:
+        head += f" | {kind + ' p50':>20} {'p95':>6} {'x mitm':>7}"
+    print(head)
+    added: dict[tuple[str, str], tuple[float, float]] = {}
+    for name in names:
+        for kind in kinds:
+            own, base = latency[(name, kind)], latency[("direct", kind)]
+            added[(name, kind)] = (pct(own, 0.5) - pct(base, 0.5), pct(own, 0.95) - pct(base, 0.95))
+    for name in names:
+        line = f"{name:<10}"
+        for kind in kinds:
+            p50, p95 = added[(name, kind)]
+            if name == "direct":
+                p50, p95 = pct(latency[(name, kind)], 0.5), pct(latency[(name, kind)], 0.95)
+                line += f" | {'(own) ' + f'{p50:.2f}':>20} {p95:>6.2f} {'':>7}"
+                continue
+            ref = added.get(("mitmdump", kind), (0.0, 0.0))[0]
+            ratio = f"{p50 / ref:.2f}x" if ref > 0 else "-"
+            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio:>7}"
+        print(line)
+    print("\nThroughput, calls/s (median of rounds; x mitm: / plain mitmdump's):")
+    cols = [(kind, c) for c in (32, 64) for kind in kinds]
+    print(
+        f"{'path':<10}"
+        + "".join(f" | {f'{kind}, {c} clients':>27} {'x mitm':>6}" for kind, c in cols)
+    )
+    for name in names:
+        line = f"{name:<10}"
+        for kind, c in cols:
+            value = statistics.median(rates[(name, kind, c)])
+            ref = statistics.median(rates.get(("mitmdump", kind, c), [0.0]))
+            ratio = f"{value / ref:.2f}x" if ref else "-"
+            line += f" | {value:>27.1f} {ratio:>6}"
+        print(line)
+    for name, note in notes.items():
+        print(f"{name}: skipped ({note})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run: 40 calls, 2 s, 1 round")
+    parser.add_argument("--calls", type=int, default=200, help="latency calls per path and kind")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=5.0, help="per throughput measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (median)")
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated paths (direct always runs)")
+    parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fake:
+        serve_fake()
+        return 0
+    if args.serve_stub:
+        serve_stub()
+        return 0
+    if args.quick:
+        args.calls, args.warmup, args.seconds, args.rounds = 40, 5, 2.0, 1
+    wanted = [p for p in PATHS if not args.only or p == "direct" or p in args.only.split(",")]
+    if args.no_litellm and "litellm" in wanted:
+        wanted.remove("litellm")
+    work = Path(tempfile.mkdtemp(prefix="agenttap-overhead-"))
+    confdir = work / "conf"
+    children: list[subprocess.Popen[bytes]] = []
+    servers: dict[str, Server] = {}
+    notes: dict[str, str] = {}
+    try:
+        fake, fake_url = spawn_child("--serve-fake", work)
+        children.append(fake)
+        servers["direct"] = Server("direct", fake, work / "serve-fake.log", fake_url)
+        if "mitmdump" in wanted:
+            servers["mitmdump"] = start_mitmdump(
+                "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
+            )
+        if "agenttap" in wanted:
+            stub, stub_url = spawn_child("--serve-stub", work)
+            children.append(stub)
+            servers["agenttap"] = start_mitmdump(
+                "agenttap",
+                [
+                    "-s", str(REPO / "addons" / "capture.py"),
+                    "--set", f"agenttap_policy_url={stub_url}",
+                    "--set", f"agenttap_tokenizer={QWEN3}",
+                    "--set", f"agenttap_out={work / 'out'}",
+                ],
+                work,
+                confdir,
+            )  # fmt: skip
+        if "litellm" in wanted:
+            started = start_litellm(fake_url, work)
+            if isinstance(started, str):
+                notes["litellm"] = started
+            else:
+                servers["litellm"] = started
+        names = [p for p in PATHS if p in servers]
+        ca = confdir / "mitmproxy-ca-cert.pem"
+        deadline = time.monotonic() + 30
+        while not ca.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        paths = {name: Path_(servers[name], ca) for name in names}
+        print(
+            f"paths: {', '.join(names)}; {args.calls} latency calls per path and kind after "
+            f"{args.warmup} warm-up, throughput {args.seconds:g} s x {args.rounds} round(s); "
+            f"logs in {work}",
+            flush=True,
+        )
+        latency, rates = asyncio.run(
+            measure(paths, args.calls, args.warmup, args.seconds, args.rounds)
+        )
+        report(names, latency, rates, notes)
+    finally:
+        for server in servers.values():
+            if server.name != "direct":
+                server.stop()
+        for child in children:
+            if child.poll() is None:
+                assert child.stdin is not None
+                child.stdin.close()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
