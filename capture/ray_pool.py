@@ -1,0 +1,577 @@
+"""Many agenttap proxies on Ray: a pool of proxy actors over a host's cores and over hosts.
+
+    import ray
+    from capture.ray_pool import ProxyPool
+
+    ray.init()                                         # the trainer's own cluster
+    pool = ProxyPool.start(["http://gpu0:8000", "http://gpu1:8000"], "/models/qwen3",
+                           "/shared/rollouts", num_proxies=8)
+    sess = pool.open_session(metadata={"task_id": "t1"})   # on the least-loaded proxy
+    OpenAI(base_url=sess.base_urls["openai"], api_key="x")  # or sess.env (proxy mode)
+    table = sess.close(reward=1.0)                     # its thread rows, as with AgentTap
+    rows = pool.dataset().to_table()                   # every proxy's shards, one dataset
+    pool.shutdown()
+
+One mitmdump is one Python process and so one core. ``ProxyActor`` is a Ray actor that starts
+one instance through ``capture.launcher.AgentTap`` on its node and drives it through the control
+API; ``ProxyPool`` (the driver side) starts N of them (``SPREAD`` over the nodes, or
+``proxies_per_node`` on every node), places each new session on the least-loaded actor (fewest
+live sessions, then fewest calls in flight) and remembers which actor holds it.
+
+Replica affinity across the pool: a session lives on one actor (the pool remembers which) and
+that actor's gateway keeps it on one policy replica (``capture/policies.py``). Every actor is
+given the same ordered replica list (and the same ``agenttap_model_map``, if any), so whichever
+actor holds a session, an idle proxy sends its first call to the same replica,
+``crc32(session id) % len(replicas)`` (``ProxyPool.replica_for``); a gateway that places by
+replica load too uses the hash to break ties, so under load the choice is that actor's.
+
+Shards: actor ``n`` writes to ``OUT_ROOT/proxy-<n>/`` (``turns/``, ``threads/``, ...).
+``OUT_ROOT`` is a local path: on one host, or a shared filesystem (NFS, ...) mounted at the same
+path on every node, the pool reads it back as it is. The proxies write only local files; for an
+object store (or any ``pyarrow.fs`` filesystem) give ``upload_to`` (a URI such as
+``s3://bucket/rollouts`` or ``file:///data/rollouts``, or a path inside ``upload_filesystem``):
+each actor copies its new shard files there after every close, flush and at shutdown (to a
+hidden temporary name, then moved into place, so readers never see a partial file), and
+``dataset()`` / ``ray_dataset()`` read from there.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+
+from capture.launcher import AgentTap
+
+if TYPE_CHECKING:
+    import ray.data
+
+# The shard folders of one instance (docs/SHARDS.md) that an upload copies.
+SHARD_KINDS = ("turns", "threads", "failed", "rewards")
+# The column ``dataset()`` adds: the folder of the proxy that wrote the row (``proxy-<n>``).
+PROXY_COLUMN = "proxy"
+
+
+def replica_for(session_id: str, replicas: list[str]) -> str:
+    """The policy replica an idle proxy sends a session's calls to, whichever proxy holds it:
+    ``capture.policies.PolicyPools.client_for``'s hash (crc32 of the id, modulo the
+    replicas)."""
+    return replicas[zlib.crc32(session_id.encode()) % len(replicas)]
+
+
+def least_loaded(loads: list[dict[str, int]], placed: list[int]) -> int:
+    """The index of the proxy a new session goes to: fewest sessions (the larger of what it
+    reports live and what the pool placed there and has not closed), then fewest calls in
+    flight, then the lowest index."""
+
+    def score(i: int) -> tuple[int, int, int]:
+        return (max(loads[i].get("sessions", 0), placed[i]), loads[i].get("in_flight", 0), i)
+
+    return min(range(len(loads)), key=score)
+
+
+def resolve_filesystem(
+    target: str, filesystem: pafs.FileSystem | None = None
+) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for ``target``: a path inside ``filesystem`` when one is
+    given, else a ``pyarrow.fs`` URI (``s3://``, ``gs://``, ``file://``, ...) or a local path."""
+    if filesystem is not None:
+        return filesystem, target.rstrip("/")
+    if "://" in target:
+        fs, path = pafs.FileSystem.from_uri(target)
+        return fs, path.rstrip("/")
+    return pafs.LocalFileSystem(), str(Path(target).resolve())
+
+
+def shard_files(fs: pafs.FileSystem, base: str, kind: str = "threads") -> list[str]:
+    """The finished Parquet shards of ``kind`` under every ``base/proxy-*/`` folder (hidden
+    temporary files skipped), sorted."""
+    proxies = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    found: list[str] = []
+    for proxy in proxies:
+        if proxy.type != pafs.FileType.Directory or not proxy.base_name.startswith("proxy-"):
+            continue
+        selector = pafs.FileSelector(f"{proxy.path}/{kind}", allow_not_found=True)
+        found += [
+            info.path
+            for info in fs.get_file_info(selector)
+            if info.type == pafs.FileType.File
+            and info.base_name.endswith(".parquet")
+            and not info.base_name.startswith((".", "_"))
+        ]
+    return sorted(found)
+
+
+class Uploader:
+    """Copies an instance's new or changed shard files to a ``pyarrow.fs`` filesystem."""
+
+    def __init__(self, local_out: Path, fs: pafs.FileSystem, dest: str) -> None:
+        self.local_out = local_out
+        self.fs = fs
+        self.dest = dest.rstrip("/")
+        self._sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns)
+        self._lock = threading.Lock()
+        self.uploaded = 0
+
+    def sync(self) -> list[str]:
+        """Upload what is new since the last sync; returns the destination paths written."""
+        local = pafs.LocalFileSystem()
+        written = []
+        with self._lock:
+            for kind in SHARD_KINDS:
+                folder = self.local_out / kind
+                if not folder.is_dir():
+                    continue
+                for path in sorted(folder.glob("*.parquet")):
+                    if path.name.startswith("."):
+                        continue  # a shard being written (capture/shards.py)
+                    st = path.stat()
+                    rel = f"{kind}/{path.name}"
+                    if self._sent.get(rel) == (st.st_size, st.st_mtime_ns):
+                        continue
+                    final = f"{self.dest}/{rel}"
+                    tmp = f"{self.dest}/{kind}/.{path.name}.tmp"
+                    self.fs.create_dir(f"{self.dest}/{kind}", recursive=True)
+                    pafs.copy_files(
+                        str(path), tmp, source_filesystem=local, destination_filesystem=self.fs
+                    )
+                    self.fs.move(tmp, final)
+                    self._sent[rel] = (st.st_size, st.st_mtime_ns)
+                    written.append(final)
+            self.uploaded += len(written)
+        return written
+
+
+class ProxyActorImpl:
+    """One agenttap instance on this node (``ray.remote`` makes it the ``ProxyActor``; a plain
+    instance works without Ray). Its shards go to ``OUT_ROOT/proxy-<index>/``."""
+
+    def __init__(
+        self,
+        index: int,
+        policy_urls: list[str],
+        tokenizer: str,
+        out_root: str,
+        *,
+        host: str = "127.0.0.1",
+        advertise_host: str = "",
+        confdir: str | None = None,
+        options: dict[str, str] | None = None,
+        upload_to: str | None = None,
+        upload_filesystem: pafs.FileSystem | None = None,
+        start_timeout: float = 120.0,
+    ) -> None:
+        self.index = index
+        self.name = f"proxy-{index}"
+        self.out = Path(out_root) / self.name
+        if host == "node":
+            host = _node_ip()
+        # The proxy's CA (its private key) stays on this node, not in the shared out root.
+        conf = confdir or tempfile.mkdtemp(prefix=f"agenttap-{self.name}-conf-")
+        self.tap = AgentTap.start(
+            ",".join(policy_urls),
+            tokenizer,
+            self.out,
+            host=host,
+            advertise_host=advertise_host,
+            confdir=conf,
+            options=options,
+            timeout=start_timeout,
+        )
+        self.uploader: Uploader | None = None
+        if upload_to is not None:
+            fs, base = resolve_filesystem(upload_to, upload_filesystem)
+            self.uploader = Uploader(self.out, fs, f"{base}/{self.name}")
+        self.opened = 0
+        self.closed = 0
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        """Where it runs: its index, folder, node, pid, and the instance's URLs."""
+        return {
+            "index": self.index,
+            "name": self.name,
+            "out": str(self.out),
+            "node_id": _node_id(),
+            "node_ip": _node_ip(),
+            "pid": os.getpid(),
+            "mitmdump_pid": self.tap.proc.pid,
+            "proxy_url": self.tap.proxy_url,
+            "api_url": self.tap.api_url,
+        }
+
+    def open_session(
+        self,
+        session_id: str,
+        metadata: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        sess = self.tap.open_session(session_id, metadata, limits)
+        with self._lock:
+            self.opened += 1
+        return {"id": sess.id, "env": dict(sess.env), "base_urls": dict(sess.base_urls)}
+
+    def close_session(
+        self, session_id: str, reward: float | dict[str, float] | None = None
+    ) -> pa.Table:
+        """Close it with its reward: its thread rows (uploaded first, with ``upload_to``)."""
+        body = {"reward": reward} if reward is not None else {}
+        summary, table = self.tap.client.request(
+            "POST", f"/sessions/{session_id}/close", body, arrow=True
+        )
+        assert table is not None
+        with self._lock:
+            self.closed += 1
+        if self.uploader is not None:
+            self.uploader.sync()
+        return table
+
+    def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
+        """A late reward, after close (written to this proxy's ``rewards/``)."""
+        self.tap.client.post(f"/sessions/{session_id}/reward", {"reward": reward})
+        if self.uploader is not None:
+            self.uploader.sync()
+
+    def load(self) -> dict[str, int]:
+        """Live sessions and calls in flight now (the control API's ``GET /sessions``)."""
+        live = self.tap.sessions()
+        return {"sessions": len(live), "in_flight": sum(int(s["in_flight"]) for s in live)}
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self.tap.sessions()
+
+    def flush(self) -> list[str]:
+        """Write every live session's shards now (and upload them)."""
+        written = self.tap.flush()
+        if self.uploader is not None:
+            self.uploader.sync()
+        return written
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = {"opened": self.opened, "closed": self.closed}
+        return {
+            **self.info(),
+            **counts,
+            **self.load(),
+            "uploaded": self.uploader.uploaded if self.uploader else 0,
+            "alive": self.tap.proc.poll() is None,
+        }
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the instance (every session's shards written; killed past ``timeout``), then
+        upload what is left."""
+        self.tap.close(timeout)
+        if self.uploader is not None:
+            self.uploader.sync()
+
+
+def proxy_actor_class(num_cpus: float = 1.0, max_concurrency: int = 64) -> Any:
+    """``ProxyActorImpl`` as a Ray actor class. ``max_concurrency``: its methods run in a
+    thread pool, so ``load`` answers while a close is under way."""
+    import ray
+
+    remote: Any = ray.remote  # its typed overloads name no actor options
+    return remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(ProxyActorImpl)
+
+
+@dataclass
+class PoolSession:
+    """A session on one of the pool's proxies; ``env`` / ``base_urls`` as ``Session``'s."""
+
+    pool: ProxyPool
+    id: str
+    proxy: int
+    env: dict[str, str]
+    base_urls: dict[str, str]
+    closed: bool = field(default=False)
+
+    def close(self, reward: float | dict[str, float] | None = None) -> pa.Table:
+        table = self.pool.close_session(self.id, reward)
+        self.closed = True
+        return table
+
+    def reward(self, reward: float | dict[str, float]) -> None:
+        self.pool.reward(self.id, reward)
+
+
+class ProxyPool:
+    """N proxy actors; sessions placed on the least-loaded one; their shards as one dataset."""
+
+    def __init__(
+        self,
+        actors: list[Any],
+        infos: list[dict[str, Any]],
+        policy_urls: list[str],
+        out_root: Path,
+        read_fs: pafs.FileSystem,
+        read_base: str,
+        load_refresh_s: float,
+    ) -> None:
+        self.actors = actors
+        self.infos = infos
+        self.policy_urls = policy_urls
+        self.out_root = out_root
+        self.read_fs = read_fs
+        self.read_base = read_base
+        self.load_refresh_s = load_refresh_s
+        self._lock = threading.Lock()
+        self._placed = [0] * len(actors)  # sessions the pool placed and has not closed
+        self._where: dict[str, int] = {}  # session id -> actor index
+        self._closed_on: dict[str, int] = {}  # closed sessions (late rewards) -> actor index
+        self._loads: list[dict[str, int]] = [{} for _ in actors]
+        self._loads_at = float("-inf")
+        self._stopped = False
+
+    @classmethod
+    def start(
+        cls,
+        policy_urls: str | list[str],
+        tokenizer: str | os.PathLike[str],
+        out_root: str | os.PathLike[str],
+        num_proxies: int = 2,
+        *,
+        proxies_per_node: int | None = None,
+        num_cpus: float = 1.0,
+        max_concurrency: int = 64,
+        host: str = "127.0.0.1",
+        confdir: str | os.PathLike[str] | None = None,
+        options: dict[str, str] | None = None,
+        upload_to: str | None = None,
+        upload_filesystem: pafs.FileSystem | None = None,
+        load_refresh_s: float = 0.0,
+        start_timeout: float = 120.0,
+    ) -> ProxyPool:
+        """Start the actors (Ray must be initialised) and wait until every instance answers.
+
+        ``policy_urls``: the policy replicas, in one order for every actor (affinity);
+        ``num_proxies`` actors spread over the nodes (``SPREAD``), or ``proxies_per_node`` on
+        every alive node; ``num_cpus``: Ray CPUs each actor holds (its mitmdump uses about one
+        core when busy); ``host``: where each instance listens (``"node"``: the node's IP
+        address, for agents on other hosts; no authentication on the proxy port: see
+        README); ``out_root``: local or shared path, ``OUT_ROOT/proxy-<n>/`` per actor;
+        ``upload_to`` (+ ``upload_filesystem``): copy shards there too (module docstring);
+        ``load_refresh_s``: how long a poll of the actors' loads is reused for placing."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        urls = [policy_urls] if isinstance(policy_urls, str) else list(policy_urls)
+        urls = [u for part in urls for u in part.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("ProxyPool needs at least one policy URL")
+        root = Path(out_root).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        actor_cls = proxy_actor_class(num_cpus, max_concurrency)
+        if proxies_per_node is not None:
+            nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+            strategies: list[Any] = [
+                NodeAffinitySchedulingStrategy(node, soft=False)
+                for node in nodes
+                for _ in range(proxies_per_node)
+            ]
+        else:
+            strategies = ["SPREAD"] * num_proxies
+        kwargs = {
+            "host": host,
+            "confdir": str(confdir) if confdir else None,
+            "options": options,
+            "upload_to": upload_to,
+            "upload_filesystem": upload_filesystem,
+            "start_timeout": start_timeout,
+        }
+        actors = [
+            actor_cls.options(scheduling_strategy=strategy).remote(
+                i, urls, str(Path(tokenizer).resolve()), str(root), **kwargs
+            )
+            for i, strategy in enumerate(strategies)
+        ]
+        try:
+            infos = ray.get([a.info.remote() for a in actors])
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor)
+            raise
+        if upload_to is not None:
+            read_fs, read_base = resolve_filesystem(upload_to, upload_filesystem)
+        else:
+            read_fs, read_base = pafs.LocalFileSystem(), str(root)
+        return cls(actors, infos, urls, root, read_fs, read_base, load_refresh_s)
+
+    # -- sessions ----------------------------------------------------------------------------
+    def loads(self) -> list[dict[str, int]]:
+        """Every actor's live sessions and calls in flight (polled now)."""
+        import ray
+
+        loads = list(ray.get([a.load.remote() for a in self.actors]))
+        with self._lock:
+            self._loads, self._loads_at = loads, time.monotonic()
+        return loads
+
+    def open_session(
+        self,
+        metadata: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> PoolSession:
+        """Open a session on the least-loaded actor (``session_id``: else a new one)."""
+        import ray
+
+        sid = session_id or f"s-{uuid.uuid4().hex}"
+        if time.monotonic() - self._loads_at >= self.load_refresh_s:
+            self.loads()
+        with self._lock:
+            if sid in self._where:
+                raise ValueError(
+                    f"session {sid!r} is open on {self.infos[self._where[sid]]['name']}"
+                )
+            index = least_loaded(self._loads, self._placed)
+            self._placed[index] += 1
+            self._where[sid] = index
+        try:
+            answer = ray.get(self.actors[index].open_session.remote(sid, metadata, limits))
+        except BaseException:
+            self._forget(sid)
+            raise
+        return PoolSession(self, answer["id"], index, answer["env"], answer["base_urls"])
+
+    def _forget(self, sid: str) -> int:
+        with self._lock:
+            index = self._where.pop(sid)
+            self._placed[index] -= 1
+        return index
+
+    def proxy_of(self, session_id: str) -> int:
+        """The index of the actor holding a session the pool opened (and has not closed)."""
+        return self._where[session_id]
+
+    def replica_for(self, session_id: str) -> str:
+        """The policy replica the session's hash names (an idle proxy's choice, the same on
+        every actor)."""
+        return replica_for(session_id, self.policy_urls)
+
+    def close_session(
+        self, session_id: str, reward: float | dict[str, float] | None = None
+    ) -> pa.Table:
+        """Close it on its actor with its reward; its thread rows."""
+        import ray
+
+        index = self._where[session_id]
+        table = ray.get(self.actors[index].close_session.remote(session_id, reward))
+        self._forget(session_id)
+        self._closed_on[session_id] = index
+        return table
+
+    def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
+        """A late reward for a session the pool closed (on the actor that held it)."""
+        import ray
+
+        index = self._closed_on.get(session_id, self._where.get(session_id))
+        if index is None:
+            raise KeyError(f"the pool never held a session {session_id!r}")
+        ray.get(self.actors[index].reward.remote(session_id, reward))
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Every actor's live sessions (``GET /sessions``), each with its actor's ``proxy``."""
+        import ray
+
+        found = ray.get([a.sessions.remote() for a in self.actors])
+        return [{**s, PROXY_COLUMN: i} for i, live in enumerate(found) for s in live]
+
+    def stats(self) -> list[dict[str, Any]]:
+        import ray
+
+        return list(ray.get([a.stats.remote() for a in self.actors]))
+
+    def flush(self) -> list[str]:
+        import ray
+
+        return [p for written in ray.get([a.flush.remote() for a in self.actors]) for p in written]
+
+    # -- the rows ----------------------------------------------------------------------------
+    def shard_files(self, kind: str = "threads") -> list[str]:
+        """Every proxy's finished ``kind`` shards (``turns``, ``threads``, ``failed``)."""
+        return shard_files(self.read_fs, self.read_base, kind)
+
+    def dataset(self, kind: str = "threads") -> ds.Dataset:
+        """Every proxy's ``kind`` shards as one ``pyarrow.dataset``; a ``proxy`` column names
+        the proxy folder (``proxy-<n>``) each row comes from. Rewards are those written at
+        close; ``capture.reader.load_threads`` joins late ones (per proxy folder)."""
+        return open_dataset(self.read_fs, self.read_base, kind)
+
+    def ray_dataset(self, kind: str = "threads") -> ray.data.Dataset:
+        """The same shards as a Ray Data dataset (``ray.data.read_parquet``). Its read tasks
+        need CPUs the proxy actors (``num_cpus`` each) have not taken, or it waits."""
+        import ray.data
+
+        files = self.shard_files(kind)
+        if not files:
+            raise FileNotFoundError(f"no {kind} shards under {self.read_base}")
+        return ray.data.read_parquet(files, filesystem=self.read_fs)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 120.0) -> None:
+        """Stop every instance (its shards written and uploaded), then the actors. An actor
+        killed otherwise takes its mitmdump with it (Ray ends a worker's children) before it
+        wrote its live sessions: their journals become shards when a proxy starts again on
+        the same folder (crash recovery)."""
+        import ray
+
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            # Each instance is killed past its share, so the actors answer within ``timeout``.
+            stops = [a.shutdown.remote(max(1.0, timeout - 15)) for a in self.actors]
+            ray.get(stops, timeout=timeout)
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+
+    def __enter__(self) -> ProxyPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def open_dataset(fs: pafs.FileSystem | str, base: str = "", kind: str = "threads") -> ds.Dataset:
+    """Every ``base/proxy-*/kind`` shard under a pool's root as one ``pyarrow.dataset``, with a
+    ``proxy`` column; ``fs`` a filesystem, or a URI / local path (``base`` then ignored)."""
+    if isinstance(fs, str):
+        fs, base = resolve_filesystem(fs)
+    files = shard_files(fs, base, kind)
+    if not files:
+        raise FileNotFoundError(f"no {kind} shards under {base}/proxy-*/{kind}")
+    # The first folder under ``base`` (proxy-<n>) becomes the ``proxy`` column.
+    partitioning = ds.DirectoryPartitioning(pa.schema([(PROXY_COLUMN, pa.string())]))
+    return ds.dataset(
+        files, filesystem=fs, format="parquet", partitioning=partitioning, partition_base_dir=base
+    )
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+    except Exception:
+        return ""
+
+
+def _node_ip() -> str:
+    try:
+        import ray.util
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:
+        return "127.0.0.1"
