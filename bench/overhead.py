@@ -227,8 +227,10 @@ def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Ser
         str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
         "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy", *args,
     ]  # fmt: skip
-    profile = os.environ.get("OVERHEAD_PROFILE")  # agenttap under cProfile, written on exit
-    if profile and name == "agenttap":
+    # OVERHEAD_PROFILE=FILE: this path (OVERHEAD_PROFILE_PATH, default agenttap) runs under
+    # cProfile, its stats written to FILE when it exits.
+    profile = os.environ.get("OVERHEAD_PROFILE")
+    if profile and name == os.environ.get("OVERHEAD_PROFILE_PATH", "agenttap"):
         cmd = [sys.executable, "-m", "cProfile", "-o", profile, *cmd]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
