@@ -408,14 +408,16 @@ class TurnPipeline:
             first = await anext(deltas, None)
         except (PolicyError, *POLICY_FAILURES) as exc:
             return self._refused_by_policy(turn, exc)
-        await send(writer.start())
         self.metrics.first_token.labels(provider.name).observe(time.time() - turn.started)
+        # Events not sent yet: the pieces the policy sent in one read go out in one write.
+        pending = [writer.start()]
         delta = first
         while delta is not None:
             completion.extend(delta)
-            chunk = writer.events(parser.feed(delta.text))
-            if chunk:
-                await send(chunk)
+            pending.append(writer.events(parser.feed(delta.text)))
+            if not delta.more:
+                await send(b"".join(pending))
+                pending.clear()
             try:
                 # Only the policy's part is caught here: a client that left makes ``send``
                 # fail (or cancels this handler), which is no failure of the policy's.
@@ -424,12 +426,12 @@ class TurnPipeline:
                 # Mid-stream the status line is gone: the provider's error event ends it.
                 error = exc if isinstance(exc, PolicyError) else policy_failure(turn.client, exc)
                 self._record_failure(turn, error, len(completion.token_ids))
-                await send(writer.error(str(error)))
+                await send(b"".join(pending) + writer.error(str(error)))
                 return None
         tail = writer.events(parser.finish())
         reply = parser.reply()
         closing, reason = writer.finish(completion, reply)
-        await send(tail + closing)
+        await send(b"".join(pending) + tail + closing)
         # Durable before the client sees the end of the response.
         await self._record(turn, completion, reason, reply)
         await send(writer.end())

@@ -46,6 +46,9 @@ class CompletionDelta:
     weight_versions: list[WeightSpan] = field(default_factory=list)
     # The policy server that sampled this piece ("" when not known).
     backend: str = ""
+    # Another piece came in the same read and follows at once: a writer may hold this one's
+    # bytes and send them with the next.
+    more: bool = False
 
 
 @dataclass

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError
 
 from rewriter.canonical import SamplingParams
 from rewriter.vllm_answers import (
@@ -108,6 +107,45 @@ class ResumedText:
 
 
 Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"]]
+
+
+# The longest stream line read from a policy server: aiohttp's own line limit (twice its 64 KiB
+# read buffer), which the stream was read with line by line before.
+MAX_LINE_BYTES = 2 * 2**16
+
+
+class _LineSplitter:
+    """Bytes as they are read -> the complete lines among them (stripped), bounded."""
+
+    def __init__(self) -> None:
+        self._partial: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> list[bytes]:
+        parts = data.split(b"\n")
+        if len(parts) == 1:
+            self._keep(data)
+            return []
+        if self._partial:
+            parts[0] = b"".join(self._partial) + parts[0]
+            self._partial, self._size = [], 0
+        if len(parts[0]) > MAX_LINE_BYTES:
+            raise malformed_answer("an over-long line", f"{len(parts[0])} bytes")
+        self._keep(parts.pop())
+        return [p.strip() for p in parts]
+
+    def rest(self) -> list[bytes]:
+        """What is left when the stream ends (a last line without its newline)."""
+        line = b"".join(self._partial).strip()
+        self._partial, self._size = [], 0
+        return [line] if line else []
+
+    def _keep(self, data: bytes) -> None:
+        if data:
+            self._partial.append(data)
+            self._size += len(data)
+            if self._size > MAX_LINE_BYTES:
+                raise malformed_answer("an over-long line", f"over {MAX_LINE_BYTES} bytes")
 
 
 class VLLMClient:
@@ -418,35 +456,52 @@ class VLLMClient:
         except TimeoutError as exc:
             raise self._stalled() from exc
         finished = False
+        lines = _LineSplitter()
         async with resp:
             while True:
                 try:
                     # Bounded per read, never across a yield: the caller's own awaits (writing
                     # to a slow client) are not the policy's time.
                     async with asyncio.timeout_at(deadline):
-                        raw = await resp.content.readline()
+                        data = await resp.content.readany()
                 except TimeoutError as exc:  # ours, or the connection's read timeout
                     raise self._stalled() from exc
-                except (ValueError, HttpProcessingError) as exc:  # a line past aiohttp's limit
-                    raise malformed_answer("an over-long line", str(exc)) from None
-                if not raw:
-                    break
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank lines, SSE comments (": ping"), event names
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return
-                for choice in answer_choices(answer_json(payload, "a stream line")):
-                    delta = parse(choice)
-                    if delta.token_ids or delta.finish_reason is not None:
-                        deadline = self._deadline()
-                        finished = finished or delta.finish_reason is not None
-                    elif not (delta.text or delta.weight_versions):
-                        # A keep-alive: not passed on, so that a caller waiting for the first
-                        # piece before it answers (a status line) still waits for a real one.
-                        continue
+                # Every line already here is parsed before any is yielded, so that each piece
+                # says whether another follows at once (``more``): a writer sends those in one
+                # write, as the policy's bytes came in one read.
+                batch: list[CompletionDelta] = []
+                error: PolicyError | None = None
+                done = False
+                try:
+                    for line in lines.feed(data) if data else lines.rest():
+                        if not line.startswith(b"data:"):
+                            continue  # blank lines, SSE comments (": ping"), event names
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        for choice in answer_choices(answer_json(payload, "a stream line")):
+                            delta = parse(choice)
+                            if delta.token_ids or delta.finish_reason is not None:
+                                deadline = self._deadline()
+                                finished = finished or delta.finish_reason is not None
+                            elif not (delta.text or delta.weight_versions):
+                                # A keep-alive: not passed on, so that a caller waiting for the
+                                # first piece before it answers (a status line) still waits for
+                                # a real one.
+                                continue
+                            batch.append(delta)
+                except PolicyError as exc:
+                    error = exc  # after the pieces before it, as they came
+                for i, delta in enumerate(batch):
+                    delta.more = i < len(batch) - 1
                     yield delta
+                if error is not None:
+                    raise error
+                if done:
+                    return
+                if not data:
+                    break
         if not finished:
             # Status 0: the server went away mid-generation (a crash, a restart): retryable.
             raise PolicyError(
