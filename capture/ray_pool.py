@@ -32,7 +32,14 @@ object store (or any ``pyarrow.fs`` filesystem) give ``upload_to`` (a URI such a
 ``s3://bucket/rollouts`` or ``file:///data/rollouts``, or a path inside ``upload_filesystem``):
 each actor copies its new shard files there after every close, flush and at shutdown (to a
 hidden temporary name, then moved into place, so readers never see a partial file), and
-``dataset()`` / ``ray_dataset()`` read from there.
+``dataset()`` / ``ray_dataset()`` read from there. A node-local ``OUT_ROOT`` on several hosts
+without ``upload_to``: the driver reads only the shards on its own disk.
+
+Reaching the proxies: by default each instance listens on its node's loopback, so agents must
+run on the node of the actor holding their session (``PoolSession.proxy``, ``ProxyPool.infos``);
+``host="node"`` listens on the node's IP address instead (base URLs then name it; anyone who
+reaches it can use the policy). A session's ``env`` (proxy mode) names that proxy's CA files,
+kept in a temporary folder of its node.
 """
 
 from __future__ import annotations
@@ -152,9 +159,9 @@ class Uploader:
         return written
 
 
-class ProxyActorImpl:
-    """One agenttap instance on this node (``ray.remote`` makes it the ``ProxyActor``; a plain
-    instance works without Ray). Its shards go to ``OUT_ROOT/proxy-<index>/``."""
+class ProxyActor:
+    """One agenttap instance on this node: the class each Ray actor runs (``proxy_actor_class``;
+    a plain instance works without Ray). Its shards go to ``OUT_ROOT/proxy-<index>/``."""
 
     def __init__(
         self,
@@ -277,12 +284,13 @@ class ProxyActorImpl:
 
 
 def proxy_actor_class(num_cpus: float = 1.0, max_concurrency: int = 64) -> Any:
-    """``ProxyActorImpl`` as a Ray actor class. ``max_concurrency``: its methods run in a
-    thread pool, so ``load`` answers while a close is under way."""
+    """``ProxyActor`` as a Ray actor class (Ray is imported here, not when this module is).
+    ``max_concurrency``: its methods run in a thread pool, so ``load`` answers while a close
+    is under way."""
     import ray
 
     remote: Any = ray.remote  # its typed overloads name no actor options
-    return remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(ProxyActorImpl)
+    return remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(ProxyActor)
 
 
 @dataclass

@@ -190,3 +190,24 @@ def test_shutdown_stops_every_mitmdump_and_keeps_the_uploaded_shards(pool: Proxy
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert pool.dataset().count_rows() == 5
+
+
+def test_proxies_per_node_places_them_on_every_node(
+    cluster: None, replicas: list[StubPolicy], tmp_path: Path
+) -> None:
+    per_node = ProxyPool.start(
+        [stub.url for stub in replicas], QWEN3, tmp_path, proxies_per_node=2, num_cpus=0.25
+    )
+    try:
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        infos = per_node.stats()
+        assert len(infos) == 2 * len(nodes)
+        assert {i["node_id"] for i in infos} == nodes
+        sess = per_node.open_session(session_id="ray-pool-per-node")
+        assert chat(sess.base_urls["openai"], sess.id, 1) == [
+            REPLIES[per_node.policy_urls.index(per_node.replica_for(sess.id))]
+        ]
+        assert sess.close(reward=0.5).column("reward").to_pylist() == [0.5]
+    finally:
+        per_node.shutdown(timeout=60)
+    assert per_node.dataset().to_table().column("proxy").to_pylist() == [f"proxy-{sess.proxy}"]
