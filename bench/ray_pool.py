@@ -1,0 +1,209 @@
+"""Throughput of the Ray proxy pool with 1, 2 and 4 proxy actors (issue 19 item 4's closing note).
+
+    .venv/bin/python bench/ray_pool.py [--actors 1,2,4] [--sessions 64] [--calls 16] [--replicas 2]
+
+A local Ray cluster; a pool of proxy actors (capture/ray_pool.py: each a real mitmdump started
+by the launcher) in front of --replicas scripted stub policies, each in its own process (a fast
+policy: a short fixed answer). For each pool size: --sessions sessions opened through the pool
+(least-loaded placement), each sending --calls chat calls one after another through its base
+URL (plain HTTP from one asyncio client; a session's history grows with its calls), all sessions
+at once; then each closed with a reward. Prints calls per second, call latency (p50, p95),
+closes per second, the ratio of calls per second to 1 actor, and the cores busy while the calls
+ran: the proxies' mitmdumps, and the rest (the client and the stubs; Ray's own not counted). Every process (the clients,
+the stubs, Ray and the proxies) shares this host's cores: past the cores there is nothing to
+gain, and the output says how many there are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from capture.ray_pool import ProxyPool  # noqa: E402
+from tests.conftest import QWEN3  # noqa: E402
+
+
+def serve_stub(conn: Any) -> None:
+    """A stub policy in this (child) process; sends its URL, serves until the pipe closes."""
+    from tests.stub_vllm import StubPolicy
+
+    stub = StubPolicy(str(QWEN3))
+    stub.default_reply = "A short answer of a few tokens."
+    conn.send(stub.start())
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    stub.stop()
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes used so far (this host's /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def pct(times: list[float], q: float) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+async def session_calls(http: Any, base_url: str, sid: str, calls: int) -> list[float]:
+    times = []
+    history: list[dict[str, str]] = []
+    for i in range(calls):
+        history.append({"role": "user", "content": f"step {i} of {sid}"})
+        start = time.perf_counter()
+        async with http.post(
+            f"{base_url}/chat/completions", json={"model": "m", "messages": history}
+        ) as resp:
+            body = await resp.json()
+            assert resp.status == 200, body
+        times.append(time.perf_counter() - start)
+        history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return times
+
+
+async def drive(base_urls: list[tuple[str, str]], calls: int) -> tuple[float, list[float]]:
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+        per_session = await asyncio.gather(
+            *(session_calls(http, url, sid, calls) for sid, url in base_urls)
+        )
+        wall = time.perf_counter() - start
+    return wall, [t for times in per_session for t in times]
+
+
+def run(
+    n: int, urls: list[str], stub_pids: list[int], args: argparse.Namespace, root: Path
+) -> dict[str, Any]:
+    pool = ProxyPool.start(urls, QWEN3, root / f"pool-{n}", num_proxies=n, num_cpus=0.5)
+    try:
+        # Warm-up: one call through every actor (connections, first tokenizer use).
+        warm = [pool.open_session(session_id=f"warm-{n}-{i}") for i in range(n)]
+        asyncio.run(drive([(s.id, s.base_urls["openai"]) for s in warm], 1))
+        for sess in warm:
+            sess.close(reward=0.0)
+        sessions = [pool.open_session(session_id=f"b{n}-{i}") for i in range(args.sessions)]
+        per_actor = [0] * n
+        for sess in sessions:
+            per_actor[sess.proxy] += 1
+        proxies = [info["mitmdump_pid"] for info in pool.stats()]
+        others = [os.getpid(), *stub_pids]
+        before = cpu_s(proxies), cpu_s(others)
+        wall, times = asyncio.run(
+            drive([(s.id, s.base_urls["openai"]) for s in sessions], args.calls)
+        )
+        proxy_cpu, other_cpu = cpu_s(proxies) - before[0], cpu_s(others) - before[1]
+        start = time.perf_counter()
+        rows = sum(sess.close(reward=1.0).num_rows for sess in sessions)
+        close_wall = time.perf_counter() - start
+        read = pool.dataset().count_rows()
+        assert read == rows + n, (read, rows)  # the warm-up sessions' rows too
+    finally:
+        pool.shutdown()
+    return {
+        "actors": n,
+        "calls": len(times),
+        "wall": wall,
+        "calls_s": len(times) / wall,
+        "p50": statistics.median(times),
+        "p95": pct(times, 0.95),
+        "closes_s": len(sessions) / close_wall,
+        "rows": rows,
+        "read": read,
+        "per_actor": per_actor,
+        "proxy_cores": proxy_cpu / wall,
+        "other_cores": other_cpu / wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--actors", default="1,2,4")
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over the sizes (median)")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.actors.split(",")]
+    import ray
+
+    ctx = mp.get_context("spawn")
+    stubs = []
+    for _ in range(args.replicas):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=serve_stub, args=(child,), daemon=True)
+        proc.start()
+        stubs.append((proc, parent))
+    urls = [parent.recv() for _, parent in stubs]
+    cores = os.cpu_count() or 1
+    # Logical CPUs: each actor takes 0.5, so 4 actors fit and Ray Data keeps some.
+    ray.init(
+        num_cpus=max(4, cores), include_dashboard=False, log_to_driver=False, logging_level="error"
+    )
+    root = Path(tempfile.mkdtemp(prefix="agenttap-bench-ray-pool-"))
+    rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in sizes}
+    try:
+        for k in range(args.repeat):  # sizes interleaved: a noisy host hits every size alike
+            for n in sizes:
+                r = run(n, urls, [p.pid or 0 for p, _ in stubs], args, root / f"round-{k}")
+                rounds[n].append(r)
+                print(f"round {k + 1}: {n} actor(s): {r['calls_s']:.0f} calls/s", flush=True)
+    finally:
+        ray.shutdown()
+        for proc, parent in stubs:
+            parent.close()
+            proc.join(10)
+    # Per size, the round with the median calls/s.
+    results = [sorted(rounds[n], key=lambda r: r["calls_s"])[len(rounds[n]) // 2] for n in sizes]
+    base = results[0]["calls_s"]
+    print(
+        f"\n{args.sessions} sessions at once, {args.calls} chat calls each (base URL, plain HTTP), "
+        f"{args.replicas} stub policy replicas; this host has {cores} core(s); per size the "
+        f"median of {args.repeat} round(s)"
+    )
+    head = (
+        f"{'actors':>6} {'calls':>6} {'wall s':>7} {'calls/s':>8} {'vs 1':>6} "
+        f"{'p50 ms':>7} {'p95 ms':>7} {'closes/s':>9} {'proxy cores':>11} {'other cores':>11} "
+        f"{'sessions per actor':>19}"
+    )
+    print(head)
+    for r in results:
+        print(
+            f"{r['actors']:>6} {r['calls']:>6} {r['wall']:>7.2f} {r['calls_s']:>8.1f} "
+            f"{r['calls_s'] / base:>5.2f}x {r['p50'] * 1e3:>7.1f} {r['p95'] * 1e3:>7.1f} "
+            f"{r['closes_s']:>9.1f} {r['proxy_cores']:>11.2f} {r['other_cores']:>11.2f} "
+            f"{'/'.join(map(str, r['per_actor'])):>19}"
+        )
+    if max(sizes) > cores:
+        print(
+            f"note: {max(sizes)} actors on {cores} core(s): each mitmdump is one process using "
+            f"up to one core, and the clients, the stub policies and Ray share the same cores, "
+            f"so pools past {cores} actor(s) cannot scale here; on a host with a core per actor "
+            f"(and a policy that keeps up) throughput grows with the actors."
+        )
+
+
+if __name__ == "__main__":
+    main()
