@@ -27,7 +27,7 @@ from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_fa
 from capture.records import FailedCall, TurnRecord
 from capture.session_control import SessionControl
 from capture.session_ids import request_session_id
-from capture.sessions import SessionStore
+from capture.sessions import SessionStore, sync_journal
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
@@ -541,13 +541,17 @@ class TurnPipeline:
                 {"backend": b, "start": start, "end": end} for b, start, end in completion.backends
             ]
         async with self.session_lock(parsed.session_id):
-            self.store.record(
+            journal = self.store.record(
                 record,
                 turn.assembly,
                 turn.provider.recorded_reply(parsed, reply),
                 rescored=rescored,
                 constrained=constrained,
+                durable=False,
             )
+        # Durable before the client sees the end of its answer; the fsync (a millisecond or
+        # more under load) runs in a worker thread while the event loop serves other calls.
+        await asyncio.get_running_loop().run_in_executor(None, sync_journal, journal)
         self.control.note_recorded(
             parsed.session_id,
             len(record.prompt_ids),

@@ -169,12 +169,17 @@ class SessionStore:
         reply: Message | None = None,
         rescored: list[float] | None = None,
         constrained: bool = False,
-    ) -> None:
-        """Make ``turn`` durable (journal + fsync) and apply it to its thread.
+        durable: bool = True,
+    ) -> Path:
+        """Make ``turn`` durable (journal + fsync) and apply it to its thread; returns the
+        journal written.
 
         ``constrained``: sampled under a JSON schema, so the sampler's logprobs are not the
         policy's; ``rescored`` are the policy's (prompt_logprobs), trained instead (provenance
-        2). Without them the tokens are kept but masked (provenance 3)."""
+        2). Without them the tokens are kept but masked (provenance 3). ``durable=False``: the
+        line is written but not fsynced; the caller runs ``sync_journal`` on the path returned
+        (in a worker thread, the event loop going on meanwhile) before the client sees the end
+        of its answer."""
         _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
@@ -200,9 +205,11 @@ class SessionStore:
             # Enough to rebuild the call's place in the tree from the journal alone.
             entry = call_entry(call)
         # Compact: its prompt as the journal's earlier call it extends plus the new ids.
-        _append(sess.journal_path, {"turn": turn.to_row(), "call": entry}, sess.turns)
+        entry = {"turn": turn.to_row(), "call": entry}
+        _append(sess.journal_path, entry, sess.turns, fsync=durable)
         sess.turns.append(turn)
         sess.last_active = time.monotonic()
+        return sess.journal_path
 
     def record_failure(self, failed: FailedCall) -> None:
         """Journal a call the policy failed. Nothing of it reaches a thread: its tokens are
@@ -412,14 +419,31 @@ class SessionStore:
         return written
 
 
-def _append(journal: Path, entry: dict[str, Any], earlier: Sequence[TurnRecord] = ()) -> None:
-    """One journal line, durable (flushed and fsynced) before this returns. ``earlier``: the
-    calls this journal holds already (capture.journal_lines: a prompt refers to one of them)."""
+def _append(
+    journal: Path, entry: dict[str, Any], earlier: Sequence[TurnRecord] = (), fsync: bool = True
+) -> None:
+    """One journal line, durable (flushed and fsynced) before this returns (``fsync=False``:
+    once ``sync_journal`` has run). ``earlier``: the calls this journal holds already
+    (capture.journal_lines: a prompt refers to one of them)."""
     line = journal_lines.encode(entry, earlier) + b"\n"
     with open(journal, "ab") as fh:
         fh.write(line)
         fh.flush()
-        os.fsync(fh.fileno())
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+def sync_journal(journal: Path) -> None:
+    """fsync a journal whose lines were written with ``durable=False``. Gone already: its
+    session was written to shards (fsynced) and the journal removed; nothing is left to do."""
+    try:
+        fd = os.open(journal, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def safe_text(text: str) -> str:
