@@ -345,9 +345,10 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "agenttap_check_policy",
         "true",
-        "At start, check that every policy server answers, serves a model and tokenizes as "
-        "agenttap_tokenizer does; else stop with what to fix (true/false; false starts anyway, "
-        "and calls get the provider's retryable error until the policy answers).",
+        "At start, check that every policy server answers, serves a model, and tokenizes and "
+        "decodes (special tokens, ids over the whole vocabulary) as agenttap_tokenizer does; "
+        "else stop with what to fix (true/false; false starts anyway, and calls get the "
+        "provider's retryable error until the policy answers).",
         parse_bool,
     ),
     Option(

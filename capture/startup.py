@@ -13,7 +13,6 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rewriter.template import ChatTemplate
@@ -36,9 +35,32 @@ def _get(url: str, timeout: float, body: Any = None) -> Any:
         return json.loads(resp.read())
 
 
-def check_policy(url: str, encode: Callable[[str], list[int]], timeout: float = 10.0) -> str | None:
-    """Why the policy server at ``url`` cannot be used with this tokenizer (``encode``: text to
-    ids, no special tokens added), or None when it can."""
+def vocab_probe_ids(size: int, count: int = 64) -> list[int]:
+    """``count`` ids spread evenly over a vocabulary of ``size``, its last id among them (a
+    served vocabulary that ends sooner, or is ordered otherwise, decodes them differently)."""
+    if size <= 0:
+        return []
+    if size <= count:
+        return list(range(size))
+    return sorted({round(i * (size - 1) / (count - 1)) for i in range(count)})
+
+
+def _differs(ours: list[int], served: list[int]) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
+        min(len(served), len(ours)),
+    )
+    return (
+        f"gives {len(ours)} ids here and {len(served)} there, first different at position "
+        f"{at} ({ours[at : at + 3]} here, {served[at : at + 3]} there)"
+    )
+
+
+def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str | None:
+    """Why the policy server at ``url`` cannot be used with ``template``'s tokenizer, or None
+    when it can: it must answer, serve a model, tokenize a probe text holding every special
+    token of ours into the same ids (POST /tokenize), and decode ids spread over our whole
+    vocabulary, its last id included, into the same text (POST /detokenize)."""
     base = url.rstrip("/")
     try:
         models = _get(f"{base}/v1/models", timeout)
@@ -54,7 +76,13 @@ def check_policy(url: str, encode: Callable[[str], list[int]], timeout: float = 
             f"agenttap: the policy server at {url} answers GET /v1/models with no model: is "
             f"it a vLLM server? Fix --set agenttap_policy_url, {SKIP_HINT}."
         )
-    body = {"model": model, "prompt": PROBE, "add_special_tokens": False}
+    mismatch = (
+        f"agenttap: the tokenizer given (--set agenttap_tokenizer) does not match the model "
+        f"{model!r} served at {url}:"
+    )
+    fix = f"Give the folder of the served model's tokenizer, {SKIP_HINT}."
+    probe = PROBE + "".join(template.special_tokens())
+    body = {"model": model, "prompt": probe, "add_special_tokens": False}
     try:
         served = _get(f"{base}/tokenize", timeout, body)["tokens"]
     except urllib.error.HTTPError as exc:
@@ -63,18 +91,25 @@ def check_policy(url: str, encode: Callable[[str], list[int]], timeout: float = 
         return f"agenttap: the policy server at {url} refused POST /tokenize ({exc.code})."
     except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
         return f"agenttap: the policy server at {url} did not tokenize a probe text ({exc})."
-    ours = encode(PROBE)
+    ours = template.encode(probe)
     if served != ours:
-        at = next(
-            (i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
-            min(len(served), len(ours)),
-        )
+        return f"{mismatch} a probe text with its special tokens {_differs(ours, served)}. {fix}"
+    ids = vocab_probe_ids(template.vocab_size())
+    try:
+        text = _get(f"{base}/detokenize", timeout, {"model": model, "tokens": ids})["prompt"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None  # a server without /detokenize
         return (
-            f"agenttap: the tokenizer given (--set agenttap_tokenizer) does not match the model "
-            f"{model!r} served at {url}: a probe text gives {len(ours)} ids here and "
-            f"{len(served)} there, first different at position {at} ({ours[at : at + 3]} here, "
-            f"{served[at : at + 3]} there). Give the folder of the served model's tokenizer, "
-            f"{SKIP_HINT}."
+            f"{mismatch} it refused to decode ids up to {ids[-1]}, the last of our vocabulary "
+            f"of {template.vocab_size()} ({exc.code}). {fix}"
+        )
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        return f"agenttap: the policy server at {url} did not decode probe ids ({exc})."
+    if text != template.decode(ids):
+        return (
+            f"{mismatch} {len(ids)} ids spread over our vocabulary of {template.vocab_size()} "
+            f"decode to other text there. {fix}"
         )
     return None
 
@@ -97,7 +132,7 @@ def check_startup(settings: Settings) -> tuple[ChatTemplate | None, str | None]:
     servers = (u for _, urls in settings.model_map for u in urls)
     urls = list(dict.fromkeys([*settings.policy_urls, *servers]))
     for url in urls:
-        problem = check_policy(url, template.encode)
+        problem = check_policy(url, template)
         if problem:
             return template, problem
     logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
@@ -124,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agenttap: {exc}", file=sys.stderr)
         return 1
     for url in urls:
-        problem = check_policy(url, template.encode)
+        problem = check_policy(url, template)
         if problem:
             print(problem, file=sys.stderr)
             return 1

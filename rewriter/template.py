@@ -150,6 +150,16 @@ class ChatTemplate:
             )
         return self._max_token_bytes
 
+    def special_tokens(self) -> list[str]:
+        """The tokenizer's added and special tokens, in id order (the start-up check asks the
+        policy server to tokenize them all)."""
+        added = self.tokenizer.get_added_vocab()
+        return sorted(added, key=added.__getitem__)
+
+    def vocab_size(self) -> int:
+        """Ids this tokenizer knows, added tokens included."""
+        return len(self.tokenizer)
+
     def min_tokens(self, text_bytes: int) -> int:
         """At least how many tokens any text of ``text_bytes`` bytes takes: known before
         tokenizing it, so an over-long prompt is refused without that cost."""

@@ -172,6 +172,13 @@ class StubPolicy:
             }
         )
 
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /detokenize (ids to text with its tokenizer; an id past its vocabulary
+        decodes to nothing, as vLLM's does)."""
+        body = await request.json()
+        ids = [i for i in body["tokens"] if 0 <= i < len(self.tok)]
+        return web.json_response({"prompt": self.tok.decode(ids)})
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         index = len(self.requests)
@@ -407,6 +414,7 @@ class StubPolicy:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/completions", self._completions)
             app.router.add_post("/tokenize", self._tokenize)
+            app.router.add_post("/detokenize", self._detokenize)
             app.router.add_get("/health", self._health)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())

@@ -9,7 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from capture.startup import check_policy
+from aiohttp import web
+
+from capture.startup import check_policy, vocab_probe_ids
 from rewriter.policy_server import free_port
 from rewriter.template import ChatTemplate
 from tests.conftest import CAPTURE, MITMDUMP, QWEN3, QWEN25, REPO, agenttap_options
@@ -49,10 +51,43 @@ def test_another_models_tokenizer_stops_mitmdump(
     assert "does not match the model 'stub-policy'" in out and "first different at position" in out
 
 
+class ShorterVocabulary(StubPolicy):
+    """A policy whose tokenizer is ours but for its last id (what vLLM answers for an id past
+    its vocabulary: nothing)."""
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        ids = [i for i in (await request.json())["tokens"] if i < len(self.tok) - 1]
+        return web.json_response({"prompt": self.tok.decode(ids)})
+
+
+def test_a_vocabulary_that_ends_sooner_is_named() -> None:
+    ours = ChatTemplate(QWEN3)
+    ids = vocab_probe_ids(ours.vocab_size())
+    assert ids[0] == 0 and ids[-1] == ours.vocab_size() - 1 and len(ids) == 64
+    shorter = ShorterVocabulary(str(QWEN3))
+    shorter.start()
+    try:
+        problem = check_policy(shorter.url, ours)
+    finally:
+        shorter.stop()
+    assert problem is not None
+    assert f"64 ids spread over our vocabulary of {ours.vocab_size()}" in problem
+    assert "Give the folder of the served model's tokenizer" in problem
+
+
+def test_the_probe_holds_every_special_token() -> None:
+    ours = ChatTemplate(QWEN3)
+    specials = ours.special_tokens()
+    assert "<|im_start|>" in specials and "<think>" in specials and "<tool_call>" in specials
+    # In id order, each one token of its own.
+    ids = [ours.encode(t) for t in specials]
+    assert all(len(i) == 1 for i in ids) and ids == sorted(ids)
+
+
 def test_the_check_passes_a_matching_policy_and_can_be_skipped(
     stub: StubPolicy, confdir: Path, tmp_path: Path
 ) -> None:
-    assert check_policy(stub.url, ChatTemplate(QWEN3).encode) is None
+    assert check_policy(stub.url, ChatTemplate(QWEN3)) is None
     # Switched off, an unreachable policy starts anyway (the user said so): the proxy listens.
     url, port = f"http://127.0.0.1:{free_port()}", free_port()
     cmd = [

@@ -432,6 +432,29 @@ def test_tokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
     assert real["tokens"] == fake["tokens"] and real["count"] == len(real["tokens"])
 
 
+def test_detokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
+    """POST /detokenize (the startup check decodes ids spread over the whole vocabulary, the
+    last one included) answers alike; an id past the tokenizer's vocabulary decodes to nothing
+    on both (so a served vocabulary that ends sooner shows as other text)."""
+    from capture.startup import vocab_probe_ids
+
+    ids = vocab_probe_ids(len(stub.tok))
+    real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]
+    answers, past = [], []
+    for url, model in [(vllm_url, real_model), (stub.url, stub_model)]:
+        status, _, raw = post(url, {"model": model, "tokens": ids}, path="/detokenize")
+        assert status == 200, raw[:300]
+        answers.append(json.loads(raw))
+        past.append(
+            post(url, {"model": model, "tokens": [len(stub.tok) + 10**6]}, path="/detokenize")
+        )
+    real, fake = answers
+    assert_same_shape(real, fake, "/detokenize")
+    assert real["prompt"] == fake["prompt"] == stub.tok.decode(ids)
+    (rs, _, rraw), (fs, _, fraw) = past
+    assert rs == fs == 200 and json.loads(rraw) == json.loads(fraw) == {"prompt": ""}
+
+
 def test_health_answers_alike(vllm_url: str, stub: StubPolicy) -> None:
     """GET /health (agenttap's replica health checks): 200 with an empty body on both."""
     answers = []
