@@ -13,6 +13,9 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 - ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
   vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
+- ``policy``: the stub alone, called as agenttap calls it (the conversation rendered to token
+  ids before the clock starts, ``POST /v1/completions``): the policy's own time, so agenttap's
+  latency minus this one is what agenttap itself adds (a second table).
 - ``litellm``: LiteLLM's proxy (``litellm --config``) in front of the fake server, called at its
   base URL (plain HTTP, as its users do). Installed on first use into ``.cache/litellm-venv``
   (never into ``.venv``); the column is skipped with a note if that fails.
@@ -72,7 +75,7 @@ def reply_words(n: int) -> list[str]:
     return [("" if i == 0 else " ") + WORDS[i % len(WORDS)] for i in range(n)]
 
 
-PATHS = ("direct", "mitmdump", "agenttap", "litellm")
+PATHS = ("direct", "mitmdump", "agenttap", "policy", "litellm")
 # (name, max_tokens, stream)
 KINDS = (("1 token", 1, False), (f"{STREAM_TOKENS}-token stream", STREAM_TOKENS, True))
 
@@ -168,6 +171,9 @@ class _CachedTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._decode(tuple(ids), skip_special_tokens)
+
+    def __len__(self) -> int:  # dunders skip __getattr__ (the stub's /detokenize asks)
+        return len(self._tok)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
@@ -387,6 +393,56 @@ class Path_:
         return took
 
 
+class PolicyPath(Path_):
+    """The stub policy called directly, as agenttap calls it: the conversation rendered with the
+    Qwen3 chat template into token ids (before the clock starts), ``POST /v1/completions``
+    with ``return_token_ids`` and ``logprobs: 0``. Its latency is the policy's own time, so
+    agenttap's latency minus it is what agenttap adds (``direct`` answers from the fake
+    OpenAI server, which does less per token than the vLLM-shaped stub)."""
+
+    def __init__(self, server: Server, ca: Path) -> None:
+        super().__init__(server, ca)
+        self.url = server.url + "/v1/completions"
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(QWEN3))
+
+    async def call(self, client: str, max_tokens: int, stream: bool) -> float:
+        conv = self.conversations.get(client)
+        if conv is None:
+            conv = self.conversations[client] = Conversation(f"bench-{client}")
+        chat = conv.next_body(max_tokens, stream)
+        ids = self.tok.apply_chat_template(
+            chat["messages"], add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(ids, list):  # transformers 5 answers a BatchEncoding
+            ids = list(ids["input_ids"])
+        body = {
+            "model": "stub-policy", "prompt": ids, "max_tokens": max_tokens, "stream": stream,
+            "return_token_ids": True, "logprobs": 0, "skip_special_tokens": True,
+        }  # fmt: skip
+        assert self.http is not None
+        data = json.dumps(body).encode()
+        began = time.perf_counter()
+        async with self.http.post(
+            self.url, data=data, headers={"Content-Type": "application/json"}
+        ) as resp:
+            raw = await resp.read()
+        took = time.perf_counter() - began
+        if resp.status != 200:
+            raise RuntimeError(f"policy: HTTP {resp.status}: {raw[:300]!r}")
+        if stream:
+            events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+            if not events or events[-1] != b"[DONE]":
+                raise RuntimeError(f"policy: stream cut short: {raw[-300:]!r}")
+            texts = [c.get("text") or "" for e in events[:-1] for c in json.loads(e)["choices"]]
+            content = "".join(texts)
+        else:
+            content = json.loads(raw)["choices"][0]["text"] or ""
+        conv.answered(content)
+        return took
+
+
 async def throughput(
     path: Path_, clients: int, seconds: float, max_tokens: int, stream: bool
 ) -> float:
@@ -474,6 +530,22 @@ def report(
             ratio = f"{p50 / ref:.2f}x" if ref > 0 else "-"
             line += f" | {p50:>20.2f} {p95:>6.2f} {ratio:>7}"
         print(line)
+    if ("agenttap", kinds[0]) in latency and ("policy", kinds[0]) in latency:
+        # What agenttap itself adds: its latency over its policy's own (the stub called as
+        # agenttap calls it), against what plain mitmdump adds over its server (the fake).
+        print("\nagenttap over its policy, ms (agenttap's p50/p95 minus the policy path's):")
+        print(
+            f"{'path':<10}"
+            + "".join(f" | {k + ' p50':>20} {'p95':>6} {'x mitm':>7}" for k in kinds)
+        )
+        line = f"{'agenttap':<10}"
+        for kind in kinds:
+            own, base = latency[("agenttap", kind)], latency[("policy", kind)]
+            p50, p95 = pct(own, 0.5) - pct(base, 0.5), pct(own, 0.95) - pct(base, 0.95)
+            ref = added.get(("mitmdump", kind), (0.0, 0.0))[0]
+            ratio = f"{p50 / ref:.2f}x" if ref > 0 else "-"
+            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio:>7}"
+        print(line)
     print("\nThroughput, calls/s (median of rounds; x mitm: / plain mitmdump's):")
     cols = [(kind, c) for c in (32, 64) for kind in kinds]
     print(
@@ -542,6 +614,8 @@ def main() -> int:
                 work,
                 confdir,
             )  # fmt: skip
+            # The stub alone, called as agenttap calls it: agenttap's own share of its latency.
+            servers["policy"] = Server("policy", stub, work / "serve-stub.log", stub_url)
         if "litellm" in wanted:
             started = start_litellm(fake_url, work)
             if isinstance(started, str):
@@ -553,7 +627,9 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while not ca.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        paths = {name: Path_(servers[name], ca) for name in names}
+        paths = {
+            name: (PolicyPath if name == "policy" else Path_)(servers[name], ca) for name in names
+        }
         print(
             f"paths: {', '.join(names)}; {args.calls} latency calls per path and kind after "
             f"{args.warmup} warm-up, throughput {args.seconds:g} s x {args.rounds} round(s); "
@@ -566,7 +642,7 @@ def main() -> int:
         report(names, latency, rates, notes)
     finally:
         for server in servers.values():
-            if server.name != "direct":
+            if server.name not in ("direct", "policy"):  # children, stopped below
                 server.stop()
         for child in children:
             if child.poll() is None:
