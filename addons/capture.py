@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
+from aiohttp import web  # noqa: E402
 from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp, tls  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
@@ -41,6 +43,8 @@ from capture.banner import ready_line, start_lines  # noqa: E402
 from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
+    BufferedRequest,
+    NeedsLoopback,
     shrink_head,
 )
 from capture.control_api import banner_lines, write_ca_bundle  # noqa: E402
@@ -74,6 +78,8 @@ logger = logging.getLogger(__name__)
 # Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
 # API (capture/control_api.py); `POST http://agenttap.local/flush[?session=ID]` from loopback
 # needs no token (tests and scripts use it instead of waiting for the idle timeout).
+# A body that may ask for a stream; answered over the loopback listener (see _answer_buffered).
+MAY_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
 # How long the start-up check waits for both listeners to accept a connection.
@@ -158,6 +164,8 @@ class AgentTap:
         self.gateway: Gateway | None = None
         # client connection id -> proxy username given on its CONNECT
         self._tunnel_sessions: dict[str, str] = {}
+        # client connection id -> its calls being answered in-process (cancelled if it leaves)
+        self._buffered_calls: dict[str, set[asyncio.Task[web.Response]]] = {}
         self._options = {o.name: o for o in all_options()}
         # Every option, parsed (capture/options.py); None until configure has read them.
         self.settings: Settings | None = None
@@ -462,6 +470,10 @@ class AgentTap:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
+        # As the loopback listener cancels the handler of a client that left: the policy
+        # stops generating for nobody, and no turn is recorded that the client never saw.
+        for task in self._buffered_calls.pop(client.id, ()):
+            task.cancel()
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route API calls to the gateway as soon as their headers are in: a body over
@@ -478,7 +490,7 @@ class AgentTap:
             if flow.request.stream:
                 flow.kill()  # a streamed request cannot be answered here; nothing goes out
             return
-        await self.request(flow)
+        await self._route(flow)
         if flow.request.stream and (
             flow.response is not None or not flow.metadata.get("agenttap_routed")
         ):
@@ -486,8 +498,67 @@ class AgentTap:
             flow.kill()
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get("agenttap_routed"):
-            return  # a streamed body, routed in requestheaders
+        if not flow.metadata.get("agenttap_routed"):
+            await self._route(flow)  # not seen in requestheaders: a client replay
+        if flow.metadata.get("agenttap_routed") and not flow.request.stream:
+            await self._answer_buffered(flow)
+
+    async def _answer_buffered(self, flow: http.HTTPFlow) -> None:
+        """Answer a routed call whose body is whole right here, through the gateway's handlers
+        in this event loop, instead of over the loopback connection. Calls that may stream
+        (``"stream": true`` in the body, Gemini's stream route), WebSocket upgrades and the
+        control host still go over the loopback: mitmproxy streams only what a server sends
+        it. A stream this check misses (an escaped key) is handed back, untouched, by the
+        gateway and goes over the loopback too."""
+        req = flow.request
+        body = req.raw_content
+        if (
+            self.gateway is None
+            or flow.response is not None
+            or body is None
+            or MAY_STREAM.search(body)
+            or "streamgeneratecontent" in req.path.lower()
+            or "Upgrade" in req.headers
+        ):
+            return
+        buffered = BufferedRequest.of(
+            req.method, req.path, list(req.headers.items(multi=True)), body
+        )
+        task = asyncio.ensure_future(self.gateway.answer_buffered(buffered))
+        calls = self._buffered_calls.setdefault(flow.client_conn.id, set())
+        calls.add(task)
+        try:
+            answer = await task
+        except NeedsLoopback:
+            return  # e.g. a "stream": true spelled with escapes: the loopback streams it
+        except web.HTTPException as exc:
+            answer = exc
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # mitmproxy is stopping
+            flow.kill()  # the client left
+            return
+        finally:
+            calls.discard(task)
+            if not calls:
+                self._buffered_calls.pop(flow.client_conn.id, None)
+        content = answer.body
+        if not isinstance(content, bytes | bytearray | None):  # handlers answer bytes
+            raise TypeError(f"agenttap: an in-process answer with a {type(content).__name__} body")
+        headers = [
+            (k.encode(), v.encode())
+            for k, v in answer.headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding")
+        ]
+        flow.response = http.Response.make(
+            answer.status, bytes(content or b""), http.Headers(headers)
+        )
+        flow.metadata["agenttap_in_process"] = True
+
+    async def _route(self, flow: http.HTTPFlow) -> None:
+        """Point an API call at the gateway (or refuse it, or let a passthrough host's through),
+        its credentials stripped and its session tagged."""
         host = flow.request.pretty_host.lower()
         if not flow.response and host not in self.hosts and self._passes(host):
             flow.request.headers.pop("Proxy-Authorization", None)
@@ -555,7 +626,11 @@ class AgentTap:
         flow.metadata["agenttap_routed"] = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if "agenttap_host" in flow.metadata and flow.response is not None:
+        if (
+            "agenttap_host" in flow.metadata
+            and flow.response is not None
+            and not flow.metadata.get("agenttap_in_process")
+        ):
             flow.response.stream = True
 
     @staticmethod
@@ -566,6 +641,7 @@ class AgentTap:
         flow.metadata.pop("proxyauth", None)
         # A saved flow replays as the client sent it: routed again, from the start.
         flow.metadata.pop("agenttap_routed", None)
+        flow.metadata.pop("agenttap_in_process", None)
         origin = flow.metadata.get("agenttap_origin")
         if not origin:
             return
@@ -602,4 +678,6 @@ def _client_timeout(tap: AgentTap) -> float | None:
 
 _tap = AgentTap()
 # ControlHost first: it reads a control call's bearer token before the tap strips credentials.
-addons = [ControlHost(lambda: _tap.gateway), _tap, ClientTimeouts(lambda: _client_timeout(_tap))]
+# ClientTimeouts before the tap: its clock stops (``request``) before the tap's ``request`` hook
+# answers a buffered call in-process, which takes as long as the policy does.
+addons = [ControlHost(lambda: _tap.gateway), ClientTimeouts(lambda: _client_timeout(_tap)), _tap]

@@ -10,11 +10,15 @@ past it; every refusal is a ``RequestError`` the provider words as its own 400, 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDictProxy
+from yarl import URL
 
 from rewriter.canonical import RequestError
+from rewriter.providers.base import IncomingRequest
 
 # The client's Content-Encoding, moved here by the addon so that the gateway decodes the body
 # itself, bounded and with errors in the provider's format (aiohttp would answer a bad one with
@@ -69,7 +73,47 @@ def oversized_head_message(note: str) -> str:
     )
 
 
-async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+class NeedsLoopback(Exception):
+    """A buffered call the gateway cannot answer in-process (it streams, or upgrades to a
+    WebSocket): raised before anything of it is counted or recorded, so the addon sends it on
+    to the loopback listener instead."""
+
+
+@dataclass(frozen=True)
+class BufferedRequest:
+    """A call whose body mitmproxy already holds whole, answered by the gateway in-process
+    (``Gateway.answer_buffered``): the fields of a ``web.Request`` the gateway reads."""
+
+    method: str
+    path: str
+    query: MultiDictProxy[str]
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    @classmethod
+    def of(
+        cls, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> BufferedRequest:
+        """From a request line's target (path and query, still percent-encoded, as on the
+        wire) and its header fields."""
+        url = URL(target, encoded=True)
+        return cls(
+            method=method,
+            path=url.path,
+            query=url.query,
+            headers=CIMultiDictProxy(CIMultiDict(headers)),
+            body=body,
+        )
+
+    @property
+    def content_length(self) -> int | None:
+        return len(self.body)
+
+    async def read(self) -> bytes:
+        return self.body
+
+
+async def read_body(request: IncomingRequest, max_body_bytes: int) -> bytes:
     """The request's body, decoded; a ``RequestError`` (400, 413, 415) when it is too large,
     in an unsupported encoding, or cannot be read or decoded."""
     if (request.content_length or 0) > max_body_bytes:

@@ -32,6 +32,8 @@ from capture.bodies import (
     OVERSIZED_HEADER,
     PARSER_HEAD_BYTES,
     PARSER_HEAD_FIELDS,
+    BufferedRequest,
+    NeedsLoopback,
     oversized_head_message,
 )
 from capture.control_api import ControlAPI, Endpoints
@@ -49,7 +51,14 @@ from capture.session_ids import (
 from capture.sessions import RowAnnotations, SessionStore
 from capture.whitebox import serve_generate
 from rewriter.providers import registered
-from rewriter.providers.base import Call, Provider, ProviderTurn, Route, RouteKind
+from rewriter.providers.base import (
+    Call,
+    IncomingRequest,
+    Provider,
+    ProviderTurn,
+    Route,
+    RouteKind,
+)
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError
 
@@ -345,7 +354,7 @@ class Gateway:
     def max_body_bytes(self) -> int:
         return self.config.max_body_bytes
 
-    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
+    def session_id(self, request: IncomingRequest, provider: Provider[Any]) -> str:
         return request_session_id(request, provider)
 
     async def run_turn(
@@ -379,12 +388,27 @@ class Gateway:
         owners = self._owners(call) or [self.default_provider]
         return "; ".join(p.served for p in owners)
 
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+    async def answer_buffered(self, request: BufferedRequest) -> web.Response:
+        """A call the addon routed here whose body mitmproxy holds whole, answered in this
+        event loop without the loopback connection (its HTTP parsing and framing, on both of
+        its ends, were most of what a short call cost over plain mitmdump). Raises
+        NeedsLoopback, before anything is counted or recorded, for what must stream."""
+        answer = await self._dispatch(request)
+        if not isinstance(answer, web.Response):  # a stream would have been handed back
+            raise TypeError(f"a buffered call got a {type(answer).__name__}")
+        return answer
+
+    async def _dispatch(self, request: IncomingRequest) -> web.StreamResponse:
         """A call the addon routed here (proxy mode), or a control call via agenttap.local."""
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
         host = request.headers.get(HOST_HEADER, "")
+        if not isinstance(request, web.Request) and (
+            host == CONTROL_HOST or request.headers.get("Upgrade", "").lower() == "websocket"
+        ):
+            raise NeedsLoopback("a control call or a WebSocket")
         if host == CONTROL_HOST:
+            assert isinstance(request, web.Request)
             assert self.api is not None
             return await self.api.handle(
                 request,
@@ -432,7 +456,7 @@ class Gateway:
             return BASE_URL_PREFIXES["gemini"]
         return BASE_URL_PREFIXES["openai"]
 
-    async def _answer(self, request: web.Request, host: str) -> web.StreamResponse:
+    async def _answer(self, request: IncomingRequest, host: str) -> web.StreamResponse:
         call = Call.of(request, host)
         provider, route = self._route(call)
         oversized = request.headers.get(OVERSIZED_HEADER)
@@ -446,7 +470,7 @@ class Gateway:
             )
         try:
             return await self._serve(request, call, provider, route)
-        except web.HTTPException:
+        except (web.HTTPException, NeedsLoopback):
             raise
         except Exception:
             # A defect of ours, never the client's: answer in its provider's format, keep the
@@ -457,7 +481,7 @@ class Gateway:
             )
 
     async def _serve(
-        self, request: web.Request, call: Call, provider: Provider[Any], route: Route
+        self, request: IncomingRequest, call: Call, provider: Provider[Any], route: Route
     ) -> web.StreamResponse:
         if route.kind is RouteKind.TURN:
             return await self.pipeline.serve_http(request, call, provider)
@@ -468,6 +492,8 @@ class Gateway:
         if route.kind is RouteKind.LOCAL:
             return web.json_response(route.body)
         if route.kind is RouteKind.WEBSOCKET:
+            if not isinstance(request, web.Request):
+                raise NeedsLoopback("a WebSocket")
             return await provider.serve_websocket(request, call, self)
         return provider.error(route.status, route.message)
 

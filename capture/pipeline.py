@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.bodies import read_body
+from capture.bodies import NeedsLoopback, read_body
 from capture.metrics import Metrics
 from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_failure
 from capture.records import FailedCall, TurnRecord
@@ -31,7 +31,7 @@ from capture.sessions import SessionStore, sync_journal
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
-from rewriter.providers.base import Call, Provider, ProviderTurn
+from rewriter.providers.base import Call, IncomingRequest, Provider, ProviderTurn
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
 
@@ -197,9 +197,10 @@ class TurnPipeline:
 
     # -- HTTP entry points -------------------------------------------------------------------
     async def serve_http(
-        self, request: web.Request, call: Call, provider: Provider[Any]
+        self, request: IncomingRequest, call: Call, provider: Provider[Any]
     ) -> web.StreamResponse:
-        """A model call over HTTP: answered whole, or as the provider's event stream."""
+        """A model call over HTTP: answered whole, or as the provider's event stream (that
+        only over the loopback listener: a buffered call that streams is handed back)."""
         session_id = request_session_id(request, provider)
         started = time.time()
         try:
@@ -207,6 +208,8 @@ class TurnPipeline:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return provider.error(exc.status, exc.message, exc.param)
+        if parsed.chat.stream and not isinstance(request, web.Request):
+            raise NeedsLoopback("a streamed answer")
         refused = self._limit_refusal(provider, parsed)
         if refused is not None:
             return refused
@@ -217,7 +220,11 @@ class TurnPipeline:
             self.control.call_finished(session_id)
 
     async def _serve_http(
-        self, request: web.Request, provider: Provider[Any], parsed: ProviderTurn, started: float
+        self,
+        request: IncomingRequest,
+        provider: Provider[Any],
+        parsed: ProviderTurn,
+        started: float,
     ) -> web.StreamResponse:
         turn = await self._prepare(provider, parsed, request.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
@@ -228,6 +235,8 @@ class TurnPipeline:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+
+        assert isinstance(request, web.Request)  # serve_http handed a buffered one back
 
         async def send(chunk: bytes) -> None:
             if not resp.prepared:
@@ -242,7 +251,7 @@ class TurnPipeline:
         return resp
 
     async def count_tokens(
-        self, request: web.Request, call: Call, provider: Provider[Any]
+        self, request: IncomingRequest, call: Call, provider: Provider[Any]
     ) -> web.Response:
         """Exactly as many tokens as the policy would be sent for this request now."""
         session_id = request_session_id(request, provider)

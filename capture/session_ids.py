@@ -11,10 +11,8 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from aiohttp import web
-
 from capture.sessions import safe_text
-from rewriter.providers.base import Provider
+from rewriter.providers.base import IncomingRequest, Provider
 
 SESSION_HEADER = "X-Agenttap-Session"
 # Credentials a client sends to its provider: never forwarded, never logged, never stored.
@@ -35,7 +33,7 @@ def unquote_session(value: str) -> str:
     return urllib.parse.unquote(value)
 
 
-def request_session_id(request: web.Request, provider: Provider[Any]) -> str:
+def request_session_id(request: IncomingRequest, provider: Provider[Any]) -> str:
     """The session of a request the addon passed on (see the module docstring)."""
     session = request.headers.get(SESSION_HEADER) or ANONYMOUS
     if session == ANONYMOUS:

@@ -66,6 +66,24 @@ from rewriter.vllm_client import Completion, PolicyError
 from rewriter.wire import sse  # noqa: F401 (providers import it from here)
 
 
+class IncomingRequest(Protocol):
+    """What the gateway reads of a call: an aiohttp ``web.Request`` off the loopback listener,
+    or a call the addon answers in-process from its buffered body (capture/bodies.py
+    ``BufferedRequest``)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def query(self) -> Mapping[str, str]: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content_length(self) -> int | None: ...
+    async def read(self) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class Call:
     """One intercepted HTTP call as the client sent it (credentials already removed)."""
@@ -80,7 +98,7 @@ class Call:
     websocket: bool = False
 
     @classmethod
-    def of(cls, request: web.Request, host: str) -> Call:
+    def of(cls, request: IncomingRequest, host: str) -> Call:
         upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
         return cls(
             method=request.method,
