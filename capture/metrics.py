@@ -61,7 +61,7 @@ class Metrics:
         )  # fmt: skip
         self.errors = Counter(
             "agenttap_errors", "Errors by kind (policy_unavailable, policy_failed, "
-            "prompt_too_long, limit).", ["kind"], registry=r,
+            "prompt_too_long, limit, bad_request).", ["kind"], registry=r,
         )  # fmt: skip
         self.sessions_opened = Counter(
             "agenttap_sessions_opened", "Sessions opened through the control API.", registry=r

@@ -207,7 +207,7 @@ class TurnPipeline:
             parsed = provider.parse(call, await read_body(request, self.max_body_bytes), session_id)
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
-            return provider.error(exc.status, exc.message, exc.param)
+            return self._bad_request(provider, exc)
         if parsed.chat.stream and not isinstance(request, web.Request):
             raise NeedsLoopback("a streamed answer")
         refused = self._limit_refusal(provider, parsed)
@@ -309,6 +309,13 @@ class TurnPipeline:
         if backend and exc.unavailable:
             self.metrics.policy_up.labels(backend).set(0)
 
+    def _bad_request(self, provider: Provider[Any], exc: RequestError) -> web.Response:
+        """A model call the client got wrong (a body the provider refuses, a shape the chat
+        template refuses): counted, and answered with the provider's error."""
+        self.metrics.calls.labels(provider.name, "bad_request").inc()
+        self.metrics.errors.labels("bad_request").inc()
+        return provider.error(exc.status, exc.message, exc.param)
+
     def _limit_refusal(self, provider: Provider[Any], parsed: ProviderTurn) -> web.Response | None:
         """The answer to a call its session may no longer make (a limit reached, or closed by
         the trainer): final in its client's eyes, and the policy never sees it. Else None, and
@@ -348,7 +355,7 @@ class TurnPipeline:
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
         except RequestError as exc:
-            return provider.error(exc.status, exc.message, exc.param)
+            return self._bad_request(provider, exc)
         except PolicyError as exc:
             self.note_policy_error(provider.name, exc)
             return provider.policy_error(exc)

@@ -374,6 +374,9 @@ def test_prometheus_metrics_count_calls_tokens_and_refusals(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Two."
     with pytest.raises(openai.BadRequestError):
         chat(sess.base_urls["openai"], "3")
+    # A body the provider refuses: counted as the client's mistake, not the policy's.
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[misc, list-item]
     live = scrape()
     sess.close()
     after = scrape()
@@ -386,6 +389,8 @@ def test_prometheus_metrics_count_calls_tokens_and_refusals(
     assert delta("agenttap_calls_total", **chat_ok) == 2
     assert delta("agenttap_calls_total", protocol="openai.chat", outcome="refused") == 1
     assert delta("agenttap_errors_total", kind="limit") == 1
+    assert delta("agenttap_calls_total", protocol="openai.chat", outcome="bad_request") == 1
+    assert delta("agenttap_errors_total", kind="bad_request") == 1
     assert delta("agenttap_completion_tokens_total", protocol="openai.chat") == 6  # 2 x (2 + end)
     assert delta("agenttap_prompt_tokens_total", protocol="openai.chat") > 0
     assert delta("agenttap_call_latency_seconds_count", protocol="openai.chat") == 2
