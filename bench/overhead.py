@@ -359,38 +359,45 @@ class Path_:
         conv = self.conversations.get(client)
         if conv is None:
             conv = self.conversations[client] = Conversation(f"bench-{client}")
-        body = json.dumps(conv.next_body(max_tokens, stream)).encode()
+        body, kwargs = self.request(conv, max_tokens, stream)
         assert self.http is not None
-        kwargs: dict[str, Any] = {}
-        if self.server.proxy:
-            auth = aiohttp.encode_basic_auth(conv.session, "x")
-            kwargs = {"proxy": self.server.proxy, "proxy_headers": {"Proxy-Authorization": auth}}
         began = time.perf_counter()
-        async with self.http.post(
-            self.url,
-            data=body,
-            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
-            **kwargs,
-        ) as resp:
+        async with self.http.post(self.url, data=json.dumps(body).encode(), **kwargs) as resp:
             raw = await resp.read()
         took = time.perf_counter() - began
+        name = self.server.name
         if resp.status != 200:
-            raise RuntimeError(f"{self.server.name}: HTTP {resp.status}: {raw[:300]!r}")
+            raise RuntimeError(f"{name}: HTTP {resp.status}: {raw[:300]!r}")
         if stream:
             events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
             if not events or events[-1] != b"[DONE]":
-                raise RuntimeError(f"{self.server.name}: stream cut short: {raw[-300:]!r}")
-            parts = []
-            for event in events[:-1]:
-                for choice in json.loads(event).get("choices", []):
-                    parts.append(choice.get("delta", {}).get("content") or "")
-            content = "".join(parts)
+                raise RuntimeError(f"{name}: stream cut short: {raw[-300:]!r}")
+            content = "".join(self.event_text(json.loads(e)) for e in events[:-1])
         else:
-            content = json.loads(raw)["choices"][0]["message"]["content"] or ""
+            content = self.whole_text(json.loads(raw))
         if len(content.split()) != max_tokens:
-            raise RuntimeError(f"{self.server.name}: {max_tokens} tokens asked, got {content!r}")
+            raise RuntimeError(f"{name}: {max_tokens} tokens asked, got {content!r}")
         conv.answered(content)
         return took
+
+    def request(
+        self, conv: Conversation, max_tokens: int, stream: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The chat call's body and the post's keyword arguments (headers, proxy)."""
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        kwargs: dict[str, Any] = {"headers": headers}
+        if self.server.proxy:
+            auth = aiohttp.encode_basic_auth(conv.session, "x")
+            kwargs.update(proxy=self.server.proxy, proxy_headers={"Proxy-Authorization": auth})
+        return conv.next_body(max_tokens, stream), kwargs
+
+    @staticmethod
+    def event_text(event: dict[str, Any]) -> str:
+        return "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
+
+    @staticmethod
+    def whole_text(answer: dict[str, Any]) -> str:
+        return str(answer["choices"][0]["message"]["content"] or "")
 
 
 class PolicyPath(Path_):
@@ -407,10 +414,9 @@ class PolicyPath(Path_):
 
         self.tok = AutoTokenizer.from_pretrained(str(QWEN3))
 
-    async def call(self, client: str, max_tokens: int, stream: bool) -> float:
-        conv = self.conversations.get(client)
-        if conv is None:
-            conv = self.conversations[client] = Conversation(f"bench-{client}")
+    def request(
+        self, conv: Conversation, max_tokens: int, stream: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         chat = conv.next_body(max_tokens, stream)
         ids = self.tok.apply_chat_template(
             chat["messages"], add_generation_prompt=True, tokenize=True
@@ -421,26 +427,15 @@ class PolicyPath(Path_):
             "model": "stub-policy", "prompt": ids, "max_tokens": max_tokens, "stream": stream,
             "return_token_ids": True, "logprobs": 0, "skip_special_tokens": True,
         }  # fmt: skip
-        assert self.http is not None
-        data = json.dumps(body).encode()
-        began = time.perf_counter()
-        async with self.http.post(
-            self.url, data=data, headers={"Content-Type": "application/json"}
-        ) as resp:
-            raw = await resp.read()
-        took = time.perf_counter() - began
-        if resp.status != 200:
-            raise RuntimeError(f"policy: HTTP {resp.status}: {raw[:300]!r}")
-        if stream:
-            events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
-            if not events or events[-1] != b"[DONE]":
-                raise RuntimeError(f"policy: stream cut short: {raw[-300:]!r}")
-            texts = [c.get("text") or "" for e in events[:-1] for c in json.loads(e)["choices"]]
-            content = "".join(texts)
-        else:
-            content = json.loads(raw)["choices"][0]["text"] or ""
-        conv.answered(content)
-        return took
+        return body, {"headers": {"Content-Type": "application/json"}}
+
+    @staticmethod
+    def event_text(event: dict[str, Any]) -> str:
+        return "".join(c.get("text") or "" for c in event["choices"])
+
+    @staticmethod
+    def whole_text(answer: dict[str, Any]) -> str:
+        return str(answer["choices"][0]["text"] or "")
 
 
 async def throughput(

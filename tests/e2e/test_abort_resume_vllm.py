@@ -55,15 +55,20 @@ class LongStream:
 
 
 def stream_long_story(
-    client: Any, after_chunks: int, at_chunk: Callable[[], None], out: LongStream
+    client: Any,
+    after_chunks: int,
+    at_chunk: Callable[[], None],
+    out: LongStream,
+    max_tokens: int = MAX_TOKENS,
+    seed: int = 11,
 ) -> None:
-    """Stream ``MAX_TOKENS`` tokens (EOS ignored) and call ``at_chunk`` once, after chunk
+    """Stream ``max_tokens`` tokens (EOS ignored) and call ``at_chunk`` once, after chunk
     ``after_chunks``, while the stream goes on. ``out`` fills as chunks arrive."""
     stream = client.chat.completions.create(
         model="gpt-4o",
         messages=[{"role": "user", "content": "Tell me a very long story."}],
-        max_tokens=MAX_TOKENS,
-        seed=11,
+        max_tokens=max_tokens,
+        seed=seed,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},

@@ -16,7 +16,7 @@ import pytest
 
 from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
-from tests.e2e.test_abort_resume_vllm import LongStream
+from tests.e2e.test_abort_resume_vllm import LongStream, stream_long_story
 from tests.e2e.test_trajectory_vllm import _rescore
 
 pytestmark = pytest.mark.vllm
@@ -48,26 +48,7 @@ def test_a_replica_killed_mid_stream_hands_the_generation_over(
             os.killpg(doomed.pid, signal.SIGKILL)
             killed.append(seen.chunks)
 
-        stream = client.chat.completions.create(
-            model="gpt-4o",
-            messages=[{"role": "user", "content": "Tell me a very long story."}],
-            max_tokens=MAX_TOKENS,
-            seed=5,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            seen.chunks += 1
-            if chunk.usage:
-                seen.usage = chunk.usage
-            for choice in chunk.choices:
-                extra = choice.delta.model_extra or {}
-                seen.pieces.append(extra.get("reasoning_content") or "")
-                seen.pieces.append(choice.delta.content or "")
-                seen.finish = choice.finish_reason or seen.finish
-            if seen.chunks == KILL_AFTER_CHUNKS:
-                kill()
+        stream_long_story(client, KILL_AFTER_CHUNKS, kill, seen, max_tokens=MAX_TOKENS, seed=5)
         assert killed == [KILL_AFTER_CHUNKS]
         # One ordinary answer: every token, a normal finish, no error event.
         assert seen.finish == "length"
