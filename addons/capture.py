@@ -311,6 +311,7 @@ class AgentTap:
             model_map=settings.model_map,
             model_names=settings.model_names,
             recompute_logprobs=settings.recompute_logprobs,
+            fsync_before_reply=settings.fsync_before_reply,
             provider_options=settings.provider_options,
             api_host=settings.api_host,
             api_port=settings.api_port,

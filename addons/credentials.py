@@ -11,13 +11,20 @@ from mitmproxy import http
 
 from capture.session_ids import SECRET_HEADERS, SECRET_QUERY
 
+_SECRET_HEADER_BYTES = frozenset(name.encode() for name in SECRET_HEADERS)
+
 
 def strip_secrets(request: http.Request) -> None:
     """Remove API keys and proxy credentials from a request before anything logs or stores it.
     Keys in the query string (Gemini's ?key=, Azure's ?api-key=) go too: the gateway never needs
     them, and a saved flow keeps the query string."""
-    for name in SECRET_HEADERS:
-        request.headers.pop(name, None)
+    # One pass over the raw fields (Headers.pop would scan them once per name).
+    fields = request.headers.fields
+    kept = tuple(f for f in fields if f[0].lower() not in _SECRET_HEADER_BYTES)
+    if len(kept) != len(fields):
+        request.headers.fields = kept
+    if "?" not in request.path:
+        return  # no query string (most calls): nothing to parse
     query = request.query
     for name in list(query.keys()):
         if name.lower() in SECRET_QUERY:

@@ -102,6 +102,9 @@ class GatewayConfig:
     # (vLLM prompt_logprobs); off: such tokens are masked out of the loss instead. Option
     # agenttap_recompute_mismatch_logprobs.
     recompute_logprobs: bool = True
+    # Wait for each call's journal fsync before its answer ends (agenttap_journal_fsync=
+    # before_reply); off: the line is written first, fsynced right after, batched.
+    fsync_before_reply: bool = False
     # (pattern, servers): requested model names -> policy servers; see parse_model_map.
     model_map: list[tuple[str, list[str]]] = field(default_factory=list)
     # Extra names GET /v1/models lists (every name is served).
@@ -196,6 +199,7 @@ class Gateway:
             max_body_bytes=config.max_body_bytes,
             control=self.control,
             metrics=self.metrics,
+            fsync_before_reply=config.fsync_before_reply,
         )
         self.api: ControlAPI | None = None
         available = registered()

@@ -113,7 +113,11 @@ def _pack_prompt(
     # Candidates: the call it continues in the tree, and the journal's last call.
     candidates = list(earlier[-1:])
     if parent is not None:
-        candidates += [t for t in reversed(earlier) if t.request_id == parent][:1]
+        # From the end, stopping at the first: the parent is nearly always one of the last calls,
+        # and a session may hold thousands.
+        found = next((t for t in reversed(earlier) if t.request_id == parent), None)
+        if found is not None:
+            candidates.append(found)
     best, keep = None, 0
     for turn in candidates:
         k = _shared(turn, prompt)

@@ -83,6 +83,13 @@ def parse_bool(text: str) -> bool:
     raise ValueError("is not a switch: write true/false (yes/no, on/off and 1/0 work too)")
 
 
+def parse_choice(text: str, choices: tuple[str, ...]) -> str:
+    word = text.strip().lower()
+    if word not in choices:
+        raise ValueError(f"is not one of {', '.join(choices)}")
+    return word
+
+
 def parse_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
@@ -322,6 +329,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_bool,
     ),
     Option(
+        "agenttap_journal_fsync",
+        "after_reply",
+        "When a call's journal line is fsynced: after_reply (written before the answer ends, so "
+        "a crash of agenttap loses nothing; fsynced right after, batched: a crash of the host "
+        "may lose the last milliseconds of calls) or before_reply (the answer ends only once "
+        "the line is on disk; a disk flush per call).",
+        lambda text: parse_choice(text, ("after_reply", "before_reply")),
+    ),
+    Option(
         "agenttap_api_host",
         "127.0.0.1",
         "Address the control API and the per-session base URLs (http://HOST:PORT/sess/ID/v1) "
@@ -478,6 +494,7 @@ class Settings:
     max_rollouts: int = 8
     passthrough: tuple[str, ...] = ()
     check_policy: bool = True
+    fsync_before_reply: bool = False
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -531,5 +548,6 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         max_rollouts=values["agenttap_max_rollouts"],
         passthrough=values["agenttap_passthrough"],
         check_policy=values["agenttap_check_policy"],
+        fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

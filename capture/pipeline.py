@@ -2,7 +2,7 @@
 
 prepare (pick the policy server, place the call in its session's tree and build its prompt ids
 off the event loop, recompute logprobs a history rewrite made stale) -> generate, whole or
-streamed through the provider's writer as the tokens arrive -> record (durable before the client
+streamed through the provider's writer as the tokens arrive -> record (journaled before the client
 sees the end of its answer). A call the policy fails is the client's error in its provider's
 format, and is journaled as failed, never trained. Nothing here routes calls or knows mitmproxy.
 """
@@ -27,7 +27,7 @@ from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_fa
 from capture.records import FailedCall, TurnRecord
 from capture.session_control import SessionControl
 from capture.session_ids import request_session_id
-from capture.sessions import SessionStore, sync_journal
+from capture.sessions import JournalSyncer, SessionStore
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.parsers import OutputParser
@@ -133,8 +133,11 @@ class TurnPipeline:
         max_body_bytes: int,
         control: SessionControl | None = None,
         metrics: Metrics | None = None,
+        fsync_before_reply: bool = False,
     ) -> None:
         self.template = template
+        self.journal_syncer = JournalSyncer()
+        self.fsync_before_reply = fsync_before_reply
         self.metrics = metrics or Metrics()
         # Running totals for the status line (capture/gateway.py).
         self.totals = {"calls": 0, "completion_tokens": 0, "errors": 0, "refused": 0}
@@ -448,7 +451,7 @@ class TurnPipeline:
         reply = parser.reply()
         closing, reason = writer.finish(completion, reply)
         await send(b"".join(pending) + tail + closing)
-        # Durable before the client sees the end of the response.
+        # Journaled before the client sees the end of the response.
         await self._record(turn, completion, reason, reply)
         await send(writer.end())
         return None
@@ -565,9 +568,12 @@ class TurnPipeline:
                 constrained=constrained,
                 durable=False,
             )
-        # Durable before the client sees the end of its answer; the fsync (a millisecond or
-        # more under load) runs in a worker thread while the event loop serves other calls.
-        await asyncio.get_running_loop().run_in_executor(None, sync_journal, journal)
+        # Written before the client sees the end of its answer (a crash of this process loses
+        # nothing). The fsync, a millisecond or more on a disk, runs in a worker thread, batched;
+        # the answer waits for it only with agenttap_journal_fsync=before_reply.
+        synced = self.journal_syncer.request(journal)
+        if self.fsync_before_reply and synced is not None:
+            await synced
         self.control.note_recorded(
             parsed.session_id,
             len(record.prompt_ids),

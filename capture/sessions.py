@@ -1,7 +1,10 @@
 """Sessions: the calls of one scaffold run, journaled as they complete, sharded when it ends.
 
 Durability: every completed call is appended to the session's journal (one compact JSON line,
-``capture.journal_lines``; flushed and fsynced) before the client's response finishes. The line
+``capture.journal_lines``) before the client's response finishes, so a crash of the proxy loses
+nothing; the fsync that makes it survive a crash of the host runs in a worker thread, batched
+(``JournalSyncer``), right after the response or, with ``agenttap_journal_fsync=before_reply``,
+before it ends. The line
 holds the call's record and how it changed its thread (what was kept, what replaced the rest), so
 threads can be rebuilt from the journal alone. A session becomes Parquet shards (``turns/`` one
 row per call, ``threads/`` one training row per thread) when it has been idle for
@@ -14,10 +17,12 @@ and written to ``failed/``: counted per session, never part of a thread row.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Set
@@ -431,6 +436,43 @@ def _append(
         fh.flush()
         if fsync:
             os.fsync(fh.fileno())
+
+
+class JournalSyncer:
+    """fsyncs journals in worker threads, batched: a journal asked for while its fsync waits
+    to start is fsynced once for all the lines written by then; one asked for while its fsync
+    runs gets another. Nothing here blocks the event loop."""
+
+    def __init__(self) -> None:
+        self._waiting: set[Path] = set()
+        self._lock = threading.Lock()
+        self.fsyncs = 0  # how many ran (tests, benchmarks)
+
+    def request(self, journal: Path) -> asyncio.Future[None] | None:
+        """fsync ``journal`` soon (its lines written so far); the future of that fsync, or
+        None where one that will cover them already waits to start."""
+        with self._lock:
+            if journal in self._waiting:
+                return None
+            self._waiting.add(journal)
+        future = asyncio.get_running_loop().run_in_executor(None, self._sync, journal)
+        future.add_done_callback(_log_sync_failure)
+        return future
+
+    def _sync(self, journal: Path) -> None:
+        with self._lock:  # lines written from here on need the next fsync
+            self._waiting.discard(journal)
+            self.fsyncs += 1
+        sync_journal(journal)
+
+
+def _log_sync_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error(
+            "agenttap: a journal could not be fsynced (%s); its lines are written but may not "
+            "survive a crash of this host: check the disk under the output folder",
+            future.exception(),
+        )
 
 
 def sync_journal(journal: Path) -> None:

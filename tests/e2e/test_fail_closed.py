@@ -188,6 +188,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_max_rollouts": "0",
     "agenttap_passthrough": "*.openai.com",
     "agenttap_check_policy": "maybe",
+    "agenttap_journal_fsync": "sometimes",
 }
 
 

@@ -1,0 +1,85 @@
+"""The journal's fsync: batched in worker threads (capture/sessions.py ``JournalSyncer``), and
+the option that decides whether an answer waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from capture import sessions
+from capture.options import parse_settings
+from capture.sessions import JournalSyncer
+
+
+def test_the_option_reads_both_modes_and_refuses_others() -> None:
+    assert parse_settings({}).fsync_before_reply is False  # the default: after the reply
+    assert parse_settings({"agenttap_journal_fsync": " Before_Reply "}).fsync_before_reply
+    assert not parse_settings({"agenttap_journal_fsync": "after_reply"}).fsync_before_reply
+    with pytest.raises(ValueError, match="agenttap_journal_fsync=always is not one of"):
+        parse_settings({"agenttap_journal_fsync": "always"})
+
+
+def test_requests_while_one_waits_share_its_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = tmp_path / "s.jsonl"
+    journal.write_bytes(b"line\n")
+    started, release = threading.Event(), threading.Event()
+    synced: list[str] = []
+
+    def slow_fsync(fd: int) -> None:
+        started.set()
+        assert release.wait(5), "the test never released the fsync"
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(sessions.os, "fsync", slow_fsync)
+
+    async def main() -> None:
+        syncer = JournalSyncer()
+        first = syncer.request(journal)
+        assert first is not None
+        # The first fsync runs (it took its request): a line written now needs another one ...
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        second = syncer.request(journal)
+        assert second is not None
+        # ... and every request while that one waits to start is covered by it.
+        assert syncer.request(journal) is None
+        assert syncer.request(journal) is None
+        other = syncer.request(tmp_path / "gone.jsonl")  # removed already: nothing to do
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, second, other), 5)
+        assert syncer.fsyncs == 3
+        # Once it ran, a new request gets a new fsync.
+        third = syncer.request(journal)
+        assert third is not None
+        await asyncio.wait_for(third, 5)
+
+    asyncio.run(main())
+    assert synced == [str(journal)] * 3
+
+
+def test_a_failed_fsync_is_logged_for_the_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = tmp_path / "s.jsonl"
+    journal.write_bytes(b"line\n")
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(sessions.os, "fsync", failing_fsync)
+
+    async def main() -> None:
+        future = JournalSyncer().request(journal)
+        assert future is not None
+        with pytest.raises(OSError):
+            await future
+        await asyncio.sleep(0)  # the done callback runs
+
+    asyncio.run(main())
+    assert "could not be fsynced" in caplog.text
+    assert "check the disk" in caplog.text
