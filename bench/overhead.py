@@ -25,7 +25,10 @@ and a new user message, eight calls, then it starts over (agenttap: one proxy se
 extending its calls). Reported per path: the latency it adds over ``direct`` at concurrency 1
 (p50, p95 of the path's latencies minus direct's), non-streamed 1 token and a 64-token stream;
 calls per second with 32 and 64 clients at once (each its own keep-alive connection); and the
-ratios to plain mitmdump. Every answer is checked (status, whole stream, content).
+ratios to plain mitmdump; and, from the throughput runs at 32 clients, the CPU milliseconds each
+call costs the path's proxy (or server), the server behind it and the bench client (from
+/proc: every thread and child process counted), which says where a shared machine's cores go.
+Every answer is checked (status, whole stream, content).
 """
 
 from __future__ import annotations
@@ -199,6 +202,12 @@ class Server:
     url: str = ""  # where the client sends its calls
     proxy: str | None = None  # the HTTP proxy it goes through
     note: str = ""
+    upstream: Server | None = None  # the server a proxy sends its calls on to
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds used so far: (this server's, its upstream's), each with descendants."""
+        up = cpu_seconds(self.upstream.proc.pid) if self.upstream else 0.0
+        return cpu_seconds(self.proc.pid), up
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -208,6 +217,23 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) and its descendants."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += cpu_seconds(int(child))
+    except (OSError, ValueError, IndexError):
+        pass  # gone meanwhile
+    return total
 
 
 def spawn_child(flag: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -440,8 +466,10 @@ class PolicyPath(Path_):
 
 async def throughput(
     path: Path_, clients: int, seconds: float, max_tokens: int, stream: bool
-) -> float:
-    """Calls per second with ``clients`` conversations calling back to back for ``seconds``."""
+) -> tuple[float, tuple[float, float, float]]:
+    """Calls per second with ``clients`` conversations calling back to back for ``seconds``,
+    and the CPU milliseconds per call of (the path's server or proxy, the server behind the
+    proxy, this client)."""
     done = 0
     stop_at = time.perf_counter() + seconds
 
@@ -452,8 +480,13 @@ async def throughput(
             done += 1
 
     began = time.perf_counter()
+    own0, up0, client0 = *path.server.cpu(), time.process_time()
     await asyncio.gather(*(worker(i) for i in range(clients)))
-    return done / (time.perf_counter() - began)
+    own1, up1, client1 = *path.server.cpu(), time.process_time()
+    rate = done / (time.perf_counter() - began)
+    per_call = tuple(1000.0 * (b - a) / max(done, 1) for a, b in
+                     ((own0, own1), (up0, up1), (client0, client1)))  # fmt: skip
+    return rate, per_call  # type: ignore[return-value]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -465,12 +498,17 @@ def pct(values: list[float], q: float) -> float:
 
 async def measure(
     paths: dict[str, Path_], calls: int, warmup: int, seconds: float, rounds: int
-) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str, int], list[float]]]:
+) -> tuple[
+    dict[tuple[str, str], list[float]],
+    dict[tuple[str, str, int], list[float]],
+    dict[tuple[str, str, int], list[tuple[float, float, float]]],
+]:
     names = list(paths)
     for path in paths.values():
         await path.open()
     latency: dict[tuple[str, str], list[float]] = {}
     rates: dict[tuple[str, str, int], list[float]] = {}
+    cpu: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
     try:
         for kind, max_tokens, stream in KINDS:
             for _ in range(warmup):
@@ -487,19 +525,23 @@ async def measure(
                 for kind, max_tokens, stream in KINDS:
                     order = names[r % len(names) :] + names[: r % len(names)]
                     for name in order:
-                        rate = await throughput(paths[name], clients, seconds, max_tokens, stream)
+                        rate, per_call = await throughput(
+                            paths[name], clients, seconds, max_tokens, stream
+                        )
                         rates.setdefault((name, kind, clients), []).append(rate)
+                        cpu.setdefault((name, kind, clients), []).append(per_call)
             print(f"  throughput round {r + 1}/{rounds} done", flush=True)
     finally:
         for path in paths.values():
             await path.close()
-    return latency, rates
+    return latency, rates, cpu
 
 
 def report(
     names: list[str],
     latency: dict[tuple[str, str], list[float]],
     rates: dict[tuple[str, str, int], list[float]],
+    cpu: dict[tuple[str, str, int], list[tuple[float, float, float]]],
     notes: dict[str, str],
 ) -> None:
     kinds = [k for k, _, _ in KINDS]
@@ -555,6 +597,20 @@ def report(
             ratio = f"{value / ref:.2f}x" if ref else "-"
             line += f" | {value:>27.1f} {ratio:>6}"
         print(line)
+    print(
+        f"\nCPU per call at 32 clients, ms (median of rounds; this machine has {os.cpu_count()} "
+        "cores shared by every process): the path's server or proxy | the server behind the "
+        "proxy | the bench client | all"
+    )
+    print(f"{'path':<10}" + "".join(f" | {kind:>34}" for kind in kinds))
+    for name in names:
+        line = f"{name:<10}"
+        for kind in kinds:
+            samples = cpu[(name, kind, 32)]
+            ms = [statistics.median(s[i] for s in samples) for i in range(3)]
+            cell = " | ".join(f"{v:.2f}" for v in (*ms, sum(ms)))
+            line += f" | {cell:>34}"
+        print(line)
     for name, note in notes.items():
         print(f"{name}: skipped ({note})")
 
@@ -595,6 +651,7 @@ def main() -> int:
             servers["mitmdump"] = start_mitmdump(
                 "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
             )
+            servers["mitmdump"].upstream = servers["direct"]
         if "agenttap" in wanted:
             stub, stub_url = spawn_child("--serve-stub", work)
             children.append(stub)
@@ -611,12 +668,14 @@ def main() -> int:
             )  # fmt: skip
             # The stub alone, called as agenttap calls it: agenttap's own share of its latency.
             servers["policy"] = Server("policy", stub, work / "serve-stub.log", stub_url)
+            servers["agenttap"].upstream = servers["policy"]
         if "litellm" in wanted:
             started = start_litellm(fake_url, work)
             if isinstance(started, str):
                 notes["litellm"] = started
             else:
                 servers["litellm"] = started
+                started.upstream = servers["direct"]
         names = [p for p in PATHS if p in servers]
         ca = confdir / "mitmproxy-ca-cert.pem"
         deadline = time.monotonic() + 30
@@ -631,10 +690,10 @@ def main() -> int:
             f"logs in {work}",
             flush=True,
         )
-        latency, rates = asyncio.run(
+        latency, rates, cpu = asyncio.run(
             measure(paths, args.calls, args.warmup, args.seconds, args.rounds)
         )
-        report(names, latency, rates, notes)
+        report(names, latency, rates, cpu, notes)
     finally:
         for server in servers.values():
             if server.name not in ("direct", "policy"):  # children, stopped below
