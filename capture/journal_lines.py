@@ -24,24 +24,29 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import zstandard
 
 from capture.records import TurnRecord
 
 # False: the JSON lists of before (bench/storage.py writes its baseline so).
 COMPACT = True
-_ZSTD_LEVEL = 9
+_ZSTD_LEVEL = 3
 _TYPES: dict[str, np.dtype[Any]] = {
     "i4": np.dtype("<i4"),
     "i1": np.dtype("i1"),
     "f4": np.dtype("<f4"),
 }
 _codec: pa.Codec | None = None
+# Compressors keep their context between calls (pyarrow's make one per call: about 20 us, most of
+# a short array's cost, several arrays a call); one per thread, as a context is not thread-safe.
+_compressors = threading.local()
 
 
 def _zstd() -> pa.Codec:
@@ -49,6 +54,13 @@ def _zstd() -> pa.Codec:
     if _codec is None:
         _codec = pa.Codec("zstd", compression_level=_ZSTD_LEVEL)
     return _codec
+
+
+def _compress(data: bytes) -> bytes:
+    compressor = getattr(_compressors, "zstd", None)
+    if compressor is None:
+        compressor = _compressors.zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return compressor.compress(data)
 
 
 def pack(values: Sequence[Any], kind: str) -> dict[str, Any] | list[Any]:
@@ -65,7 +77,7 @@ def pack(values: Sequence[Any], kind: str) -> dict[str, Any] | list[Any]:
             return list(values)
     arr = given.astype(dtype)
     grouped = arr.view(np.uint8).reshape(-1, dtype.itemsize).T.tobytes()
-    data = _zstd().compress(grouped, asbytes=True)
+    data = _compress(grouped)
     return {"n": int(arr.size), kind: base64.b64encode(data).decode("ascii")}
 
 
