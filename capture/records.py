@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,7 +39,14 @@ class TurnRecord:
     schema_version: int = SCHEMA_VERSION
 
     def to_row(self) -> dict[str, Any]:
-        return asdict(self)
+        # What asdict gives, without its element-by-element walk of the token lists (tens of
+        # thousands of ids a call): lists copied whole, the small nested values deep-copied.
+        row = dict(self.__dict__)
+        for name in ("prompt_ids", "completion_ids", "completion_logprobs"):
+            row[name] = list(row[name])
+        row["metadata"] = copy.deepcopy(self.metadata)
+        row["weight_versions"] = copy.deepcopy(self.weight_versions)
+        return row
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> TurnRecord:
