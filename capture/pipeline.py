@@ -30,6 +30,7 @@ from capture.session_ids import request_session_id
 from capture.sessions import JournalSyncer, SessionStore
 from capture.trajectory import Assembly
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
+from rewriter.ids_json import ids_json
 from rewriter.parsers import OutputParser
 from rewriter.providers.base import Call, IncomingRequest, Provider, ProviderTurn
 from rewriter.template import ChatTemplate
@@ -108,6 +109,8 @@ class _TurnContext:
     policy_model: str
     user_agent: str
     started: float
+    # prompt_ids as JSON text, built from the session's previous prompt's (rewriter/ids_json.py).
+    prompt_json: str | None = None
 
     @property
     def chat(self) -> ChatRequest:
@@ -371,6 +374,7 @@ class TurnPipeline:
             policy_model=info.model,
             user_agent=user_agent,
             started=started,
+            prompt_json=ids_json(assembly.prompt_ids, self.store.last_prompt(parsed.session_id)),
         )
 
     def _parser(self, turn: _TurnContext) -> OutputParser:
@@ -383,7 +387,10 @@ class TurnPipeline:
         try:
             async with self._generation(turn) as gen:
                 completion = await turn.client.complete(
-                    turn.prompt_ids, turn.chat.sampling, failover=gen.failover
+                    turn.prompt_ids,
+                    turn.chat.sampling,
+                    failover=gen.failover,
+                    prompt_json=turn.prompt_json,
                 )
         except (PolicyError, *POLICY_FAILURES) as exc:
             return self._refused_by_policy(turn, exc)
@@ -420,7 +427,7 @@ class TurnPipeline:
         writer = provider.stream_writer(turn.parsed, len(turn.prompt_ids))
         completion = Completion()
         deltas = turn.client.stream_resuming(
-            turn.prompt_ids, turn.chat.sampling, failover=gen.failover
+            turn.prompt_ids, turn.chat.sampling, failover=gen.failover, prompt_json=turn.prompt_json
         )
         try:
             # The first piece comes before any byte is sent, so a refusal is a proper error.
@@ -567,6 +574,7 @@ class TurnPipeline:
                 rescored=rescored,
                 constrained=constrained,
                 durable=False,
+                prompt_json=turn.prompt_json,
             )
         # Written before the client sees the end of its answer (a crash of this process loses
         # nothing). The fsync, a millisecond or more on a disk, runs in a worker thread, batched;

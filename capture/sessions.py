@@ -50,6 +50,7 @@ from capture.trajectory import (
 )
 from capture.trajectory.journal import call_entry, call_from_entry
 from rewriter.canonical import ChatRequest, Message
+from rewriter.ids_json import IdsJson
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Session:
     # Calls of this session the policy failed since its last write (not trained).
     failed: list[FailedCall] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
+    # The last recorded prompt's ids and JSON text: the next prompt's request body extends it.
+    last_prompt: IdsJson | None = None
 
 
 class SessionStore:
@@ -175,6 +178,7 @@ class SessionStore:
         rescored: list[float] | None = None,
         constrained: bool = False,
         durable: bool = True,
+        prompt_json: str | None = None,
     ) -> Path:
         """Make ``turn`` durable (journal + fsync) and apply it to its thread; returns the
         journal written.
@@ -213,8 +217,15 @@ class SessionStore:
         entry = {"turn": turn.to_row(), "call": entry}
         _append(sess.journal_path, entry, sess.turns, fsync=durable)
         sess.turns.append(turn)
+        if prompt_json is not None:  # the JSON text of turn.prompt_ids, as it was sent
+            sess.last_prompt = IdsJson(turn.prompt_ids, prompt_json)
         sess.last_active = time.monotonic()
         return sess.journal_path
+
+    def last_prompt(self, session_id: str) -> IdsJson | None:
+        """The session's last recorded prompt and its JSON text (None: none yet)."""
+        sess = self._sessions.get(session_id)
+        return sess.last_prompt if sess is not None else None
 
     def record_failure(self, failed: FailedCall) -> None:
         """Journal a call the policy failed. Nothing of it reaches a thread: its tokens are

@@ -5,6 +5,7 @@ parameters sent, and the shape checks that turn anything else into a :class:`Pol
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,8 +203,29 @@ def answer_choices(data: Any) -> list[dict[str, Any]]:
     return [answer_object(c, "a choice") for c in choices]
 
 
+# vLLM echoes the prompt's ids in every whole answer and in a stream's first chunk; they are the
+# ids agenttap sent, never read, and parsing them (tens of thousands of ints) would be most of
+# the answer's cost. A JSON key is the only place this pattern can occur (a string value's
+# quotes are escaped), and only a plain list of ints is cut.
+_PROMPT_IDS_KEY = re.compile(rb'"prompt_token_ids"\s*:\s*\[')
+_ECHO_WORTH_CUTTING = 4096  # bytes of answer: below it, parsing the echo costs next to nothing
+
+
+def without_prompt_echo(raw: bytes) -> bytes:
+    """``raw`` with its first ``"prompt_token_ids": [...]`` list of ints made ``null``."""
+    if len(raw) < _ECHO_WORTH_CUTTING:
+        return raw
+    key = _PROMPT_IDS_KEY.search(raw)
+    if key is None:
+        return raw
+    end = raw.find(b"]", key.end())
+    if end < 0 or raw[key.end() : end].translate(None, b"0123456789, \t\r\n"):
+        return raw  # not a plain list of ints: parsed as it is
+    return raw[: key.start()] + b'"prompt_token_ids":null' + raw[end + 1 :]
+
+
 def answer_json(raw: bytes, what: str) -> Any:
     try:
-        return json.loads(raw)
+        return json.loads(without_prompt_echo(raw))
     except (ValueError, RecursionError):
         raise malformed_answer(f"{what} that is not JSON", raw) from None

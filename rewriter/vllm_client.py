@@ -148,6 +148,28 @@ class _LineSplitter:
                 raise malformed_answer("an over-long line", f"over {MAX_LINE_BYTES} bytes")
 
 
+JSON_CONTENT = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class RawJson:
+    """A request body value already formatted as JSON text (a prompt's ids)."""
+
+    text: str
+
+
+def dump_body(body: dict[str, Any]) -> bytes:
+    """``body`` as compact JSON, its ``RawJson`` values put in as they are."""
+    raw = {k: v.text for k, v in body.items() if isinstance(v, RawJson)}
+    rest = json.dumps({k: v for k, v in body.items() if k not in raw}, separators=(",", ":"))
+    if not raw:
+        return rest.encode()
+    parts = [f"{json.dumps(k)}:{text}" for k, text in raw.items()]
+    if rest != "{}":
+        parts.append(rest[1:-1])
+    return ("{" + ",".join(parts) + "}").encode()
+
+
 class VLLMClient:
     """``api``: ``auto`` (the generate endpoint where the server has it, else
     ``/v1/completions``), ``completions`` or ``generate``."""
@@ -276,10 +298,15 @@ class VLLMClient:
         return {k: params[k] for k in SERVER_DEFAULTS if params.get(k) is not None}
 
     async def _body(
-        self, prompt_ids: list[int], params: SamplingParams, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        prompt_json: str | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """The endpoint and body for one generation."""
+        """The endpoint and body for one generation (``prompt_json``: the ids' JSON text)."""
         info = await self.info()
+        prompt: list[int] | RawJson = prompt_ids if prompt_json is None else RawJson(prompt_json)
         sampling: dict[str, Any] = {
             "logprobs": 0,
             # Tags such as <tool_call> and <think> must reach the parsers; the EOS text must not.
@@ -295,14 +322,14 @@ class VLLMClient:
         if info.generate:
             return GENERATE_PATH, {
                 "model": info.model,
-                "token_ids": prompt_ids,
+                "token_ids": prompt,
                 "sampling_params": {**info.sampling_defaults, **sampling},
                 "output_mode": "text",  # the text (stop strings applied) for the parsers
                 "stream": stream,
             }
         body = {
             "model": info.model,
-            "prompt": prompt_ids,
+            "prompt": prompt,
             "return_token_ids": True,
             "stream": stream,
             **sampling,
@@ -311,7 +338,9 @@ class VLLMClient:
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
-            resp = await self._session.post(f"{self.base_url}{path}", json=body)
+            resp = await self._session.post(
+                f"{self.base_url}{path}", data=dump_body(body), headers=JSON_CONTENT
+            )
         except aiohttp.ServerTimeoutError as exc:
             raise PolicyError(
                 f"the policy server at {self.base_url} did not answer in time ({exc}); "
@@ -330,13 +359,17 @@ class VLLMClient:
         return resp
 
     async def complete(
-        self, prompt_ids: list[int], params: SamplingParams, failover: Failover | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        failover: Failover | None = None,
+        prompt_json: str | None = None,
     ) -> Completion:
         """A whole completion; generations aborted by the server (weight sync) are resumed, and
         with ``failover`` a server that fails is replaced (see :meth:`stream_resuming`)."""
         out = Completion()
         async for delta in self.stream_resuming(
-            prompt_ids, params, stream=False, failover=failover
+            prompt_ids, params, stream=False, failover=failover, prompt_json=prompt_json
         ):
             out.extend(delta)
         return out
@@ -348,6 +381,7 @@ class VLLMClient:
         *,
         stream: bool = True,
         failover: Failover | None = None,
+        prompt_json: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Like :meth:`stream`, but a generation the server ends with ``finish_reason: abort``
         (a paused server, a weight sync) is resubmitted with the tokens so far appended to the
@@ -356,7 +390,8 @@ class VLLMClient:
         ``failover(client, error)``: called when the server fails in a way another server may
         not (no answer, a cut or stalled stream, 429 / 503); the client it returns goes on
         from the tokens so far, the same way (None: the error is raised). Each piece says
-        which server sampled it (``backend``)."""
+        which server sampled it (``backend``). ``prompt_json``: ``prompt_ids`` as JSON text
+        (rewriter/ids_json.py), sent as it is while no token was sampled yet."""
         sampled: list[int] = []
         emitted: list[str] = []  # the text yielded so far
         resumed: ResumedText | None = None
@@ -372,10 +407,12 @@ class VLLMClient:
                 else max(0, params.min_tokens - len(sampled)),
             )
             aborted = False
+            ids = prompt_ids + sampled if sampled else prompt_ids
+            text = prompt_json if not sampled else None
             parts = (
-                current.stream(prompt_ids + sampled, budget)
+                current.stream(ids, budget, prompt_json=text)
                 if stream
-                else current._complete_once(prompt_ids + sampled, budget)
+                else current._complete_once(ids, budget, prompt_json=text)
             )
             try:
                 async for delta in parts:
@@ -416,9 +453,9 @@ class VLLMClient:
                 resumed = ResumedText.start(self._decode, sampled, "".join(emitted))
 
     async def _complete_once(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, prompt_json: str | None = None
     ) -> AsyncIterator[CompletionDelta]:
-        path, body = await self._body(prompt_ids, params, stream=False)
+        path, body = await self._body(prompt_ids, params, stream=False, prompt_json=prompt_json)
         # A whole answer's tokens all come at once: the body must be in within the timeout
         # (a server trickling whitespace into it makes no progress).
         try:
@@ -440,14 +477,14 @@ class VLLMClient:
         yield delta
 
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, prompt_json: str | None = None
     ) -> AsyncIterator[CompletionDelta]:
         """One generation's pieces as the server sends them. Whatever is not vLLM's SSE (a
         line that is not JSON, a chunk of the wrong shape), a stream that ends before the
         generation did (no finish_reason, no ``[DONE]``) and a stream without a new token for
         ``progress_timeout_s`` raise PolicyError: the caller answers it as an error, never
         as a complete answer."""
-        path, body = await self._body(prompt_ids, params, stream=True)
+        path, body = await self._body(prompt_ids, params, stream=True, prompt_json=prompt_json)
         parse = generate_delta if path == GENERATE_PATH else completions_delta
         deadline = self._deadline()
         try:
