@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/overhead.py [--quick] [--calls 200] [--seconds 5] [--rounds 3]
                                        [--no-litellm] [--only direct,mitmdump,agenttap]
+                                       [--system-tokens 20000]
 
 Paths, all in one run, interleaved (each round rotates which path goes first):
 
@@ -22,7 +23,7 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 
 Each client is an agent-like conversation: every call resends the history plus the reply it got
 and a new user message, eight calls, then it starts over (agenttap: one proxy session per client,
-extending its calls). Reported per path: the latency it adds over ``direct`` at concurrency 1
+extending its calls); ``--system-tokens N`` makes its system prompt N tokens longer. Reported per path: the latency it adds over ``direct`` at concurrency 1
 (p50, p95 of the path's latencies minus direct's), non-streamed 1 token and a 64-token stream;
 calls per second with 32 and 64 clients at once (each its own keep-alive connection); and the
 ratios to plain mitmdump; and, from the throughput runs at 32 clients, the CPU milliseconds each
@@ -63,6 +64,8 @@ STREAM_TOKENS = 64
 # What every path is called with (LiteLLM's master key; the others take any).
 API_KEY = "sk-bench-" + "0123456789abcdef" * 2
 TURNS = 8  # calls per conversation before a client starts over
+# The conversations' system prompt (--system-tokens makes it longer, as agents' are).
+SYSTEM = ["You are a terse assistant."]
 # Each one token of Qwen3's with and without a leading space: n words are n tokens.
 WORDS = (
     "the and for are but not you all any can had her was one our out day get has him his how man "
@@ -344,7 +347,7 @@ class Conversation:
 
     def next_body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
         if self.calls % TURNS == 0:
-            self.messages = [{"role": "system", "content": "You are a terse assistant."}]
+            self.messages = [{"role": "system", "content": SYSTEM[0]}]
         self.messages.append(
             {"role": "user", "content": f"Step {self.calls % TURNS} of task {self.calls // TURNS}."}
         )
@@ -624,6 +627,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (median)")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated paths (direct always runs)")
+    parser.add_argument(
+        "--system-tokens",
+        type=int,
+        default=0,
+        help="a system prompt this many tokens longer (agents send 10,000 and more)",
+    )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -635,6 +644,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.calls, args.warmup, args.seconds, args.rounds = 40, 5, 2.0, 1
+    SYSTEM[0] += "".join(" " + WORDS[i % len(WORDS)] for i in range(args.system_tokens))
     wanted = [p for p in PATHS if not args.only or p == "direct" or p in args.only.split(",")]
     if args.no_litellm and "litellm" in wanted:
         wanted.remove("litellm")
@@ -685,7 +695,8 @@ def main() -> int:
             name: (PolicyPath if name == "policy" else Path_)(servers[name], ca) for name in names
         }
         print(
-            f"paths: {', '.join(names)}; {args.calls} latency calls per path and kind after "
+            f"paths: {', '.join(names)}; system prompt {len(SYSTEM[0].split())} words; "
+            f"{args.calls} latency calls per path and kind after "
             f"{args.warmup} warm-up, throughput {args.seconds:g} s x {args.rounds} round(s); "
             f"logs in {work}",
             flush=True,
