@@ -128,7 +128,7 @@ def _pack_prompt(
         # From the end, stopping at the first: the parent is nearly always one of the last calls,
         # and a session may hold thousands.
         found = next((t for t in reversed(earlier) if t.request_id == parent), None)
-        if found is not None:
+        if found is not None and found is not candidates[0]:  # most often it is the last call
             candidates.append(found)
     best, keep = None, 0
     for turn in candidates:

@@ -28,7 +28,6 @@ def call_entry(call: CallNode) -> dict[str, Any]:
             else None
         ),
         "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
-        "prompt_digest": call.prompt_digest,
         "request_digest": call.request_digest,
         "conv_digest": call.conv_digest,
         "started": call.started,
@@ -77,7 +76,6 @@ def call_from_entry(
         suffix_logprobs=suffix_lp,
         suffix_provenance=suffix_prov,
         spliced=spliced,
-        prompt_digest=entry.get("prompt_digest", 0),
         request_digest=entry.get("request_digest", 0),
         conv_digest=entry.get("conv_digest", 0),
         spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import zlib
-from array import array
 from enum import IntEnum
 from typing import Any, Protocol
 
@@ -90,10 +89,6 @@ def header_key(tools: list[ToolSpec], enable_thinking: bool | None) -> MessageKe
         tuple((t.name, t.description, json.dumps(t.parameters, sort_keys=True)) for t in tools),
         enable_thinking,
     )
-
-
-def ids_digest(ids: list[int]) -> int:
-    return zlib.crc32(array("q", ids).tobytes())
 
 
 def fold_keys(digest: int, keys: list[MessageKey]) -> int:

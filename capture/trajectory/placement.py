@@ -11,7 +11,6 @@ from capture.trajectory.keys import (
     Provenance,
     fold_keys,
     header_key,
-    ids_digest,
     message_key,
 )
 from capture.trajectory.new_threads import NewThreadPlacement
@@ -330,7 +329,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         else:
             kind = assembly.kind
         prompt = assembly.prompt_ids
-        all_prompt = all(p == Provenance.PROMPT for p in assembly.suffix_provenance)
+        provenance = assembly.suffix_provenance
+        # list.count: a new thread's suffix is its whole prompt (tens of thousands of entries).
+        all_prompt = provenance.count(Provenance.PROMPT) == len(provenance)
         call = CallNode(
             uid=len(self.calls),
             request_id=request_id,
@@ -347,9 +348,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             prompt_ids=prompt,
             base=assembly.base,
             suffix_logprobs=None if all_prompt else list(assembly.suffix_logprobs),
-            suffix_provenance=None if all_prompt else [int(p) for p in assembly.suffix_provenance],
+            suffix_provenance=None if all_prompt else [int(p) for p in provenance],
             spliced=list(assembly.spliced),
-            prompt_digest=ids_digest(prompt),
             spawned_by=assembly.spawned_by,
             compaction_of=assembly.compaction_of,
             header=assembly.header,

@@ -35,8 +35,6 @@ class CallNode:
     spliced: list[tuple[CallNode, int, int]] = field(default_factory=list)
     # SAMPLED; RECOMPUTED or STALE for a schema-constrained completion (see ThreadSet.commit).
     sampled_provenance: int = Provenance.SAMPLED
-    # crc32 of the prompt ids.
-    prompt_digest: int = 0
     # crc32 chains over the header and message keys: of the request, and of the request plus
     # the reply. Calls with one request after calls with one conversation are resends of each
     # other, even where the earlier calls are indistinguishable twins.
