@@ -96,6 +96,8 @@ class Assembly:
 
     def needs_recompute(self) -> list[int]:
         """Positions (in prompt_ids) whose logprobs must be re-scored."""
+        if Provenance.RECOMPUTED not in self.suffix_provenance:  # most calls: a C-level scan
+            return []
         return [
             self.base + i
             for i, p in enumerate(self.suffix_provenance)
