@@ -110,7 +110,7 @@ class _TurnContext:
     user_agent: str
     started: float
     # prompt_ids as JSON text, built from the session's previous prompt's (rewriter/ids_json.py).
-    prompt_json: str | None = None
+    prompt_json: str
 
     @property
     def chat(self) -> ChatRequest:
@@ -580,7 +580,7 @@ class TurnPipeline:
         # nothing). The fsync, a millisecond or more on a disk, runs in a worker thread, batched;
         # the answer waits for it only with agenttap_journal_fsync=before_reply.
         synced = self.journal_syncer.request(journal)
-        if self.fsync_before_reply and synced is not None:
+        if self.fsync_before_reply:
             await synced
         self.control.note_recorded(
             parsed.session_id,

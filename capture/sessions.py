@@ -180,15 +180,14 @@ class SessionStore:
         durable: bool = True,
         prompt_json: str | None = None,
     ) -> Path:
-        """Make ``turn`` durable (journal + fsync) and apply it to its thread; returns the
-        journal written.
+        """Journal ``turn`` (written and, unless ``durable=False``, fsynced) and apply it to
+        its thread; returns the journal written.
 
         ``constrained``: sampled under a JSON schema, so the sampler's logprobs are not the
         policy's; ``rescored`` are the policy's (prompt_logprobs), trained instead (provenance
         2). Without them the tokens are kept but masked (provenance 3). ``durable=False``: the
-        line is written but not fsynced; the caller runs ``sync_journal`` on the path returned
-        (in a worker thread, the event loop going on meanwhile) before the client sees the end
-        of its answer."""
+        line is written but not fsynced; the caller has it fsynced (``JournalSyncer``).
+        ``prompt_json``: the JSON text the prompt's ids were sent as (``last_prompt``)."""
         _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
@@ -455,24 +454,27 @@ class JournalSyncer:
     runs gets another. Nothing here blocks the event loop."""
 
     def __init__(self) -> None:
-        self._waiting: set[Path] = set()
+        # journal -> its fsync that has not started yet (it covers every line written so far)
+        self._waiting: dict[Path, asyncio.Future[None]] = {}
         self._lock = threading.Lock()
         self.fsyncs = 0  # how many ran (tests, benchmarks)
 
-    def request(self, journal: Path) -> asyncio.Future[None] | None:
-        """fsync ``journal`` soon (its lines written so far); the future of that fsync, or
-        None where one that will cover them already waits to start."""
+    def request(self, journal: Path) -> asyncio.Future[None]:
+        """fsync ``journal`` soon; the future of the fsync that covers its lines written so
+        far (one already waiting to start, shared, or a new one)."""
+        # Held while the fsync is submitted: its worker takes the lock before it starts, so it
+        # cannot start (and leave the map) before it is in the map.
         with self._lock:
-            if journal in self._waiting:
-                return None
-            self._waiting.add(journal)
-        future = asyncio.get_running_loop().run_in_executor(None, self._sync, journal)
-        future.add_done_callback(_log_sync_failure)
+            future = self._waiting.get(journal)
+            if future is None:
+                future = asyncio.get_running_loop().run_in_executor(None, self._sync, journal)
+                future.add_done_callback(_log_sync_failure)
+                self._waiting[journal] = future
         return future
 
     def _sync(self, journal: Path) -> None:
         with self._lock:  # lines written from here on need the next fsync
-            self._waiting.discard(journal)
+            del self._waiting[journal]
             self.fsyncs += 1
         sync_journal(journal)
 

@@ -145,12 +145,16 @@ def test_reader_pads_batches(tmp_path: Path) -> None:
     assert left["input_ids"].tolist() == [[5, 6, 7], [99, 99, 8]]
 
 
+# Either way a completed call's line is written before its answer ends; before_reply also waits
+# for its fsync.
+@pytest.mark.parametrize("fsync", ["after_reply", "before_reply"])
 def test_kill_9_mid_session_keeps_completed_turns(
-    stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str
 ) -> None:
     out = tmp_path / "out"
     idle = 3600  # the session never ends by itself
-    proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle)
+    mode = ["--set", f"agenttap_journal_fsync={fsync}"]
+    proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle, extra=mode)
     try:
         client = proxy.openai("crashy", monkeypatch)
         msgs: list[dict] = [{"role": "user", "content": "one"}]
@@ -166,7 +170,7 @@ def test_kill_9_mid_session_keeps_completed_turns(
         proxy.proc.wait()
     finally:
         proxy.stop()
-    restarted: Proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle)
+    restarted: Proxy = start_proxy(stub.url, out, confdir, idle_timeout=idle, extra=mode)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(read_turns(out, "crashy")) < 3:

@@ -41,21 +41,21 @@ def test_requests_while_one_waits_share_its_fsync(
     async def main() -> None:
         syncer = JournalSyncer()
         first = syncer.request(journal)
-        assert first is not None
         # The first fsync runs (it took its request): a line written now needs another one ...
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
         second = syncer.request(journal)
-        assert second is not None
-        # ... and every request while that one waits to start is covered by it.
-        assert syncer.request(journal) is None
-        assert syncer.request(journal) is None
+        assert second is not first
+        # ... and every request while that one waits to start shares it (before_reply awaits
+        # the fsync that covers its own line).
+        assert syncer.request(journal) is second
+        assert syncer.request(journal) is second
         other = syncer.request(tmp_path / "gone.jsonl")  # removed already: nothing to do
         release.set()
         await asyncio.wait_for(asyncio.gather(first, second, other), 5)
         assert syncer.fsyncs == 3
         # Once it ran, a new request gets a new fsync.
         third = syncer.request(journal)
-        assert third is not None
+        assert third is not second
         await asyncio.wait_for(third, 5)
 
     asyncio.run(main())
@@ -75,7 +75,6 @@ def test_a_failed_fsync_is_logged_for_the_user(
 
     async def main() -> None:
         future = JournalSyncer().request(journal)
-        assert future is not None
         with pytest.raises(OSError):
             await future
         await asyncio.sleep(0)  # the done callback runs
