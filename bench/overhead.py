@@ -23,8 +23,9 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 
 Each client is an agent-like conversation: every call resends the history plus the reply it got
 and a new user message, eight calls, then it starts over (agenttap: one proxy session per client,
-extending its calls); ``--system-tokens N`` makes its system prompt N tokens longer. Reported per path: the latency it adds over ``direct`` at concurrency 1
-(p50, p95 of the path's latencies minus direct's), non-streamed 1 token and a 64-token stream;
+extending its calls); ``--system-tokens N`` makes its system prompt N tokens longer. Reported
+per path: the latency it adds over ``direct`` at concurrency 1 (p50, p95 of the path's latencies
+minus direct's), non-streamed 1 token and a 64-token stream;
 calls per second with 32 and 64 clients at once (each its own keep-alive connection); and the
 ratios to plain mitmdump; and, from the throughput runs at 32 clients, the CPU milliseconds each
 call costs the path's proxy (or server), the server behind it and the bench client (from
@@ -65,7 +66,7 @@ STREAM_TOKENS = 64
 API_KEY = "sk-bench-" + "0123456789abcdef" * 2
 TURNS = 8  # calls per conversation before a client starts over
 # The conversations' system prompt (--system-tokens makes it longer, as agents' are).
-SYSTEM = ["You are a terse assistant."]
+SYSTEM = "You are a terse assistant."
 # Each one token of Qwen3's with and without a leading space: n words are n tokens.
 WORDS = (
     "the and for are but not you all any can had her was one our out day get has him his how man "
@@ -347,7 +348,7 @@ class Conversation:
 
     def next_body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
         if self.calls % TURNS == 0:
-            self.messages = [{"role": "system", "content": SYSTEM[0]}]
+            self.messages = [{"role": "system", "content": SYSTEM}]
         self.messages.append(
             {"role": "user", "content": f"Step {self.calls % TURNS} of task {self.calls // TURNS}."}
         )
@@ -487,9 +488,11 @@ async def throughput(
     await asyncio.gather(*(worker(i) for i in range(clients)))
     own1, up1, client1 = *path.server.cpu(), time.process_time()
     rate = done / (time.perf_counter() - began)
-    per_call = tuple(1000.0 * (b - a) / max(done, 1) for a, b in
-                     ((own0, own1), (up0, up1), (client0, client1)))  # fmt: skip
-    return rate, per_call  # type: ignore[return-value]
+
+    def ms(before: float, after: float) -> float:
+        return 1000.0 * (after - before) / max(done, 1)
+
+    return rate, (ms(own0, own1), ms(up0, up1), ms(client0, client1))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -619,6 +622,7 @@ def report(
 
 
 def main() -> int:
+    global SYSTEM
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run: 40 calls, 2 s, 1 round")
     parser.add_argument("--calls", type=int, default=200, help="latency calls per path and kind")
@@ -644,7 +648,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.calls, args.warmup, args.seconds, args.rounds = 40, 5, 2.0, 1
-    SYSTEM[0] += "".join(" " + WORDS[i % len(WORDS)] for i in range(args.system_tokens))
+    SYSTEM += "".join(" " + WORDS[i % len(WORDS)] for i in range(args.system_tokens))
     wanted = [p for p in PATHS if not args.only or p == "direct" or p in args.only.split(",")]
     if args.no_litellm and "litellm" in wanted:
         wanted.remove("litellm")
@@ -695,7 +699,7 @@ def main() -> int:
             name: (PolicyPath if name == "policy" else Path_)(servers[name], ca) for name in names
         }
         print(
-            f"paths: {', '.join(names)}; system prompt {len(SYSTEM[0].split())} words; "
+            f"paths: {', '.join(names)}; system prompt {len(SYSTEM.split())} words; "
             f"{args.calls} latency calls per path and kind after "
             f"{args.warmup} warm-up, throughput {args.seconds:g} s x {args.rounds} round(s); "
             f"logs in {work}",
