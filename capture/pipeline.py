@@ -28,7 +28,7 @@ from capture.records import FailedCall, TurnRecord
 from capture.session_control import SessionControl
 from capture.session_ids import request_session_id
 from capture.sessions import JournalSyncer, SessionStore
-from capture.trajectory import Assembly
+from capture.trajectory import Assembly, NotInline
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.ids_json import ids_json
 from rewriter.parsers import OutputParser
@@ -38,6 +38,10 @@ from rewriter.vllm_client import Completion, PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
 
+# New text (characters) an extension may add and still be assembled on the event loop: about a
+# millisecond of tokenizing, against a quarter of one for the hop to a worker thread and back.
+# Past it, the worker thread's tokenizer lets the loop serve other sessions meanwhile.
+INLINE_ASSEMBLY_CHARS = 4096
 # The openai and anthropic SDKs (and so Claude Code, Codex's SDK users, ...) count their retries
 # of a request in this header; a retry's earlier answer, if never continued, is a dead branch.
 RETRY_HEADER = "x-stainless-retry-count"
@@ -183,20 +187,37 @@ class TurnPipeline:
         return {sid for sid, lock in self._session_locks.items() if lock.locked()}
 
     async def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
-        """Place a request in its session's tree and build its prompt ids, in a worker thread:
-        rendering and tokenizing a long prompt takes a second or more, and the event loop
-        serves every other session meanwhile (the tokenizer releases the GIL)."""
-        return await self._place(session_id, self.store.assemble, chat)
+        """Place a request in its session's tree and build its prompt ids. An extension that
+        adds little text (an agent's next call, as a rule) is placed right here; anything
+        larger in a worker thread: rendering and tokenizing a long prompt takes a second or
+        more, and the event loop serves every other session meanwhile (the tokenizer releases
+        the GIL)."""
+
+        def inline(sid: str, request: ChatRequest) -> Assembly:
+            return self.store.assemble(sid, request, inline_budget=INLINE_ASSEMBLY_CHARS)
+
+        return await self._place(session_id, self.store.assemble, chat, inline)
 
     async def assemble_tokens(self, session_id: str, token_ids: list[int]) -> Assembly:
         """``assemble`` for a call made of token ids (capture/whitebox.py)."""
         return await self._place(session_id, self.store.assemble_tokens, token_ids)
 
     async def _place(
-        self, session_id: str, place: Callable[[str, Any], Assembly], request: Any
+        self,
+        session_id: str,
+        place: Callable[[str, Any], Assembly],
+        request: Any,
+        inline: Callable[[str, Any], Assembly] | None = None,
     ) -> Assembly:
+        """``place`` in a worker thread, under the session's lock; ``inline`` first, here, if
+        given (NotInline: it changed nothing, and ``place`` runs, in the same turn of the lock)."""
         async with self.session_lock(session_id):
             self.store.session(session_id)  # created here, never from a worker thread
+            if inline is not None:
+                try:
+                    return inline(session_id, request)
+                except NotInline:
+                    pass
             return await asyncio.get_running_loop().run_in_executor(
                 self._render_pool, place, session_id, request
             )

@@ -158,11 +158,19 @@ class SessionStore:
     def next_turn_index(self, session_id: str) -> int:
         return self._sharded_turns.get(session_id, 0) + len(self.session(session_id).turns)
 
-    def assemble(self, session_id: str, chat: ChatRequest) -> Assembly:
+    def assemble(
+        self, session_id: str, chat: ChatRequest, inline_budget: int | None = None
+    ) -> Assembly:
+        """``chat`` placed in its session's tree (``inline_budget``: see ThreadSet.assemble;
+        NotInline when the request needs more)."""
         threads = self.session(session_id).threads
         assert threads is not None, "SessionStore needs a renderer to assemble prompts"
         return threads.assemble(
-            chat.messages, chat.tools, chat.enable_thinking, client_retry=chat.client_retry
+            chat.messages,
+            chat.tools,
+            chat.enable_thinking,
+            client_retry=chat.client_retry,
+            inline_budget=inline_budget,
         )
 
     def assemble_tokens(self, session_id: str, token_ids: list[int]) -> Assembly:

@@ -54,7 +54,7 @@ from capture.trajectory.keys import (
     header_key,
     message_key,
 )
-from capture.trajectory.placement import ThreadSet
+from capture.trajectory.placement import NotInline, ThreadSet
 from capture.trajectory.state import CLAIM_TTL_S
 from capture.trajectory.tree import Assembly, CallNode
 
@@ -64,6 +64,7 @@ __all__ = [
     "Assembly",
     "CallNode",
     "MessageKey",
+    "NotInline",
     "Provenance",
     "Renderer",
     "ThreadRow",

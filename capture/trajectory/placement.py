@@ -30,6 +30,22 @@ from rewriter.canonical import Message, ToolSpec
 TOKENS_HEADER = ("tokens",)
 
 
+class NotInline(Exception):
+    """An inline assembly (``assemble(inline_budget=...)``) would render more than its budget,
+    or a whole conversation (a rewrite, a new tree): nothing was changed; assemble it again
+    without a budget (in a worker thread, where tokenizing lets other sessions run)."""
+
+
+def message_chars(messages: list[Message]) -> int:
+    """About how much text rendering ``messages`` tokenizes (its characters)."""
+    total = 0
+    for m in messages:
+        total += len(m.content) + len(m.reasoning or "")
+        for call in m.tool_calls:
+            total += len(call.name) + len(call.arguments)
+    return total
+
+
 class ThreadSet(RewritePlacement, NewThreadPlacement):
     """The calls of one session (a forest), the assembly of each prompt, and its rows."""
 
@@ -40,10 +56,15 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         tools: list[ToolSpec],
         enable_thinking: bool | None,
         client_retry: bool = False,
+        inline_budget: int | None = None,
     ) -> Assembly:
         """Where a request goes in the tree, and its prompt ids. ``client_retry``: the client
-        says this request is a retry of one it sent before (its SDK's retry counter)."""
-        assembly = self._assemble(messages, tools, enable_thinking, client_retry)
+        says this request is a retry of one it sent before (its SDK's retry counter).
+        ``inline_budget``: only an extension whose new messages hold at most this many
+        characters, or a retry (nothing rendered), is assembled; anything else raises
+        NotInline before any state changes. An agent's next call is almost always such an
+        extension, cheap enough to place on the event loop without a worker thread's hop."""
+        assembly = self._assemble(messages, tools, enable_thinking, client_retry, inline_budget)
         assembly.client_retry = client_retry
         return assembly
 
@@ -78,7 +99,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         tools: list[ToolSpec],
         enable_thinking: bool | None,
         client_retry: bool,
+        inline_budget: int | None = None,
     ) -> Assembly:
+        inline = inline_budget is not None
         keys = [message_key(m) for m in messages]
         header = header_key(tools, enable_thinking)
         id_calls = self._id_evidence(messages)
@@ -91,6 +114,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             # request's replies, in order, the request is that conversation, rewritten.
             owner = self._rewrite_owner(messages, keys, header, id_calls)
             if owner is not None and len(owner[1]) > len(parent.ancestors()):
+                if inline:
+                    raise NotInline("a rewrite renders the whole conversation")
                 call, aligned = owner
                 return self._claim(
                     self._rewrite(call, aligned, messages, tools, keys, header, enable_thinking)
@@ -98,6 +123,7 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         # A request its client marks as a retry goes beside the call it repeats, if there is one.
         sibling = self._answered(keys, header, id_calls) if client_retry else None
         if sibling is None and parent is not None and not self._busy(parent):
+            self._check_inline(inline_budget, messages[len(parent.conv) :])
             return self._claim(self._extend(parent, messages, keys, header, enable_thinking))
         if sibling is None:
             sibling = self._answered(keys, header, id_calls)
@@ -106,7 +132,10 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         if sibling is not None:
             return self._claim(self._retry(sibling, keys))
         if parent is not None:  # fan-out: a second continuation of the same call
+            self._check_inline(inline_budget, messages[len(parent.conv) :])
             return self._claim(self._extend(parent, messages, keys, header, enable_thinking))
+        if inline:
+            raise NotInline("a rewrite or a new tree renders the whole conversation")
         owner = self._rewrite_owner(messages, keys, header, id_calls)
         if owner is not None:
             call, aligned = owner
@@ -116,6 +145,11 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         return self._claim(
             self._new_thread(messages, tools, keys, header, enable_thinking, client_retry)
         )
+
+    @staticmethod
+    def _check_inline(budget: int | None, new: list[Message]) -> None:
+        if budget is not None and message_chars(new) > budget:
+            raise NotInline(f"the new messages hold more than {budget} characters")
 
     def _id_evidence(self, messages: list[Message]) -> dict[int, CallNode]:
         """Message index -> the call whose minted ids that assistant message echoes: its

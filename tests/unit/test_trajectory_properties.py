@@ -204,3 +204,99 @@ def test_reply_keys_ignore_whitespace_between_text_blocks() -> None:
     echoed = Message("assistant", "Let me look.\n\nThen answer.", tool_calls=call)
     assert message_key(parsed) == message_key(echoed)
     assert message_key(parsed) != message_key(Message("assistant", "Let me look.", tool_calls=call))
+
+
+def _assembly_view(assembly):  # type: ignore[no-untyped-def]
+    parent = assembly.parent.uid if assembly.parent is not None else None
+    return (assembly.kind, parent, assembly.base, assembly.prompt_ids, assembly.suffix_provenance)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(2, 9),
+    budget=st.sampled_from([0, 8, 64, 4096]),
+)
+def test_inline_assembly_is_the_assembly_or_changes_nothing(
+    template: ChatTemplate, seed: int, steps: int, budget: int
+) -> None:
+    """Two sessions get the same requests and replies: one is always assembled whole, the other
+    tries an inline assembly first. The inline one either gives the very same assembly or raises
+    NotInline having changed nothing; the trees and their rows end up identical."""
+    from capture.trajectory import NotInline
+
+    rng = random.Random(seed)
+    policy = Policy(template, rng)
+    plain, inline = ThreadSet("s", template), ThreadSet("s", template)
+    convs = [[Message("system", "Main agent."), Message("user", "Start the task.")]]
+    kinds = []
+    for step in range(steps):
+        c = rng.randrange(len(convs))
+        msgs = convs[c]
+        if rng.random() < 0.2 and len(msgs) > 3:
+            users = [i for i, m in enumerate(msgs[:-1]) if m.role == "user"]
+            i = rng.choice(users)
+            msgs[i] = Message("user", "<system-reminder>r</system-reminder>\n" + msgs[i].content)
+        if rng.random() < 0.15:
+            msgs = list(msgs)  # sent again: a retry (or a fan-out) of the same request
+        expected = plain.assemble(msgs, TOOLS, None)
+        claims = inline._claims
+        try:
+            got = inline.assemble(msgs, TOOLS, None, inline_budget=budget)
+            kinds.append(got.kind)
+        except NotInline:
+            assert inline._claims == claims
+            got = inline.assemble(msgs, TOOLS, None)
+        assert _assembly_view(got) == _assembly_view(expected)
+        ids, lps, text = policy.reply(spawn=c == 0 and rng.random() < 0.3)
+        parsed = parse_completion(text)
+        for threads, assembly in ((plain, expected), (inline, got)):
+            threads.commit(
+                assembly, parsed.as_message(), ids, lps, request_id=f"r{step}", turn_index=step,
+                finish_reason="stop", latency_s=0.0, backend="b",
+            )  # fmt: skip
+        reply = echo(text, rng)
+        msgs.append(reply)
+        if parsed.tool_calls:
+            for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
+                msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
+                if call.name == "agent":
+                    prompt = json.loads(call.arguments)["prompt"]
+                    convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
+        else:
+            msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
+    assert "new" not in kinds  # a new tree renders everything: never inline
+    if budget == 0:
+        assert not [k for k in kinds if k != "retry"]  # nothing new rendered, nothing inline
+    rows_plain, threads_plain = plain.export()
+    rows_inline, threads_inline = inline.export()
+    assert threads_inline == threads_plain
+    assert [(r.input_ids, r.loss_mask, r.logprobs) for r in rows_inline] == [
+        (r.input_ids, r.loss_mask, r.logprobs) for r in rows_plain
+    ]
+
+
+def test_an_agents_next_call_is_assembled_inline(template: ChatTemplate) -> None:
+    """The common case takes the inline path: each call extends the last with a short message;
+    a long tool result does not (it is tokenized in a worker thread instead)."""
+    from capture.trajectory import NotInline
+
+    threads = ThreadSet("s", template)
+    msgs = [Message("system", "s"), Message("user", "u0")]
+    for i in range(5):
+        if i == 0:
+            with pytest.raises(NotInline):
+                threads.assemble(msgs, [], None, inline_budget=4096)  # a new tree
+            a = threads.assemble(msgs, [], None)
+        else:
+            a = threads.assemble(msgs, [], None, inline_budget=4096)
+            assert a.kind == "extend"
+        ids = template.encode(f"reply {i}") + [template.eos_token_id]
+        threads.commit(a, Message("assistant", f"reply {i}"), ids, [-1.0] * len(ids),
+                       request_id=str(i), turn_index=i, finish_reason="stop", latency_s=0, backend="b")  # fmt: skip
+        msgs += [Message("assistant", f"reply {i}"), Message("user", f"u{i + 1}")]
+    long_result = msgs + [Message("user", "x " * 4096)]
+    with pytest.raises(NotInline, match="4096 characters"):
+        threads.assemble(long_result[:-2] + long_result[-1:], [], None, inline_budget=4096)
