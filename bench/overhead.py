@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/overhead.py [--quick] [--calls 200] [--seconds 5] [--rounds 3]
                                        [--no-litellm] [--only direct,mitmdump,agenttap]
-                                       [--system-tokens 20000]
+                                       [--system-tokens 20000] [--pool 2]
 
 Paths, all in one run, interleaved (each round rotates which path goes first):
 
@@ -14,6 +14,10 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 - ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
   vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
+- ``agenttap-2``: the same, as a pool of ``--pool`` agenttap processes (default 2), each
+  conversation's session on one of them (by a hash of its name), as ``capture/ray_pool.py``
+  and ``bench/concurrency.py --proxies`` place sessions: one Python process uses one core, and
+  the pool is how agenttap uses more. Its CPU is the whole pool's.
 - ``policy``: the stub alone, called as agenttap calls it (the conversation rendered to token
   ids before the clock starts, ``POST /v1/completions``): the policy's own time, so agenttap's
   latency minus this one is what agenttap itself adds (a second table).
@@ -49,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +87,9 @@ def reply_words(n: int) -> list[str]:
     return [("" if i == 0 else " ") + WORDS[i % len(WORDS)] for i in range(n)]
 
 
-PATHS = ("direct", "mitmdump", "agenttap", "policy", "litellm")
+PATHS = ("direct", "mitmdump", "agenttap", "agenttap-2", "policy", "litellm")
+# The pool path: this many agenttap processes, sessions spread over them (--pool sets it).
+POOL = 2
 # (name, max_tokens, stream)
 KINDS = (("1 token", 1, False), (f"{STREAM_TOKENS}-token stream", STREAM_TOKENS, True))
 
@@ -208,10 +215,15 @@ class Server:
     note: str = ""
     upstream: Server | None = None  # the server a proxy sends its calls on to
 
+    # More processes of the same path (a pool): their CPU counts as this path's, and each
+    # conversation goes through one of them (PoolPath).
+    members: list[Server] = field(default_factory=list)
+
     def cpu(self) -> tuple[float, float]:
         """CPU seconds used so far: (this server's, its upstream's), each with descendants."""
         up = cpu_seconds(self.upstream.proc.pid) if self.upstream else 0.0
-        return cpu_seconds(self.proc.pid), up
+        own = cpu_seconds(self.proc.pid) + sum(cpu_seconds(m.proc.pid) for m in self.members)
+        return own, up
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -430,6 +442,19 @@ class Path_:
         return str(answer["choices"][0]["message"]["content"] or "")
 
 
+class PoolPath(Path_):
+    """Several agenttap processes (one Python process uses one core), each conversation's
+    session placed on one of them by its name, as ``capture/ray_pool.py`` places sessions."""
+
+    def request(
+        self, conv: Conversation, max_tokens: int, stream: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        body, kwargs = super().request(conv, max_tokens, stream)
+        servers = [self.server, *self.server.members]
+        kwargs["proxy"] = servers[zlib.crc32(conv.session.encode()) % len(servers)].proxy
+        return body, kwargs
+
+
 class PolicyPath(Path_):
     """The stub policy called directly, as agenttap calls it: the conversation rendered with the
     Qwen3 chat template into token ids (before the clock starts), ``POST /v1/completions``
@@ -543,13 +568,25 @@ async def measure(
     return latency, rates, cpu
 
 
+def bound(ms: list[float], processes: int, cores: int) -> float:
+    """Calls/s a path's CPU per call (proxy, server behind it, client) allows: its proxy's
+    processes use a core each at most, and everything shares the machine's cores."""
+    own, total = ms[0], sum(ms)
+    limits = [1000.0 * cores / total] if total > 0 else []
+    if own > 0:
+        limits.append(1000.0 * processes / own)
+    return min(limits) if limits else float("inf")
+
+
 def report(
     names: list[str],
     latency: dict[tuple[str, str], list[float]],
     rates: dict[tuple[str, str, int], list[float]],
     cpu: dict[tuple[str, str, int], list[tuple[float, float, float]]],
     notes: dict[str, str],
+    processes: dict[str, int],
 ) -> None:
+    """The tables; ``processes``: proxy processes per path where more than one."""
     kinds = [k for k, _, _ in KINDS]
     print("\nAdded latency per call at concurrency 1, ms (the path's p50/p95 minus direct's):")
     head = f"{'path':<10}"
@@ -608,21 +645,26 @@ def report(
         "cores shared by every process): the path's server or proxy | the server behind the "
         "proxy | the bench client | all"
     )
-    print(f"{'path':<10}" + "".join(f" | {kind:>34}" for kind in kinds))
+    print(f"{'path':<10}" + "".join(f" | {kind:>34} {'bound':>7}" for kind in kinds))
+    cores = os.cpu_count() or 1
     for name in names:
         line = f"{name:<10}"
         for kind in kinds:
             samples = cpu[(name, kind, 32)]
             ms = [statistics.median(s[i] for s in samples) for i in range(3)]
             cell = " | ".join(f"{v:.2f}" for v in (*ms, sum(ms)))
-            line += f" | {cell:>34}"
+            line += f" | {cell:>34} {bound(ms, processes.get(name, 1), cores):>7.0f}"
         print(line)
+    print(
+        "bound: the most calls/s this CPU per call allows: each proxy process at most one core "
+        "(Python), all processes together at most this machine's cores"
+    )
     for name, note in notes.items():
         print(f"{name}: skipped ({note})")
 
 
 def main() -> int:
-    global SYSTEM
+    global SYSTEM, POOL
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run: 40 calls, 2 s, 1 round")
     parser.add_argument("--calls", type=int, default=200, help="latency calls per path and kind")
@@ -630,6 +672,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="per throughput measurement")
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (median)")
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=POOL,
+        help="agenttap processes in the agenttap-2 path (0: no such path)",
+    )
     parser.add_argument("--only", default="", help="comma-separated paths (direct always runs)")
     parser.add_argument(
         "--system-tokens",
@@ -652,6 +700,9 @@ def main() -> int:
     wanted = [p for p in PATHS if not args.only or p == "direct" or p in args.only.split(",")]
     if args.no_litellm and "litellm" in wanted:
         wanted.remove("litellm")
+    POOL = args.pool
+    if POOL < 2 and "agenttap-2" in wanted:
+        wanted.remove("agenttap-2")
     work = Path(tempfile.mkdtemp(prefix="agenttap-overhead-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
@@ -666,23 +717,33 @@ def main() -> int:
                 "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
             )
             servers["mitmdump"].upstream = servers["direct"]
-        if "agenttap" in wanted:
+        if "agenttap" in wanted or "agenttap-2" in wanted:
             stub, stub_url = spawn_child("--serve-stub", work)
             children.append(stub)
-            servers["agenttap"] = start_mitmdump(
-                "agenttap",
-                [
-                    "-s", str(REPO / "addons" / "capture.py"),
-                    "--set", f"agenttap_policy_url={stub_url}",
-                    "--set", f"agenttap_tokenizer={QWEN3}",
-                    "--set", f"agenttap_out={work / 'out'}",
-                ],
-                work,
-                confdir,
-            )  # fmt: skip
             # The stub alone, called as agenttap calls it: agenttap's own share of its latency.
             servers["policy"] = Server("policy", stub, work / "serve-stub.log", stub_url)
-            servers["agenttap"].upstream = servers["policy"]
+
+            def agenttap(name: str) -> Server:
+                server = start_mitmdump(
+                    name,
+                    [
+                        "-s", str(REPO / "addons" / "capture.py"),
+                        "--set", f"agenttap_policy_url={stub_url}",
+                        "--set", f"agenttap_tokenizer={QWEN3}",
+                        "--set", f"agenttap_out={work / 'out' / name}",
+                    ],
+                    work,
+                    confdir,
+                )  # fmt: skip
+                server.upstream = servers["policy"]
+                return server
+
+            if "agenttap" in wanted:
+                servers["agenttap"] = agenttap("agenttap")
+            if "agenttap-2" in wanted and POOL > 1:
+                pool = [agenttap(f"agenttap-2.{i}") for i in range(POOL)]
+                pool[0].name, pool[0].members = "agenttap-2", pool[1:]
+                servers["agenttap-2"] = pool[0]
         if "litellm" in wanted:
             started = start_litellm(fake_url, work)
             if isinstance(started, str):
@@ -695,9 +756,8 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while not ca.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        paths = {
-            name: (PolicyPath if name == "policy" else Path_)(servers[name], ca) for name in names
-        }
+        kinds = {"policy": PolicyPath, "agenttap-2": PoolPath}
+        paths = {name: kinds.get(name, Path_)(servers[name], ca) for name in names}
         print(
             f"paths: {', '.join(names)}; system prompt {len(SYSTEM.split())} words; "
             f"{args.calls} latency calls per path and kind after "
@@ -708,11 +768,19 @@ def main() -> int:
         latency, rates, cpu = asyncio.run(
             measure(paths, args.calls, args.warmup, args.seconds, args.rounds)
         )
-        report(names, latency, rates, cpu, notes)
+        report(
+            names,
+            latency,
+            rates,
+            cpu,
+            notes,
+            {name: 1 + len(server.members) for name, server in servers.items()},
+        )
     finally:
         for server in servers.values():
             if server.name not in ("direct", "policy"):  # children, stopped below
-                server.stop()
+                for member in (server, *server.members):
+                    member.stop()
         for child in children:
             if child.poll() is None:
                 assert child.stdin is not None
