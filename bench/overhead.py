@@ -70,6 +70,8 @@ STREAM_TOKENS = 64
 # What every path is called with (LiteLLM's master key; the others take any).
 API_KEY = "sk-bench-" + "0123456789abcdef" * 2
 TURNS = 8  # calls per conversation before a client starts over
+# Milliseconds between a stream's tokens in the fake server and the stub (bench/paced.py sets it).
+PACE_ENV = "OVERHEAD_PACE_MS"
 # The conversations' system prompt (--system-tokens makes it longer, as agents' are).
 SYSTEM = "You are a terse assistant."
 # Each one token of Qwen3's with and without a leading space: n words are n tokens.
@@ -117,8 +119,11 @@ def wait_port(
 
 # -- the servers, each in a process of its own ---------------------------------------------------
 def serve_fake() -> None:
-    """An OpenAI-compatible chat completions server answering at once (``--serve-fake``)."""
+    """An OpenAI-compatible chat completions server answering at once (``--serve-fake``), or
+    streaming a word every OVERHEAD_PACE_MS milliseconds (bench/paced.py)."""
     from aiohttp import web
+
+    pace = float(os.environ.get(PACE_ENV) or 0) / 1000.0
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response(
@@ -141,6 +146,8 @@ def serve_fake() -> None:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, word in enumerate(words):
+            if pace and i:
+                await asyncio.sleep(pace)
             delta: dict[str, Any] = {"content": word}
             if i == 0:
                 delta["role"] = "assistant"
@@ -194,10 +201,12 @@ class _CachedTokenizer:
 
 
 def serve_stub() -> None:
-    """The vLLM-shaped stub policy, answering at once (``--serve-stub``)."""
+    """The vLLM-shaped stub policy, answering at once (``--serve-stub``), or streaming a token
+    every OVERHEAD_PACE_MS milliseconds (bench/paced.py)."""
     from tests.stub_vllm import StubPolicy
 
     stub = StubPolicy(str(QWEN3))
+    stub.chunk_delay_s = float(os.environ.get(PACE_ENV) or 0) / 1000.0
     stub.tok = _CachedTokenizer(stub.tok)  # type: ignore[assignment]
     stub.default_reply = "".join(reply_words(2 * STREAM_TOKENS))
     print(stub.start(), flush=True)
