@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from rewriter.canonical import SamplingParams
 
 # (version, start, end): output tokens [start, end) were sampled by weights labelled version.
@@ -224,8 +226,27 @@ def without_prompt_echo(raw: bytes) -> bytes:
     return raw[: key.start()] + b'"prompt_token_ids":null' + raw[end + 1 :]
 
 
+# orjson reads an integer past 64 bits as a float; Python's json, exactly. No float's digits
+# (17 significant at most), token id or timestamp comes near 19 digits in a row. Found with
+# C-speed bytes methods (a regex takes longer than orjson's whole parse).
+_DIGITS_AS_ZERO = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_DIGITS = b"0" * 19
+
+
+def _has_long_digits(data: bytes) -> bool:
+    return _LONG_DIGITS in data.translate(_DIGITS_AS_ZERO)
+
+
 def answer_json(raw: bytes, what: str) -> Any:
+    data = without_prompt_echo(raw)
+    if not _has_long_digits(data):
+        try:
+            # orjson reads strict JSON, into the same values, three times as fast (each streamed
+            # token is a line; a prompt_logprobs answer is megabytes, read on the event loop).
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # not strict JSON (NaN, UTF-16, lone surrogates...): Python's reader decides
     try:
-        return json.loads(without_prompt_echo(raw))
+        return json.loads(data)
     except (ValueError, RecursionError):
         raise malformed_answer(f"{what} that is not JSON", raw) from None

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rewriter.vllm_answers import answer_json, without_prompt_echo
+from rewriter.vllm_answers import PolicyError, answer_json, without_prompt_echo
 
 PROMPT = list(range(100_000, 103_000))  # 3,000 ids: an answer well past the size worth cutting
 
@@ -40,3 +42,44 @@ def test_a_short_answer_is_left_alone() -> None:
     raw = json.dumps(_answer("hi", [1, 2, 3])).encode()
     assert without_prompt_echo(raw) is raw
     assert answer_json(raw, "an answer")["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _python_reader(raw: bytes) -> object:
+    try:
+        return ("ok", json.dumps(json.loads(without_prompt_echo(raw)), sort_keys=True))
+    except (ValueError, RecursionError):
+        return ("refused",)
+
+
+def _answer_json(raw: bytes) -> object:
+    try:
+        return ("ok", json.dumps(answer_json(raw, "an answer"), sort_keys=True))
+    except PolicyError:
+        return ("refused",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_values, ensure_ascii=st.booleans())
+def test_answers_read_as_pythons_json_reads_them(value: object, ensure_ascii: bool) -> None:
+    """The fast reader gives the very values Python's json gives, NaN, huge integers and all."""
+    raw = json.dumps(value, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
+    assert _answer_json(raw) == _python_reader(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-16")))
+def test_what_is_not_json_is_refused_alike(raw: bytes) -> None:
+    assert _answer_json(raw) == _python_reader(raw)
+
+
+def test_edge_cases_read_alike() -> None:
+    for raw in (b"NaN", b"[1e999]", b"-0", b'"\\ud800"', b"[" * 5000 + b"]" * 5000,
+                b"18446744073709551616", b'{"a": 1, "a": 2}', b"\xef\xbb\xbf{}", b" 1 "):  # fmt: skip
+        assert _answer_json(raw) == _python_reader(raw), raw
