@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capture.options import parse_model_map
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
@@ -965,3 +967,36 @@ def test_parse_model_map_malformed(spec: str, bad: str) -> None:
     message = str(info.value)
     assert repr(bad) in message
     assert "PATTERN=URL" in message
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.booleans(), st.text(max_size=12)), max_size=12),
+    calls=st.lists(st.integers(0, 11), max_size=2),
+)
+def test_streamed_deltas_are_the_events_rendered_whole(
+    pieces: list[tuple[bool, str]], calls: list[int]
+) -> None:
+    """The stream's text and thinking deltas go out through a TextEvent per block: byte for byte
+    the events rendered one by one (``sse``), across blocks, tool calls and any text."""
+    from rewriter.canonical import ChatRequest
+    from rewriter.providers.anthropic import response as anthropic_response
+    from rewriter.providers.anthropic.serving import _EventStream
+    from rewriter.providers.base import ProviderTurn
+
+    turn = ProviderTurn(ChatRequest(messages=[], model="claude"), "msg_1", "s")
+    fast, plain = _EventStream(turn, 10), anthropic_response.EventWriter("msg_1", "claude", 10)
+    parsed: list[ParseEvent] = [
+        ContentDelta(text) if is_text else ReasoningDelta(text) for is_text, text in pieces
+    ]
+    for i in sorted(calls, reverse=True):
+        parsed.insert(min(i, len(parsed)), ToolCallEvent(0, ToolCall("c", "bash", "{}")))
+    try:
+        expected = b"".join(anthropic_response.sse(e) for e in plain.events(parsed))
+    except UnicodeEncodeError:  # a lone surrogate: no event carries it
+        with pytest.raises(UnicodeEncodeError):
+            fast.events(parsed)
+        return
+    assert fast.events(parsed) == expected
+    if b'"type":"text_delta"' in expected or b'"type":"thinking_delta"' in expected:
+        assert fast._deltas  # the deltas did take the TextEvent path

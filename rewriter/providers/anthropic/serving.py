@@ -27,6 +27,7 @@ from rewriter.providers.base import (
     register,
 )
 from rewriter.vllm_client import Completion
+from rewriter.wire import TextEvent
 
 DROP_SYSTEM_BLOCKS = "agenttap_drop_system_blocks"
 
@@ -156,16 +157,43 @@ class AnthropicMessages(Provider[ProviderTurn]):
         return _EventStream(turn, prompt_tokens)
 
 
+# The text field of each delta type a token's text streams in.
+_DELTA_TEXT = {"text_delta": "text", "thinking_delta": "thinking"}
+
+
 class _EventStream:
     def __init__(self, turn: ProviderTurn, prompt_tokens: int) -> None:
         self.writer = anthropic_response.EventWriter(
             turn.response_id, turn.chat.model, prompt_tokens
         )
         self._final: list[dict[str, Any]] = []
+        # A text or thinking delta per token: only its text changes within a block.
+        self._deltas: dict[tuple[int, str], TextEvent] = {}
 
-    @staticmethod
-    def _join(events: list[dict[str, Any]]) -> bytes:
-        return b"".join(anthropic_response.sse(e) for e in events)
+    def _join(self, events: list[dict[str, Any]]) -> bytes:
+        return b"".join(self._encode(e) for e in events)
+
+    def _encode(self, event: dict[str, Any]) -> bytes:
+        """``anthropic_response.sse(event)``, a token's text delta through its block's
+        TextEvent."""
+        delta: dict[str, Any] = event.get("delta") or {}
+        field = _DELTA_TEXT.get(delta.get("type", ""))
+        if field is None or list(delta) != ["type", field] or len(event) != 3:
+            return anthropic_response.sse(event)
+        key = (event["index"], delta["type"])
+        fast = self._deltas.get(key)
+        if fast is None:
+            index, kind = key
+            fast = self._deltas[key] = TextEvent(
+                lambda text: anthropic_response.sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": kind, field: text},
+                    }
+                )
+            )
+        return fast(delta[field])
 
     def start(self) -> bytes:
         return self._join(self.writer.start())
