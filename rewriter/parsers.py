@@ -41,9 +41,13 @@ def new_tool_call_id() -> str:
 
 def _held_back(buffer: str, tag: str) -> int:
     """Length of the longest suffix of ``buffer`` that could be the start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(buffer)), 0, -1):
-        if tag.startswith(buffer[-n:]):
-            return n
+    # Called for every streamed token: such a suffix starts with the tag's first character, and
+    # most tokens hold none, so that one C-level search usually settles it.
+    start = buffer.find(tag[0], max(0, len(buffer) - len(tag) + 1))
+    while start != -1:
+        if tag.startswith(buffer[start:]):
+            return len(buffer) - start
+        start = buffer.find(tag[0], start + 1)
     return 0
 
 

@@ -482,3 +482,19 @@ def test_template_round_trip_property(
     assert json.loads(reply.tool_calls[0].arguments) == arguments
     assert reply.tool_calls[0].arguments == args_text
     assert reply.content == content
+
+
+def _held_back_by_definition(buffer: str, tag: str) -> int:
+    return max((n for n in range(1, min(len(tag) - 1, len(buffer)) + 1)
+                if tag.startswith(buffer[-n:])), default=0)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    buffer=st.text(alphabet="<>/tolcahink_ x", max_size=30),
+    tag=st.sampled_from(["<tool_call>", "<think>", "</think>", "<<", "<a<a<b", "ab"]),
+)
+def test_held_back_is_the_longest_suffix_that_starts_the_tag(buffer: str, tag: str) -> None:
+    from rewriter.parsers import _held_back
+
+    assert _held_back(buffer, tag) == _held_back_by_definition(buffer, tag)
