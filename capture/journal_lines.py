@@ -101,7 +101,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], offset: int = 0) -> int:
     n = min(len(a), len(b) - offset)
     if n <= 0:
         return 0
-    if a[:n] == b[offset : offset + n]:
+    # Whole lists compare without a copy; prompts run to tens of thousands of ids.
+    head = a if n == len(a) else a[:n]
+    if head == (b if offset == 0 and n == len(b) else b[offset : offset + n]):
         return n
     i, step = 0, 4096
     while i + step <= n and a[i : i + step] == b[offset + i : offset + i + step]:

@@ -305,11 +305,13 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         suffix = self._closing_ids(parent) + self.render_delta(
             messages[len(parent.conv) :], enable_thinking
         )
-        prefix = seq_ids(parent)
+        prompt = seq_ids(parent)  # a new list: extended in place, not copied again
+        base = len(prompt)
+        prompt.extend(suffix)
         return Assembly(
             parent=parent,
-            prompt_ids=prefix + suffix,
-            base=len(prefix),
+            prompt_ids=prompt,
+            base=base,
             suffix_logprobs=[0.0] * len(suffix),
             suffix_provenance=[int(Provenance.PROMPT)] * len(suffix),
             keys=keys,
