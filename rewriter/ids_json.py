@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import orjson
+
 
 @dataclass(frozen=True)
 class IdsJson:
@@ -30,4 +32,9 @@ def ids_json(ids: list[int], earlier: IdsJson | None = None) -> str:
                 return earlier.text
             tail = ",".join(map(str, ids[n:]))
             return f"{earlier.text[:-1]}{',' if n else ''}{tail}]"
-    return json.dumps(ids, separators=(",", ":"))
+    try:
+        # A whole prompt (a new thread): orjson writes a list of ints as json.dumps does,
+        # ten times as fast (a 20,000-id prompt: about 0.1 ms instead of 1 ms on the loop).
+        return orjson.dumps(ids).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(ids, separators=(",", ":"))  # past 64 bits: only Python's writes it

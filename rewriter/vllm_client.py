@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from rewriter.canonical import SamplingParams
+from rewriter.ids_json import ids_json
 from rewriter.vllm_answers import (
     Completion,
     CompletionDelta,
@@ -551,7 +552,7 @@ class VLLMClient:
         info = await self.info()
         body = {
             "model": info.model,
-            "prompt": ids,
+            "prompt": RawJson(ids_json(ids)),  # tens of thousands of ids: orjson writes them
             "max_tokens": 1,
             "prompt_logprobs": 0,
             "return_token_ids": True,

@@ -34,3 +34,9 @@ def test_a_changed_history_is_not_taken_for_an_extension() -> None:
     assert json.loads(ids_json([1, 2], earlier)) == [1, 2]  # shorter
     assert ids_json([1, 2, 3], earlier) is earlier.text  # the same prompt: the same text
     assert ids_json([], _earlier([])) == "[]" and ids_json([5], _earlier([])) == "[5]"
+
+
+@given(st.lists(st.integers(), max_size=40))
+def test_any_integers_are_formatted_as_pythons_json_does(ids: list[int]) -> None:
+    """orjson writes the common case; integers past 64 bits fall back to Python's json."""
+    assert ids_json(ids) == json.dumps(ids, separators=(",", ":"))
