@@ -86,15 +86,14 @@ def loads(data: bytes | str) -> Any:
 
 
 def _check(value: Any, text: str) -> None:
-    """Depth and lone surrogates, walked only where the text could hold either."""
-    deep = text.count("[") + text.count("{") > MAX_DEPTH
+    """Depth (the containers walked) and lone surrogates (every string, only where the text
+    has a surrogate escape)."""
     surrogates = _SURROGATE_ESCAPE.search(text) is not None
-    if not (deep or surrogates):
-        return
     if not surrogates:
-        # An agent's every request (tool schemas) has brackets enough: only its containers are
-        # walked, five times as fast. The recursion stops at MAX_DEPTH, far from the stack's.
-        _check_depth(value, 0)
+        # Only the containers are walked (a long prompt is one string): cheaper than counting
+        # the text's brackets. The recursion stops at MAX_DEPTH, far from the stack's limit.
+        if isinstance(value, dict | list):
+            _check_depth(value, 0)
         return
     # Iterative: the walk itself must not be what a deep body breaks.
     stack: list[tuple[Any, int]] = [(value, 0)]

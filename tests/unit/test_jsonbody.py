@@ -55,3 +55,8 @@ def test_a_lone_surrogate_is_still_refused_in_a_wide_body() -> None:
     text = json.dumps({"tools": [[i] for i in range(200)], "t": "x"}).replace('"x"', '"\\ud800"')
     with pytest.raises(JSONBodyError, match="lone UTF-16 surrogate"):
         loads(text)
+
+
+@pytest.mark.parametrize("text", ["1", "null", '"text"', "[]", "{}", "2.5", "true"])
+def test_any_json_value_reads(text: str) -> None:
+    assert loads(text) == json.loads(text)
