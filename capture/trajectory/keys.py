@@ -13,6 +13,8 @@ import zlib
 from enum import IntEnum
 from typing import Any, Protocol
 
+import orjson
+
 from rewriter.canonical import Message, ToolSpec
 
 
@@ -84,9 +86,18 @@ def _canonical_text(text: str) -> str:
     return " ".join(text.split()) if text else text
 
 
+def _schema_key(parameters: dict[str, Any]) -> bytes | str:
+    try:
+        # Every call resends its tools (an agent's: tens of kB of schemas); orjson writes them
+        # five times as fast as json.dumps, as exactly (1, 1.0 and true stay apart).
+        return orjson.dumps(parameters, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(parameters, sort_keys=True)
+
+
 def header_key(tools: list[ToolSpec], enable_thinking: bool | None) -> MessageKey:
     return (
-        tuple((t.name, t.description, json.dumps(t.parameters, sort_keys=True)) for t in tools),
+        tuple((t.name, t.description, _schema_key(t.parameters)) for t in tools),
         enable_thinking,
     )
 

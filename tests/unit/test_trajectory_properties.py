@@ -300,3 +300,28 @@ def test_an_agents_next_call_is_assembled_inline(template: ChatTemplate) -> None
     long_result = msgs + [Message("user", "x " * 4096)]
     with pytest.raises(NotInline, match="4096 characters"):
         threads.assemble(long_result[:-2] + long_result[-1:], [], None, inline_budget=4096)
+
+
+schema_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.dictionaries(st.text(max_size=3), schema_values, max_size=4),
+       b=st.dictionaries(st.text(max_size=3), schema_values, max_size=4))  # fmt: skip
+def test_tool_headers_are_equal_exactly_when_their_schemas_are(
+    a: dict[str, object], b: dict[str, object]
+) -> None:
+    """Two requests' tools are "the same" exactly when their schemas are the same JSON (keys in
+    any order; 1, 1.0 and true apart), however the header key writes them."""
+    from capture.trajectory import header_key
+
+    same_json = json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    ha = header_key([ToolSpec("t", "d", a)], None)
+    assert (ha == header_key([ToolSpec("t", "d", b)], None)) == same_json
+    assert ha == header_key([ToolSpec("t", "d", dict(reversed(list(a.items()))))], None)
