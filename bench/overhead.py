@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/overhead.py [--quick] [--calls 200] [--seconds 5] [--rounds 3]
                                        [--no-litellm] [--only direct,mitmdump,agenttap]
-                                       [--system-tokens 20000] [--pool 2]
+                                       [--system-tokens 20000] [--tools 20] [--pool 2]
 
 Paths, all in one run, interleaved (each round rotates which path goes first):
 
@@ -27,7 +27,8 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 
 Each client is an agent-like conversation: every call resends the history plus the reply it got
 and a new user message, eight calls, then it starts over (agenttap: one proxy session per client,
-extending its calls); ``--system-tokens N`` makes its system prompt N tokens longer. Reported
+extending its calls); ``--system-tokens N`` makes its system prompt N tokens longer, ``--tools N``
+makes every call offer N agent-sized function tools. Reported
 per path: the latency it adds over ``direct`` at concurrency 1 (p50, p95 of the path's latencies
 minus direct's), non-streamed 1 token and a 64-token stream;
 calls per second with 32 and 64 clients at once (each its own keep-alive connection); and the
@@ -70,6 +71,29 @@ STREAM_TOKENS = 64
 # What every path is called with (LiteLLM's master key; the others take any).
 API_KEY = "sk-bench-" + "0123456789abcdef" * 2
 TURNS = 8  # calls per conversation before a client starts over
+# The tools every call offers (--tools N: agents send 10 to 40, with schemas of a kB or more).
+TOOLS: list[dict[str, Any]] = []
+
+
+def bench_tools(n: int) -> list[dict[str, Any]]:
+    """``n`` function tools shaped like an agent's (a description, a dozen typed parameters)."""
+    properties = {
+        f"param_{j}": {"type": "string", "description": f"What parameter {j} of the tool means."}
+        for j in range(12)
+    }
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Tool {i}: " + " ".join(WORDS[:60]),
+                "parameters": {"type": "object", "properties": properties, "required": ["param_0"]},
+            },
+        }
+        for i in range(n)
+    ]
+
+
 # Milliseconds between a stream's tokens in the fake server and the stub (bench/paced.py sets it).
 PACE_ENV = "OVERHEAD_PACE_MS"
 # The conversations' system prompt (--system-tokens makes it longer, as agents' are).
@@ -379,6 +403,8 @@ class Conversation:
             "messages": list(self.messages),
             "max_tokens": max_tokens,
         }
+        if TOOLS:
+            body["tools"] = TOOLS
         if stream:
             body["stream"] = True
         return body
@@ -673,7 +699,7 @@ def report(
 
 
 def main() -> int:
-    global SYSTEM, POOL
+    global SYSTEM, POOL, TOOLS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run: 40 calls, 2 s, 1 round")
     parser.add_argument("--calls", type=int, default=200, help="latency calls per path and kind")
@@ -694,6 +720,9 @@ def main() -> int:
         default=0,
         help="a system prompt this many tokens longer (agents send 10,000 and more)",
     )
+    parser.add_argument(
+        "--tools", type=int, default=0, help="function tools every call offers (agents: 10-40)"
+    )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -706,6 +735,7 @@ def main() -> int:
     if args.quick:
         args.calls, args.warmup, args.seconds, args.rounds = 40, 5, 2.0, 1
     SYSTEM += "".join(" " + WORDS[i % len(WORDS)] for i in range(args.system_tokens))
+    TOOLS = bench_tools(args.tools)
     wanted = [p for p in PATHS if not args.only or p == "direct" or p in args.only.split(",")]
     if args.no_litellm and "litellm" in wanted:
         wanted.remove("litellm")
@@ -768,7 +798,8 @@ def main() -> int:
         kinds = {"policy": PolicyPath, "agenttap-2": PoolPath}
         paths = {name: kinds.get(name, Path_)(servers[name], ca) for name in names}
         print(
-            f"paths: {', '.join(names)}; system prompt {len(SYSTEM.split())} words; "
+            f"paths: {', '.join(names)}; system prompt {len(SYSTEM.split())} words, "
+            f"{len(TOOLS)} tools; "
             f"{args.calls} latency calls per path and kind after "
             f"{args.warmup} warm-up, throughput {args.seconds:g} s x {args.rounds} round(s); "
             f"logs in {work}",
