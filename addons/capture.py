@@ -34,6 +34,7 @@ if str(_HERE.parent) not in sys.path:
 from aiohttp import web  # noqa: E402
 from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp, tls  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
+from mitmproxy.log import LegacyLogEvents  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
@@ -69,6 +70,7 @@ from capture.options import (  # noqa: E402
     passes_through,
     unknown_names,
 )
+from capture.pipeline import call_logger  # noqa: E402
 from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
 from capture.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
@@ -103,6 +105,23 @@ def quiet_websocket_messages(master: Any) -> None:
             original(flow)
 
     dumper.websocket_message = websocket_message
+
+
+class _NotCallLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != call_logger.name
+
+
+def skip_legacy_log_events() -> None:
+    """mitmproxy hands every log record to its deprecated ``add_log`` hook as well: a walk over
+    every addon, after a wake-up of the event loop through its self-pipe, per record, when no
+    addon of mitmproxy's own implements it. The per-call lines (``agenttap call:``) skip that
+    hook; the terminal, mitmweb's event log and every other handler still get them."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, LegacyLogEvents) and not any(
+            isinstance(f, _NotCallLines) for f in handler.filters
+        ):
+            handler.addFilter(_NotCallLines())
 
 
 class _ProbeQuiet(logging.Filter):
@@ -202,6 +221,7 @@ class AgentTap:
         # clients configured without credentials. A proxyauth the user sets still applies.
         loader.master.options.update(connection_strategy="lazy")
         quiet_websocket_messages(loader.master)
+        skip_legacy_log_events()
         self._take_deferred(loader.master.options)
 
     def _take_deferred(self, options: optmanager.OptManager) -> None:

@@ -37,6 +37,9 @@ from rewriter.template import ChatTemplate
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
+# The one line per call (``agenttap call:``, ``agenttap call failed:``): a logger of its own, so
+# the proxy can spare it work no one asks for (addons/capture.py, skip_legacy_log_events).
+call_logger = logging.getLogger(f"{__name__}.calls")
 
 # New text (characters) an extension may add and still be assembled on the event loop: about a
 # millisecond of tokenizing, against a quarter of one for the hop to a worker thread and back.
@@ -316,7 +319,7 @@ class TurnPipeline:
 
     def note_recorded(self, record: TurnRecord) -> None:
         """Metrics and the log line of a call answered and recorded."""
-        logger.info("%s", call_line(record))
+        call_logger.info("%s", call_line(record))
         m, protocol = self.metrics, record.protocol
         self.totals["calls"] += 1
         self.totals["completion_tokens"] += len(record.completion_ids)
@@ -514,7 +517,7 @@ class TurnPipeline:
             started_at=turn.started,
             failed_at=time.time(),
         )
-        logger.warning("%s", failed_line(failed))
+        call_logger.warning("%s", failed_line(failed))
         self.control.note_failure(parsed.session_id)
         self.note_policy_error(turn.provider.name, error, turn.client.base_url)
         try:

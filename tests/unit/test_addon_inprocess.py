@@ -98,3 +98,40 @@ def test_connect_to_another_host_is_refused_and_its_keys_stripped() -> None:
         tap.http_connect(flow)
         assert flow.response is not None and flow.response.status_code == 403
         assert "Proxy-Authorization" not in flow.request.headers
+
+
+def test_call_lines_skip_the_deprecated_add_log_hook_only() -> None:
+    """The per-call lines go to every log handler but mitmproxy's LegacyLogEvents (which walks
+    every addon per record for a hook none implements); other records still reach it."""
+    import logging
+
+    from mitmproxy.log import LegacyLogEvents
+
+    from addons.capture import skip_legacy_log_events
+    from capture.pipeline import call_logger
+
+    _loaded()
+    legacy = [h for h in logging.getLogger().handlers if isinstance(h, LegacyLogEvents)]
+    assert legacy, "mitmproxy's master installs LegacyLogEvents"
+    call = call_logger.makeRecord(call_logger.name, logging.INFO, __file__, 1, "call", (), None)
+    other = logging.getLogger("capture.gateway").makeRecord(
+        "capture.gateway", logging.INFO, __file__, 1, "other", (), None
+    )
+    for handler in legacy:
+        assert not handler.filter(call)
+        assert handler.filter(other)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    collect = Collect()
+    logging.getLogger().addHandler(collect)
+    try:
+        call_logger.handle(call)  # as logging does once the level lets it through
+    finally:
+        logging.getLogger().removeHandler(collect)
+    assert seen == ["call"]
+    skip_legacy_log_events()  # a reloaded script: still one filter
+    assert all(sum(type(f).__name__ == "_NotCallLines" for f in h.filters) == 1 for h in legacy)
