@@ -110,17 +110,27 @@ class ResumedText:
 Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"]]
 
 
-# The longest stream line read from a policy server: aiohttp's own line limit (twice its 64 KiB
-# read buffer), which the stream was read with line by line before.
+# The longest stream line read from a policy server, beside the prompt's ids it echoes: twice
+# aiohttp's 64 KiB read buffer.
 MAX_LINE_BYTES = 2 * 2**16
+# vLLM echoes the prompt's ids in a stream's first chunk (``return_token_ids``): up to this many
+# bytes an id ("2147483647, "), so a 100,000-token prompt's first line is about a megabyte.
+ECHO_BYTES_PER_ID = 12
+
+
+def stream_line_limit(prompt_len: int) -> int:
+    """The longest line a generation's stream may send: bounded (a server sending garbage with
+    no newline cannot fill memory), and room for its prompt's echo, however long the prompt."""
+    return MAX_LINE_BYTES + ECHO_BYTES_PER_ID * prompt_len
 
 
 class _LineSplitter:
     """Bytes as they are read -> the complete lines among them (stripped), bounded."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_LINE_BYTES) -> None:
         self._partial: list[bytes] = []
         self._size = 0
+        self._limit = limit
 
     def feed(self, data: bytes) -> list[bytes]:
         parts = data.split(b"\n")
@@ -130,8 +140,9 @@ class _LineSplitter:
         if self._partial:
             parts[0] = b"".join(self._partial) + parts[0]
             self._partial, self._size = [], 0
-        if len(parts[0]) > MAX_LINE_BYTES:
-            raise malformed_answer("an over-long line", f"{len(parts[0])} bytes")
+        longest = max(map(len, parts[:-1]))
+        if longest > self._limit:
+            raise malformed_answer("an over-long line", f"{longest} bytes")
         self._keep(parts.pop())
         return [p.strip() for p in parts]
 
@@ -145,8 +156,8 @@ class _LineSplitter:
         if data:
             self._partial.append(data)
             self._size += len(data)
-            if self._size > MAX_LINE_BYTES:
-                raise malformed_answer("an over-long line", f"over {MAX_LINE_BYTES} bytes")
+            if self._size > self._limit:
+                raise malformed_answer("an over-long line", f"over {self._limit} bytes")
 
 
 JSON_CONTENT = {"Content-Type": "application/json"}
@@ -494,7 +505,7 @@ class VLLMClient:
         except TimeoutError as exc:
             raise self._stalled() from exc
         finished = False
-        lines = _LineSplitter()
+        lines = _LineSplitter(stream_line_limit(len(prompt_ids)))
         async with resp:
             while True:
                 try:

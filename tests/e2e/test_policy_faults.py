@@ -237,6 +237,37 @@ def test_a_slow_policy_that_keeps_sampling_is_not_cut_off(proxy: Proxy, faulty: 
 
 
 # -- the client alone --------------------------------------------------------------------------
+async def test_a_long_prompts_echo_is_read_and_garbage_as_long_is_not(stub: StubPolicy) -> None:
+    """vLLM echoes a prompt's ids in a stream's first chunk: for 30,000 ids that line is about
+    200 kB, past the 128 KiB a stream line was once held to (a long agent session's every
+    streamed call failed with a 502). The limit grows with the prompt; a line past it is still
+    refused, and the same garbage fits no longer once the prompt is short."""
+    from rewriter.vllm_client import stream_line_limit
+
+    prompt = [100_000 + i % 50_000 for i in range(30_000)]
+    params = SamplingParams(max_tokens=8)
+    async with aiohttp.ClientSession() as http:
+        client = VLLMClient(stub.url, http, progress_timeout_s=30)
+        pieces = [d async for d in client.stream_resuming(prompt, params)]
+        assert sum(len(d.token_ids) for d in pieces) > 0
+        assert pieces[-1].finish_reason in ("stop", "length")
+        short = [1, 2, 3]
+        stub.fault, stub.fault_after = "garbage", 1
+        stub.garbage = b'{"choices": [{"text": "' + b"x" * stream_line_limit(len(short)) + b'"}]}'
+        try:
+            with pytest.raises(PolicyError, match="over-long line") as err:
+                async for _ in client.stream_resuming(short, params):
+                    pass
+            assert err.value.status == 502
+            # The same line fits a long prompt's limit: then it is read (and found wanting).
+            with pytest.raises(PolicyError) as err:
+                async for _ in client.stream_resuming(prompt, params):
+                    pass
+            assert "over-long line" not in str(err.value)
+        finally:
+            stub.fault = None
+
+
 async def test_the_client_raises_policy_error_for_every_garbage_and_cut(stub: StubPolicy) -> None:
     async with aiohttp.ClientSession() as http:
         client = VLLMClient(stub.url, http, progress_timeout_s=5)
