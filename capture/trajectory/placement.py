@@ -102,8 +102,13 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         inline_budget: int | None = None,
     ) -> Assembly:
         inline = inline_budget is not None
-        keys = [message_key(m) for m in messages]
+        # Interned: a key equal to one seen before is that very object, so comparing a
+        # candidate call's conversation with the request's is identity checks, not a compare
+        # of every message's text (a 20,000-token system prompt) per candidate.
+        intern = self._interned.setdefault
+        keys = [intern(k, k) for k in map(message_key, messages)]
         header = header_key(tools, enable_thinking)
+        header = intern(header, header)
         id_calls = self._id_evidence(messages)
         parent = self._extension_parent(keys, header, id_calls, client_retry)
         if parent is not None and any(

@@ -43,6 +43,8 @@ class ThreadState:
         # Long replies (summaries): probes of their text -> call.
         self._summaries: list[tuple[CallNode, list[str]]] = []
         self._claims = 0
+        # Message and header keys of this session's requests, each kept once (placement).
+        self._interned: dict[MessageKey, MessageKey] = {}
         tail = renderer.assistant_tail
         self._tail_text: str = tail.text
         self._tail_ids: list[int] = list(tail.ids) or [-1]
