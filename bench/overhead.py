@@ -509,7 +509,7 @@ class PolicyPath(Path_):
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         chat = conv.next_body(max_tokens, stream)
         ids = self.tok.apply_chat_template(
-            chat["messages"], add_generation_prompt=True, tokenize=True
+            chat["messages"], tools=chat.get("tools"), add_generation_prompt=True, tokenize=True
         )
         if not isinstance(ids, list):  # transformers 5 answers a BatchEncoding
             ids = list(ids["input_ids"])
