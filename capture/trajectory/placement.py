@@ -102,13 +102,13 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         inline_budget: int | None = None,
     ) -> Assembly:
         inline = inline_budget is not None
-        # Interned: a key equal to one seen before is that very object, so comparing a
-        # candidate call's conversation with the request's is identity checks, not a compare
-        # of every message's text (a 20,000-token system prompt) per candidate.
-        intern = self._interned.setdefault
-        keys = [intern(k, k) for k in map(message_key, messages)]
+        # The session's own key objects where it has equal ones (commit interns them): then a
+        # candidate call's conversation compares with the request's by identity, not by the
+        # text of every message (a 20,000-token system prompt) per candidate.
+        interned = self._interned.get
+        keys = [interned(k, k) for k in map(message_key, messages)]
         header = header_key(tools, enable_thinking)
-        header = intern(header, header)
+        header = interned(header, header)
         id_calls = self._id_evidence(messages)
         parent = self._extension_parent(keys, header, id_calls, client_retry)
         if parent is not None and any(
@@ -150,6 +150,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         return self._claim(
             self._new_thread(messages, tools, keys, header, enable_thinking, client_retry)
         )
+
+    def _intern(self, key: MessageKey) -> MessageKey:
+        return self._interned.setdefault(key, key)
 
     @staticmethod
     def _check_inline(budget: int | None, new: list[Message]) -> None:
@@ -364,6 +367,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         the sampler's (a completion constrained by a JSON schema: the sampler's logprobs are
         the constrained distribution's), STALE where no re-score could be had (masked)."""
         self.release(assembly)
+        # Keys of recorded calls only: a request that never completes keeps no text alive.
+        intern = self._intern
         parent = assembly.parent
         if assembly.kind == "retry" and assembly.sibling_of is not None:
             kind = assembly.sibling_of.kind
@@ -393,21 +398,21 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             spliced=list(assembly.spliced),
             spawned_by=assembly.spawned_by,
             compaction_of=assembly.compaction_of,
-            header=assembly.header,
+            header=intern(assembly.header),
             started=assembly.started or len(self.calls) + 1,
             client_retry=assembly.client_retry,
             tool_ids=frozenset([*(c.id for c in reply.tool_calls if c.id), *reply.ids]),
         )
-        reply_key = message_key(reply)
+        reply_key = intern(message_key(reply))
         keys = assembly.keys
         if kind == "extend" and parent is not None:
             # Share the parent's key tuples (and the text in them): a long conversation holds
             # each message's text once, not once per call.
             n = len(parent.conv)
-            call.conv = parent.conv + keys[n:] + [reply_key]
+            call.conv = parent.conv + [intern(k) for k in keys[n:]] + [reply_key]
             call.request_digest = fold_keys(parent.conv_digest, keys[n:])
         else:
-            call.conv = list(keys) + [reply_key]
+            call.conv = [intern(k) for k in keys] + [reply_key]
             call.request_digest = fold_keys(fold_keys(0, [assembly.header]), keys)
         call.conv_digest = fold_keys(call.request_digest, [reply_key])
         self.calls.append(call)

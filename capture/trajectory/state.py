@@ -43,7 +43,7 @@ class ThreadState:
         # Long replies (summaries): probes of their text -> call.
         self._summaries: list[tuple[CallNode, list[str]]] = []
         self._claims = 0
-        # Message and header keys of this session's requests, each kept once (placement).
+        # Message and header keys of this session's recorded calls, each object kept once.
         self._interned: dict[MessageKey, MessageKey] = {}
         tail = renderer.assistant_tail
         self._tail_text: str = tail.text

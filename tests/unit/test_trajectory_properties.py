@@ -325,3 +325,24 @@ def test_tool_headers_are_equal_exactly_when_their_schemas_are(
     ha = header_key([ToolSpec("t", "d", a)], None)
     assert (ha == header_key([ToolSpec("t", "d", b)], None)) == same_json
     assert ha == header_key([ToolSpec("t", "d", dict(reversed(list(a.items()))))], None)
+
+
+def test_keys_are_interned_from_recorded_calls_only(template: ChatTemplate) -> None:
+    """A recorded call's message keys are the session's objects, which the next request's keys
+    become (conversations then compare by identity); a request that is never recorded leaves
+    nothing behind (its text is not kept alive)."""
+    threads = ThreadSet("s", template)
+    system = "You are an agent. " * 2000
+    msgs = [Message("system", system), Message("user", "u0")]
+    a = threads.assemble(msgs, TOOLS, None)
+    ids = template.encode("reply") + [template.eos_token_id]
+    threads.commit(a, Message("assistant", "reply"), ids, [-1.0] * len(ids), request_id="0",
+                   turn_index=0, finish_reason="stop", latency_s=0, backend="b")  # fmt: skip
+    before = dict(threads._interned)
+    unrecorded = threads.assemble([Message("system", "x" * 10_000), Message("user", "u")], [], None)
+    assert threads._interned == before and unrecorded.kind == "new"
+    again = [Message("system", "".join(system)), Message("user", "u0"),
+             Message("assistant", "reply"), Message("user", "u1")]  # fmt: skip
+    b = threads.assemble(again, TOOLS, None)
+    assert b.kind == "extend"
+    assert b.keys[0] is threads.calls[0].conv[0] and b.header is threads.calls[0].header
