@@ -106,9 +106,13 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         # candidate call's conversation compares with the request's by identity, not by the
         # text of every message (a 20,000-token system prompt) per candidate.
         interned = self._interned.get
-        keys = [interned(k, k) for k in map(message_key, messages)]
+        keys = [message_key(m) for m in messages]
         header = header_key(tools, enable_thinking)
-        header = interned(header, header)
+        try:
+            keys = [interned(k, k) for k in keys]
+            header = interned(header, header)
+        except TypeError:
+            pass  # an unhashable value from the client (a list for enable_thinking): as it is
         id_calls = self._id_evidence(messages)
         parent = self._extension_parent(keys, header, id_calls, client_retry)
         if parent is not None and any(
@@ -152,7 +156,10 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         )
 
     def _intern(self, key: MessageKey) -> MessageKey:
-        return self._interned.setdefault(key, key)
+        try:
+            return self._interned.setdefault(key, key)
+        except TypeError:  # unhashable (see _assemble): kept as it is
+            return key
 
     @staticmethod
     def _check_inline(budget: int | None, new: list[Message]) -> None:

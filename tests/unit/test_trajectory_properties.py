@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -346,3 +347,19 @@ def test_keys_are_interned_from_recorded_calls_only(template: ChatTemplate) -> N
     b = threads.assemble(again, TOOLS, None)
     assert b.kind == "extend"
     assert b.keys[0] is threads.calls[0].conv[0] and b.header is threads.calls[0].header
+
+
+def test_an_unhashable_header_value_is_placed_all_the_same(template: ChatTemplate) -> None:
+    """A client's chat_template_kwargs may hold any JSON (enable_thinking: a list): its header
+    cannot be interned, and the call is assembled, recorded and extended as any other."""
+    threads = ThreadSet("s", template)
+    odd: Any = ["x", "y"]
+    msgs = [Message("system", "s"), Message("user", "u0")]
+    for i in range(3):
+        a = threads.assemble(msgs, TOOLS, odd)
+        assert a.kind == ("new" if i == 0 else "extend")
+        ids = template.encode(f"r{i}") + [template.eos_token_id]
+        threads.commit(a, Message("assistant", f"r{i}"), ids, [-1.0] * len(ids),
+                       request_id=str(i), turn_index=i, finish_reason="stop", latency_s=0,
+                       backend="b")  # fmt: skip
+        msgs = [*msgs, Message("assistant", f"r{i}"), Message("user", f"u{i + 1}")]
