@@ -301,6 +301,17 @@ def spawn_child(flag: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+def stop_child(child: subprocess.Popen[bytes]) -> None:
+    """Stop a ``spawn_child`` server: it exits when its stdin closes (killed after 10 s)."""
+    if child.poll() is None:
+        assert child.stdin is not None
+        child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
 def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Server:
     port = free_port()
     log = work / f"{name}.log"
@@ -822,13 +833,7 @@ def main() -> int:
                 for member in (server, *server.members):
                     member.stop()
         for child in children:
-            if child.poll() is None:
-                assert child.stdin is not None
-                child.stdin.close()
-                try:
-                    child.wait(10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+            stop_child(child)
     return 0
 
 

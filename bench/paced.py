@@ -118,13 +118,7 @@ def main() -> int:
         for server in proxies:
             server.stop()
         for child in children:
-            if child.poll() is None:
-                assert child.stdin is not None
-                child.stdin.close()
-                try:
-                    child.wait(10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+            overhead.stop_child(child)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
