@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capture.trajectory import CallNode, Provenance, ThreadSet, seq_ids
-from rewriter.canonical import Message, ToolCall, ToolSpec
+from rewriter.canonical import AssistantReply, Message, ToolCall, ToolSpec
 from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
 
@@ -93,6 +93,40 @@ def echo(reply_text: str, rng: random.Random) -> Message:
     return Message("assistant", content, tool_calls=tuple(calls))
 
 
+def maybe_rewrite(rng: random.Random, msgs: list[Message]) -> None:
+    """Now and then inject a reminder into an earlier user turn (a rewrite of history)."""
+    if rng.random() < 0.2 and len(msgs) > 3:
+        users = [i for i, m in enumerate(msgs[:-1]) if m.role == "user"]
+        i = rng.choice(users)
+        msgs[i] = Message("user", "<system-reminder>r</system-reminder>\n" + msgs[i].content)
+
+
+def go_on(
+    rng: random.Random,
+    msgs: list[Message],
+    convs: list[list[Message]],
+    text: str,
+    parsed: AssistantReply,
+) -> list[tuple[int, str]]:
+    """The scaffold's side after a reply (``text``, as recorded: ``parsed``): the reply echoed
+    into ``msgs``, then its tool results or the next user message; a new conversation in
+    ``convs`` per ``agent`` call. Returns the (conversation index, recorded tool-call id) of
+    each sub-agent spawned."""
+    reply = echo(text, rng)
+    msgs.append(reply)
+    spawned = []
+    if parsed.tool_calls:
+        for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
+            msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
+            if call.name == "agent":
+                prompt = json.loads(call.arguments)["prompt"]
+                convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
+                spawned.append((len(convs) - 1, call.id))
+    else:
+        msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
+    return spawned
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -112,11 +146,7 @@ def test_threads_hold_exactly_what_the_policy_saw(
     for step in range(steps):
         c = rng.randrange(len(convs))
         msgs = convs[c]
-        if rng.random() < 0.2 and len(msgs) > 3:
-            # Inject a reminder into an earlier user turn (a rewrite of history).
-            users = [i for i, m in enumerate(msgs[:-1]) if m.role == "user"]
-            i = rng.choice(users)
-            msgs[i] = Message("user", "<system-reminder>r</system-reminder>\n" + msgs[i].content)
+        maybe_rewrite(rng, msgs)
         assembly = threads.assemble(msgs, TOOLS, None)
         spawn = c == 0 and rng.random() < 0.3
         ids, lps, text = policy.reply(spawn)
@@ -132,18 +162,8 @@ def test_threads_hold_exactly_what_the_policy_saw(
         assert seq_ids(call) == assembly.prompt_ids + ids
         if c in expected_parent:
             assert call.spawned_by == expected_parent.pop(c)
-        reply = echo(text, rng)
-        msgs.append(reply)
-        call_obj = call
-        if parsed.tool_calls:
-            for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
-                msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
-                if call.name == "agent":
-                    prompt = json.loads(call.arguments)["prompt"]
-                    convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
-                    expected_parent[len(convs) - 1] = (call_obj, call.id)
-        else:
-            msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
+        for spawned, tool_call_id in go_on(rng, msgs, convs, text, parsed):
+            expected_parent[spawned] = (call, tool_call_id)
 
     rows, thread_of = threads.export()
     # No call lost or duplicated: each is trained in exactly one row.
@@ -236,10 +256,7 @@ def test_inline_assembly_is_the_assembly_or_changes_nothing(
     for step in range(steps):
         c = rng.randrange(len(convs))
         msgs = convs[c]
-        if rng.random() < 0.2 and len(msgs) > 3:
-            users = [i for i, m in enumerate(msgs[:-1]) if m.role == "user"]
-            i = rng.choice(users)
-            msgs[i] = Message("user", "<system-reminder>r</system-reminder>\n" + msgs[i].content)
+        maybe_rewrite(rng, msgs)
         if rng.random() < 0.15:
             msgs = list(msgs)  # sent again: a retry (or a fan-out) of the same request
         expected = plain.assemble(msgs, TOOLS, None)
@@ -258,16 +275,7 @@ def test_inline_assembly_is_the_assembly_or_changes_nothing(
                 assembly, parsed.as_message(), ids, lps, request_id=f"r{step}", turn_index=step,
                 finish_reason="stop", latency_s=0.0, backend="b",
             )  # fmt: skip
-        reply = echo(text, rng)
-        msgs.append(reply)
-        if parsed.tool_calls:
-            for call, sent in zip(parsed.tool_calls, reply.tool_calls, strict=True):
-                msgs.append(Message("tool", "output " + rng.choice(WORDS), tool_call_id=sent.id))
-                if call.name == "agent":
-                    prompt = json.loads(call.arguments)["prompt"]
-                    convs.append([Message("system", "Sub-agent."), Message("user", prompt)])
-        else:
-            msgs.append(Message("user", "Next: " + rng.choice(WORDS)))
+        go_on(rng, msgs, convs, text, parsed)
     assert "new" not in kinds  # a new tree renders everything: never inline
     if budget == 0:
         assert not [k for k in kinds if k != "retry"]  # nothing new rendered, nothing inline
