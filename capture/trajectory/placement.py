@@ -132,8 +132,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         # A request its client marks as a retry goes beside the call it repeats, if there is one.
         sibling = self._answered(keys, header, id_calls) if client_retry else None
         if sibling is None and parent is not None and not self._busy(parent):
-            self._check_inline(inline_budget, messages[len(parent.conv) :])
-            return self._claim(self._extend(parent, messages, keys, header, enable_thinking))
+            return self._claim(
+                self._extend(parent, messages, keys, header, enable_thinking, inline_budget)
+            )
         if sibling is None:
             sibling = self._answered(keys, header, id_calls)
         if sibling is not None and sibling.parent is None and self._untaken_spawn(messages):
@@ -141,8 +142,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         if sibling is not None:
             return self._claim(self._retry(sibling, keys))
         if parent is not None:  # fan-out: a second continuation of the same call
-            self._check_inline(inline_budget, messages[len(parent.conv) :])
-            return self._claim(self._extend(parent, messages, keys, header, enable_thinking))
+            return self._claim(
+                self._extend(parent, messages, keys, header, enable_thinking, inline_budget)
+            )
         if inline:
             raise NotInline("a rewrite or a new tree renders the whole conversation")
         owner = self._rewrite_owner(messages, keys, header, id_calls)
@@ -160,11 +162,6 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             return self._interned.setdefault(key, key)
         except TypeError:  # unhashable (see _assemble): kept as it is
             return key
-
-    @staticmethod
-    def _check_inline(budget: int | None, new: list[Message]) -> None:
-        if budget is not None and message_chars(new) > budget:
-            raise NotInline(f"the new messages hold more than {budget} characters")
 
     def _id_evidence(self, messages: list[Message]) -> dict[int, CallNode]:
         """Message index -> the call whose minted ids that assistant message echoes: its
@@ -316,10 +313,14 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         keys: list[MessageKey],
         header: MessageKey,
         enable_thinking: bool | None,
+        inline_budget: int | None = None,
     ) -> Assembly:
-        suffix = self._closing_ids(parent) + self.render_delta(
-            messages[len(parent.conv) :], enable_thinking
-        )
+        """``parent``'s sequence + its closing tokens + the new messages rendered; NotInline,
+        before anything is rendered, where those hold more than ``inline_budget`` characters."""
+        new = messages[len(parent.conv) :]
+        if inline_budget is not None and message_chars(new) > inline_budget:
+            raise NotInline(f"the new messages hold more than {inline_budget} characters")
+        suffix = self._closing_ids(parent) + self.render_delta(new, enable_thinking)
         prompt = seq_ids(parent)  # a new list: extended in place, not copied again
         base = len(prompt)
         prompt.extend(suffix)
