@@ -87,19 +87,6 @@ class DirectStream:
         the chunks mitmproxy sends on (none, or one)."""
         if self._ended:
             return []
-        try:
-            payload = self._feed(data)
-        except Exception:
-            # A defect of ours, never the policy's: the client gets its provider's error event
-            # (not a connection mitmproxy cuts), the operator the traceback.
-            logger.exception("agenttap: internal error while relaying a direct stream")
-            payload = self._fail(
-                PolicyError("agenttap: internal error in the proxy; its log has the details.")
-            )
-        # Nothing to send is no chunk at all: an empty one would end a chunked body.
-        return [payload] if payload else []
-
-    def _feed(self, data: bytes) -> bytes:
         out: list[bytes] = []
         if not self._started:
             self._started = True
@@ -125,7 +112,9 @@ class DirectStream:
             out.append(self._fail(error))
         elif self._pieces.done or (not data and self._pieces.finished):
             out.append(self._finish())
-        return b"".join(out)
+        payload = b"".join(out)
+        # Nothing to send is no chunk at all: an empty one would end a chunked body.
+        return [payload] if payload else []
 
     def refused(self, status: int, body: bytes) -> web.Response:
         """The provider's error for a policy server that answered ``status`` instead of a
