@@ -272,23 +272,6 @@ def start_proxy(
     return Proxy(port=port, out=out, ca=confdir / "mitmproxy-ca-cert.pem", log=log, proc=proc)
 
 
-# What the stub answers while ``faulty`` is in use.
-REPLY = "One two three four five six seven."
-
-
-@pytest.fixture
-def faulty(stub: StubPolicy) -> Iterator[StubPolicy]:
-    """The stub, to be made faulty by the test (``fault``, ``fault_after``, ``garbage``): put
-    right again after it; meanwhile every call is answered ``REPLY``."""
-    stub.replies.clear()
-    stub.default_reply = REPLY
-    try:
-        yield stub
-    finally:
-        stub.fault, stub.fault_after, stub.garbage = None, 0, b"{not json"
-        stub.default_reply = "OK."
-
-
 @pytest.fixture(scope="session")
 def stub_proxy(
     stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory

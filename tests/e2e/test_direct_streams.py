@@ -20,13 +20,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPLY, Proxy, read_turns, start_proxy
-from tests.e2e.test_policy_faults import (
+from tests.conftest import Proxy, read_turns, start_proxy
+from tests.e2e.test_policy_faults import (  # noqa: F401  (faulty: a fixture)
     FAULT_AFTER,
     GEMINI_STREAM,
+    REPLY,
     assert_failed_answer,
     assert_only_good_call_trained,
     call,
+    faulty,
     read_failed,
 )
 from tests.flows import read_flows
@@ -167,7 +169,7 @@ def test_the_sdks_stream_tool_calls_through_a_direct_stream(
 @pytest.mark.parametrize("fault", ["garbage", "truncate"])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_policy_failing_mid_stream_is_the_clients_error_event_and_a_failed_row(
-    direct: tuple[Proxy, Path], faulty: StubPolicy, protocol: str, fault: str
+    direct: tuple[Proxy, Path], faulty: StubPolicy, protocol: str, fault: str  # noqa: F811
 ) -> None:
     proxy, _ = direct
     session = f"direct-fault-{protocol}-{fault}-{uuid.uuid4().hex[:6]}"
@@ -183,7 +185,7 @@ def test_a_policy_failing_mid_stream_is_the_clients_error_event_and_a_failed_row
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_slot_and_trains_nothing(
-    direct: tuple[Proxy, Path], faulty: StubPolicy
+    direct: tuple[Proxy, Path], faulty: StubPolicy  # noqa: F811
 ) -> None:
     """The policy stalls after two tokens; the client hangs up. The generation's slot (the only
     one, no queue) is given back: the next call is answered, not refused."""

@@ -27,11 +27,12 @@ from capture.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message, SamplingParams
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError, VLLMClient
-from tests.conftest import REPLY, Proxy, read_threads, read_turns, record_turn, start_proxy
+from tests.conftest import Proxy, read_threads, read_turns, record_turn, start_proxy
 from tests.hostile import Answer, assert_provider_error, good_body, post
 from tests.stub_vllm import StubPolicy
 
 POLICY_TIMEOUT_S = 1
+REPLY = "One two three four five six seven."
 FAULT_AFTER = 2  # chunks (one token each) the client gets before the fault
 
 # A stream line's payload (or a whole body) that no vLLM sends.
@@ -82,6 +83,17 @@ def proxy(
     )
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture
+def faulty(stub: StubPolicy) -> Iterator[StubPolicy]:
+    stub.replies.clear()
+    stub.default_reply = REPLY
+    try:
+        yield stub
+    finally:
+        stub.fault, stub.fault_after, stub.garbage = None, 0, b"{not json"
+        stub.default_reply = "OK."
 
 
 def call(proxy: Proxy, session: str, protocol: str, stream: bool, text: str = "Hi") -> Answer:
