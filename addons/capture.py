@@ -14,7 +14,6 @@ offline (see ``tests/flows.py``)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
@@ -50,7 +49,6 @@ from capture.bodies import (  # noqa: E402
     shrink_head,
 )
 from capture.control_api import banner_lines, write_ca_bundle  # noqa: E402
-from capture.direct import DirectStream  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -82,8 +80,7 @@ logger = logging.getLogger(__name__)
 # Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
 # API (capture/control_api.py); `POST http://agenttap.local/flush[?session=ID]` from loopback
 # needs no token (tests and scripts use it instead of waiting for the idle timeout).
-# A body that may ask for a stream; answered over the loopback listener (see _answer_buffered),
-# or, with agenttap_stream_path=direct, by mitmproxy from the policy server (capture/direct.py).
+# A body that may ask for a stream; answered over the loopback listener (see _answer_buffered).
 MAY_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
@@ -181,37 +178,13 @@ async def accepts(host: str, port: int, timeout: float = 2.0) -> bool:
     return True
 
 
-class DirectFlow:
-    """A flow sent to a policy server for its DirectStream; what it was until then. (Not a
-    dataclass: mitmproxy loads this file as a script, not as a module dataclasses can see.)"""
-
-    def __init__(
-        self,
-        stream: DirectStream,
-        method: str,
-        path: str,
-        headers: http.Headers,
-        content: bytes | None,
-    ) -> None:
-        self.stream = stream
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.content = content
-        self.streaming = False  # the policy answered 200: its chunks go through stream.feed
-
-
 class AgentTap:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         # client connection id -> proxy username given on its CONNECT
         self._tunnel_sessions: dict[str, str] = {}
         # client connection id -> its calls being answered in-process (cancelled if it leaves)
-        self._buffered_calls: dict[str, set[asyncio.Task[web.Response | DirectStream]]] = {}
-        # flow id -> its DirectStream (agenttap_stream_path=direct), until the flow ends
-        self._direct: dict[str, DirectFlow] = {}
-        # policy server addresses a direct flow may dial now, with how many flows are headed there
-        self._direct_dials: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._buffered_calls: dict[str, set[asyncio.Task[web.Response]]] = {}
         self._options = {o.name: o for o in all_options()}
         # Every option, parsed (capture/options.py); None until configure has read them.
         self.settings: Settings | None = None
@@ -497,8 +470,6 @@ class AgentTap:
         address = data.server.address
         if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
             return
-        if address and self._direct_dials.get((str(address[0]), int(address[1]))):
-            return  # a policy server a DirectStream's generation is sent to
         if address and self._passes(address[0]):
             return
         host, port = address or ("?", 0)
@@ -562,14 +533,17 @@ class AgentTap:
         gateway and goes over the loopback too."""
         req = flow.request
         body = req.raw_content
-        if self.gateway is None or flow.response is not None or body is None:
-            return
-        may_stream = bool(MAY_STREAM.search(body) or "streamgeneratecontent" in req.path.lower())
-        direct = self.settings is not None and self.settings.stream_direct
-        if (may_stream and not direct) or "Upgrade" in req.headers:
+        if (
+            self.gateway is None
+            or flow.response is not None
+            or body is None
+            or MAY_STREAM.search(body)
+            or "streamgeneratecontent" in req.path.lower()
+            or "Upgrade" in req.headers
+        ):
             return
         buffered = BufferedRequest.of(
-            req.method, req.path, list(req.headers.items(multi=True)), body, direct=may_stream
+            req.method, req.path, list(req.headers.items(multi=True)), body
         )
         task = asyncio.ensure_future(self.gateway.answer_buffered(buffered))
         calls = self._buffered_calls.setdefault(flow.client_conn.id, set())
@@ -590,55 +564,18 @@ class AgentTap:
             calls.discard(task)
             if not calls:
                 self._buffered_calls.pop(flow.client_conn.id, None)
-        if isinstance(answer, DirectStream):
-            self._send_direct(flow, answer)
-            return
-        flow.response = _mitmproxy_response(answer)
+        content = answer.body
+        if not isinstance(content, bytes | bytearray | None):  # handlers answer bytes
+            raise TypeError(f"agenttap: an in-process answer with a {type(content).__name__} body")
+        headers = [
+            (k.encode(), v.encode())
+            for k, v in answer.headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding")
+        ]
+        flow.response = http.Response.make(
+            answer.status, bytes(content or b""), http.Headers(headers)
+        )
         flow.metadata["agenttap_in_process"] = True
-
-    def _send_direct(self, flow: http.HTTPFlow, stream: DirectStream) -> None:
-        """Point the flow at the policy server with its generation's request: mitmproxy sends
-        it and hands each chunk of the answer to ``stream.feed`` (responseheaders). The
-        client's request is put back when the flow ends (``_end_direct``)."""
-        req = flow.request
-        self._direct[flow.id] = DirectFlow(
-            stream, req.method, req.path, req.headers.copy(), req.raw_content
-        )
-        self._direct_dials[(stream.host, stream.port)] += 1
-        req.method = "POST"
-        req.scheme = stream.scheme
-        req.host = stream.host
-        req.port = stream.port
-        req.path = stream.path
-        req.headers = http.Headers(
-            host=f"{url_host(stream.host)}:{stream.port}",
-            content_type="application/json",
-            accept="text/event-stream",
-            content_length=str(len(stream.body)),
-        )
-        req.raw_content = stream.body
-
-    async def _end_direct(self, flow: http.HTTPFlow, entry: DirectFlow, error: str | None) -> None:
-        """A direct flow is over: a refusal becomes the provider's error, the turn is closed
-        (recorded, or journaled as failed), and the request is the client's again."""
-        dial = (entry.stream.host, entry.stream.port)
-        self._direct_dials[dial] -= 1
-        if self._direct_dials[dial] <= 0:
-            del self._direct_dials[dial]
-        try:
-            if error is None and flow.response is not None and not entry.streaming:
-                # The policy server answered an error status; its body is in whole.
-                answer = entry.stream.refused(
-                    flow.response.status_code, flow.response.raw_content or b""
-                )
-                flow.response = _mitmproxy_response(answer)
-            await entry.stream.close(error)
-        finally:
-            req = flow.request
-            req.method = entry.method
-            req.path = entry.path
-            req.headers = entry.headers
-            req.raw_content = entry.content
 
     async def _route(self, flow: http.HTTPFlow) -> None:
         """Point an API call at the gateway (or refuse it, or let a passthrough host's through),
@@ -710,19 +647,6 @@ class AgentTap:
         flow.metadata["agenttap_routed"] = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        direct = self._direct.get(flow.id)
-        if direct is not None:
-            if flow.response is not None and flow.response.status_code == 200:
-                # The provider's event stream in place of vLLM's: its head, then each chunk
-                # rewritten by the DirectStream on its way (mitmproxy's streaming callable).
-                headers = flow.response.headers
-                headers.pop("server", None)
-                headers.pop("content-length", None)
-                headers["content-type"] = "text/event-stream"
-                headers["cache-control"] = "no-cache"
-                flow.response.stream = direct.stream.feed
-                direct.streaming = True
-            return  # else read whole: answered with the provider's error in `response`
         if (
             "agenttap_host" in flow.metadata
             and flow.response is not None
@@ -761,33 +685,12 @@ class AgentTap:
         else:
             req.headers["Host"] = host_header
 
-    async def response(self, flow: http.HTTPFlow) -> None:
-        direct = self._direct.pop(flow.id, None)
-        if direct is not None:
-            # Before mitmproxy sends the answer's end: a turn not recorded yet is, now.
-            await self._end_direct(flow, direct, None)
+    def response(self, flow: http.HTTPFlow) -> None:
         # The gateway's secret must not end up in a saved flow file.
         self._restore(flow)
 
-    async def error(self, flow: http.HTTPFlow) -> None:
-        direct = self._direct.pop(flow.id, None)
-        if direct is not None:
-            why = flow.error.msg if flow.error is not None else "the flow failed"
-            await self._end_direct(flow, direct, why)
+    def error(self, flow: http.HTTPFlow) -> None:
         self._restore(flow)
-
-
-def _mitmproxy_response(answer: web.Response) -> http.Response:
-    """A gateway handler's answer as mitmproxy's response (its framing is mitmproxy's)."""
-    content = answer.body
-    if not isinstance(content, bytes | bytearray | None):  # handlers answer bytes
-        raise TypeError(f"agenttap: an in-process answer with a {type(content).__name__} body")
-    headers = [
-        (k.encode(), v.encode())
-        for k, v in answer.headers.items()
-        if k.lower() not in ("content-length", "transfer-encoding")
-    ]
-    return http.Response.make(answer.status, bytes(content or b""), http.Headers(headers))
 
 
 def _client_timeout(tap: AgentTap) -> float | None:

@@ -11,17 +11,10 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 - ``mitmdump``: plain mitmdump (no script) in regular mode; the client calls
   ``https://api.openai.com`` through ``HTTPS_PROXY``-style CONNECT, TLS intercepted with the
   mitmproxy CA, and mitmproxy's own ``map_remote`` sends it to the fake server over HTTP.
-  As mitmproxy does by default, it holds each answer whole before sending it on: a stream
-  reaches the client all at once, when it has ended.
-- ``mitmdump-s``: the same with ``bench/stream_responses.py``: streams relayed as they come,
-  chunk by chunk, which is what agenttap does (and what a user forwarding SSE would set up).
 - ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
   vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
-- ``agenttap-d``: agenttap with ``agenttap_stream_path=direct`` (capture/direct.py): a
-  stream's generation is requested by mitmproxy itself and each chunk rewritten on its way,
-  instead of passing through the loopback listener (calls answered whole are the same).
-- ``agenttap-2``: the same as ``agenttap``, as a pool of ``--pool`` agenttap processes (default 2), each
+- ``agenttap-2``: the same, as a pool of ``--pool`` agenttap processes (default 2), each
   conversation's session on one of them (by a hash of its name), as ``capture/ray_pool.py``
   and ``bench/concurrency.py --proxies`` place sessions: one Python process uses one core, and
   the pool is how agenttap uses more. Its CPU is the whole pool's.
@@ -120,16 +113,7 @@ def reply_words(n: int) -> list[str]:
     return [("" if i == 0 else " ") + WORDS[i % len(WORDS)] for i in range(n)]
 
 
-PATHS = (
-    "direct",
-    "mitmdump",
-    "mitmdump-s",
-    "agenttap",
-    "agenttap-d",
-    "agenttap-2",
-    "policy",
-    "litellm",
-)
+PATHS = ("direct", "mitmdump", "agenttap", "agenttap-2", "policy", "litellm")
 # The pool path: this many agenttap processes, sessions spread over them (--pool sets it).
 POOL = 2
 # (name, max_tokens, stream)
@@ -326,11 +310,6 @@ def stop_child(child: subprocess.Popen[bytes]) -> None:
             child.wait(10)
         except subprocess.TimeoutExpired:
             child.kill()
-
-
-# Plain mitmdump holds a response whole before it sends it on, streams included; this makes it
-# relay them as they come, as a user forwarding SSE would set it up.
-STREAMING = ("-s", str(REPO / "bench" / "stream_responses.py"))
 
 
 def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Server:
@@ -788,21 +767,13 @@ def main() -> int:
                 "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
             )
             servers["mitmdump"].upstream = servers["direct"]
-        if "mitmdump-s" in wanted:
-            servers["mitmdump-s"] = start_mitmdump(
-                "mitmdump-s",
-                ["--map-remote", f"|https://api.openai.com|{fake_url}", *STREAMING],
-                work,
-                confdir,
-            )
-            servers["mitmdump-s"].upstream = servers["direct"]
-        if {"agenttap", "agenttap-d", "agenttap-2"} & set(wanted):
+        if "agenttap" in wanted or "agenttap-2" in wanted:
             stub, stub_url = spawn_child("--serve-stub", work)
             children.append(stub)
             # The stub alone, called as agenttap calls it: agenttap's own share of its latency.
             servers["policy"] = Server("policy", stub, work / "serve-stub.log", stub_url)
 
-            def agenttap(name: str, *extra: str) -> Server:
+            def agenttap(name: str) -> Server:
                 server = start_mitmdump(
                     name,
                     [
@@ -810,7 +781,6 @@ def main() -> int:
                         "--set", f"agenttap_policy_url={stub_url}",
                         "--set", f"agenttap_tokenizer={QWEN3}",
                         "--set", f"agenttap_out={work / 'out' / name}",
-                        *extra,
                     ],
                     work,
                     confdir,
@@ -820,10 +790,6 @@ def main() -> int:
 
             if "agenttap" in wanted:
                 servers["agenttap"] = agenttap("agenttap")
-            if "agenttap-d" in wanted:
-                servers["agenttap-d"] = agenttap(
-                    "agenttap-d", "--set", "agenttap_stream_path=direct"
-                )
             if "agenttap-2" in wanted and POOL > 1:
                 pool = [agenttap(f"agenttap-2.{i}") for i in range(POOL)]
                 pool[0].name, pool[0].members = "agenttap-2", pool[1:]

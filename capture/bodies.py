@@ -89,18 +89,10 @@ class BufferedRequest:
     query: MultiDictProxy[str]
     headers: CIMultiDictProxy[str]
     body: bytes
-    # A stream may be answered with a DirectStream (agenttap_stream_path=direct) instead of
-    # being handed back to the loopback listener.
-    direct: bool = False
 
     @classmethod
     def of(
-        cls,
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        direct: bool = False,
+        cls, method: str, target: str, headers: list[tuple[str, str]], body: bytes
     ) -> BufferedRequest:
         """From a request line's target (path and query, still percent-encoded, as on the
         wire) and its header fields."""
@@ -111,7 +103,6 @@ class BufferedRequest:
             query=url.query,
             headers=CIMultiDictProxy(CIMultiDict(headers)),
             body=body,
-            direct=direct,
         )
 
     @property

@@ -37,7 +37,6 @@ from capture.bodies import (
     oversized_head_message,
 )
 from capture.control_api import ControlAPI, Endpoints
-from capture.direct import DirectStream
 from capture.metrics import Metrics
 from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
@@ -87,13 +86,6 @@ DEFAULT_PROVIDER = "openai.chat"
 STATUS_EVERY_S = 10.0
 # Pending connections the gateway's listener queues (see start).
 GATEWAY_BACKLOG = 4096
-
-
-def over_http(answer: web.StreamResponse | DirectStream) -> web.StreamResponse:
-    """An answer for an aiohttp listener: only a buffered call is answered with a DirectStream."""
-    if isinstance(answer, DirectStream):
-        raise TypeError("an aiohttp listener got a DirectStream")
-    return answer
 
 
 @dataclass
@@ -254,7 +246,7 @@ class Gateway:
         self.policies.on_health = self._note_health
         self.policies.start_health_checks()
         # We enforce the body limit ourselves so the client gets its provider's error format.
-        self._runner = await self._app_runner(self._loopback)
+        self._runner = await self._app_runner(self._dispatch)
         self.port = await self._listen(self._runner, "127.0.0.1", 0)
         config = self.config
         if config.api_host is not None:
@@ -400,21 +392,18 @@ class Gateway:
         owners = self._owners(call) or [self.default_provider]
         return "; ".join(p.served for p in owners)
 
-    async def answer_buffered(self, request: BufferedRequest) -> web.Response | DirectStream:
+    async def answer_buffered(self, request: BufferedRequest) -> web.Response:
         """A call the addon routed here whose body mitmproxy holds whole, answered in this
         event loop without the loopback connection: no HTTP framing and parsing on either of
         its ends, and no connection for mitmproxy to manage (about a fifth more whole calls
         per second in bench/overhead.py). Raises NeedsLoopback, before anything is counted
         or recorded, for what must stream."""
         answer = await self._dispatch(request)
-        if not isinstance(answer, web.Response | DirectStream):  # else handed back
+        if not isinstance(answer, web.Response):  # a stream would have been handed back
             raise TypeError(f"a buffered call got a {type(answer).__name__}")
         return answer
 
-    async def _loopback(self, request: web.Request) -> web.StreamResponse:
-        return over_http(await self._dispatch(request))
-
-    async def _dispatch(self, request: IncomingRequest) -> web.StreamResponse | DirectStream:
+    async def _dispatch(self, request: IncomingRequest) -> web.StreamResponse:
         """A call the addon routed here (proxy mode), or a control call via agenttap.local."""
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
@@ -461,7 +450,7 @@ class Gateway:
         headers[SESSION_HEADER] = quote_session(session_id or "anonymous")
         query = [(k, v) for k, v in request.query.items() if k.lower() not in SECRET_QUERY]
         url = URL.build(path="/" + raw_path, encoded=True).with_query(query)
-        return over_http(await self._answer(request.clone(rel_url=url, headers=headers), host))
+        return await self._answer(request.clone(rel_url=url, headers=headers), host)
 
     @staticmethod
     def _guess_host(request: web.Request, path: str) -> str:
@@ -472,9 +461,7 @@ class Gateway:
             return BASE_URL_PREFIXES["gemini"]
         return BASE_URL_PREFIXES["openai"]
 
-    async def _answer(
-        self, request: IncomingRequest, host: str
-    ) -> web.StreamResponse | DirectStream:
+    async def _answer(self, request: IncomingRequest, host: str) -> web.StreamResponse:
         call = Call.of(request, host)
         provider, route = self._route(call)
         oversized = request.headers.get(OVERSIZED_HEADER)
@@ -500,7 +487,7 @@ class Gateway:
 
     async def _serve(
         self, request: IncomingRequest, call: Call, provider: Provider[Any], route: Route
-    ) -> web.StreamResponse | DirectStream:
+    ) -> web.StreamResponse:
         if route.kind is RouteKind.TURN:
             return await self.pipeline.serve_http(request, call, provider)
         if route.kind is RouteKind.COUNT_TOKENS:

@@ -338,18 +338,6 @@ CORE_OPTIONS: tuple[Option, ...] = (
         lambda text: parse_choice(text, ("after_reply", "before_reply")),
     ),
     Option(
-        "agenttap_stream_path",
-        "loopback",
-        "How a streamed call's tokens reach its client: loopback (agenttap reads the policy's "
-        "stream and sends the events over an in-process listener; a generation the server "
-        "aborts, or a replica that fails or stalls mid-stream, is resumed, on another replica "
-        "if need be) or direct (mitmproxy requests the generation from the policy server "
-        "itself and each chunk is rewritten on its way: less CPU and latency per token, but "
-        "such a generation ends with the provider's error event instead of resuming; the call "
-        "is journaled as failed). Calls answered whole and WebSocket calls are not affected.",
-        lambda text: parse_choice(text, ("loopback", "direct")),
-    ),
-    Option(
         "agenttap_api_host",
         "127.0.0.1",
         "Address the control API and the per-session base URLs (http://HOST:PORT/sess/ID/v1) "
@@ -507,8 +495,6 @@ class Settings:
     passthrough: tuple[str, ...] = ()
     check_policy: bool = True
     fsync_before_reply: bool = False
-    # agenttap_stream_path=direct: streams fetched and relayed by mitmproxy (capture/direct.py).
-    stream_direct: bool = False
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -563,6 +549,5 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         passthrough=values["agenttap_passthrough"],
         check_policy=values["agenttap_check_policy"],
         fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",
-        stream_direct=values["agenttap_stream_path"] == "direct",
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )

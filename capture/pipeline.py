@@ -21,8 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.bodies import BufferedRequest, NeedsLoopback, read_body
-from capture.direct import DirectStream
+from capture.bodies import NeedsLoopback, read_body
 from capture.metrics import Metrics
 from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_failure
 from capture.records import FailedCall, TurnRecord
@@ -229,10 +228,9 @@ class TurnPipeline:
     # -- HTTP entry points -------------------------------------------------------------------
     async def serve_http(
         self, request: IncomingRequest, call: Call, provider: Provider[Any]
-    ) -> web.StreamResponse | DirectStream:
+    ) -> web.StreamResponse:
         """A model call over HTTP: answered whole, or as the provider's event stream (that
-        over the loopback listener; a buffered call that streams is handed back, or, marked
-        ``direct``, answered with the DirectStream mitmproxy fetches and relays itself)."""
+        only over the loopback listener: a buffered call that streams is handed back)."""
         session_id = request_session_id(request, provider)
         started = time.time()
         try:
@@ -240,23 +238,16 @@ class TurnPipeline:
             parsed.chat.client_retry = is_client_retry(request.headers)
         except RequestError as exc:
             return self._bad_request(provider, exc)
-        if (
-            parsed.chat.stream
-            and not isinstance(request, web.Request)
-            and not (isinstance(request, BufferedRequest) and request.direct)
-        ):
+        if parsed.chat.stream and not isinstance(request, web.Request):
             raise NeedsLoopback("a streamed answer")
         refused = self._limit_refusal(provider, parsed)
         if refused is not None:
             return refused
         self.control.call_started(session_id)
-        answer: web.StreamResponse | DirectStream | None = None
         try:
-            answer = await self._serve_http(request, provider, parsed, started)
-            return answer
+            return await self._serve_http(request, provider, parsed, started)
         finally:
-            if not isinstance(answer, DirectStream):  # that one says when it is finished
-                self.control.call_finished(session_id)
+            self.control.call_finished(session_id)
 
     async def _serve_http(
         self,
@@ -264,15 +255,13 @@ class TurnPipeline:
         provider: Provider[Any],
         parsed: ProviderTurn,
         started: float,
-    ) -> web.StreamResponse | DirectStream:
+    ) -> web.StreamResponse:
         turn = await self._prepare(provider, parsed, request.headers.get("User-Agent", ""), started)
         if isinstance(turn, web.Response):
             return turn
         parser = self._parser(turn)
         if not turn.chat.stream:
             return await self._whole(turn, parser)
-        if isinstance(request, BufferedRequest):  # marked direct (serve_http)
-            return await self._begin_direct(turn, parser)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -498,29 +487,6 @@ class TurnPipeline:
         await send(writer.end())
         return None
 
-    async def _begin_direct(
-        self, turn: _TurnContext, parser: OutputParser
-    ) -> DirectStream | web.Response:
-        """A streamed turn whose generation mitmproxy requests and reads itself
-        (agenttap_stream_path=direct): its slot on the replica is taken here and held until
-        the DirectStream is closed."""
-        gen = self._generation(turn)
-        try:
-            await gen.acquire()
-        except PolicyError as exc:  # the replica's slots and queue are full
-            return self._refused_by_policy(turn, exc)
-        try:
-            url, body, pieces = await turn.client.stream_request(
-                turn.prompt_ids, turn.chat.sampling, prompt_json=turn.prompt_json
-            )
-        except (PolicyError, *POLICY_FAILURES) as exc:
-            await gen.release()
-            return self._refused_by_policy(turn, exc)
-        except BaseException:  # cancelled: the client left
-            await gen.release()
-            raise
-        return DirectStream(self, turn, parser, gen, url, body, pieces)
-
     def _generation(self, turn: _TurnContext) -> Generation:
         """The call's generation slot on its replica (capture/policies.py ``generation``)."""
         return self.policies.generation(turn.parsed.session_id, turn.chat.model, turn.client)
@@ -594,35 +560,6 @@ class TurnPipeline:
     ) -> TurnRecord:
         constrained = turn.chat.sampling.json_schema is not None
         rescored = await self._rescore_constrained(turn, completion) if constrained else None
-        record = self._turn_record(turn, completion, reason)
-        async with self.session_lock(turn.parsed.session_id):
-            synced = self._journal(turn, record, reply, rescored, constrained)
-        # Written before the client sees the end of its answer (a crash of this process loses
-        # nothing). The fsync, a millisecond or more on a disk, runs in a worker thread, batched;
-        # the answer waits for it only with agenttap_journal_fsync=before_reply.
-        if self.fsync_before_reply:
-            await synced
-        self._recorded(turn, record, reply, completion)
-        return record
-
-    def record_now(
-        self, turn: _TurnContext, completion: Completion, reason: str, reply: AssistantReply
-    ) -> bool:
-        """``_record`` without waiting, for a caller that cannot (DirectStream): done only
-        when the session's tree is free (no assembly of it in a worker thread) and the turn
-        needs no re-scoring and no fsync before the reply; False: not done, nothing changed."""
-        if (
-            self.session_lock(turn.parsed.session_id).locked()
-            or turn.chat.sampling.json_schema is not None
-            or self.fsync_before_reply
-        ):
-            return False
-        record = self._turn_record(turn, completion, reason)
-        self._journal(turn, record, reply, None, False)
-        self._recorded(turn, record, reply, completion)
-        return True
-
-    def _turn_record(self, turn: _TurnContext, completion: Completion, reason: str) -> TurnRecord:
         parsed = turn.parsed
         record = TurnRecord(
             session_id=parsed.session_id,
@@ -653,33 +590,22 @@ class TurnPipeline:
             record.metadata["backends"] = [
                 {"backend": b, "start": start, "end": end} for b, start, end in completion.backends
             ]
-        return record
-
-    def _journal(
-        self,
-        turn: _TurnContext,
-        record: TurnRecord,
-        reply: AssistantReply,
-        rescored: list[float] | None,
-        constrained: bool,
-    ) -> asyncio.Future[None]:
-        """The turn into its session's tree and journal (the caller holds the session's tree:
-        its lock, or the event loop with the lock free); the future: its line's fsync."""
-        journal = self.store.record(
-            record,
-            turn.assembly,
-            turn.provider.recorded_reply(turn.parsed, reply),
-            rescored=rescored,
-            constrained=constrained,
-            durable=False,
-            prompt_json=turn.prompt_json,
-        )
-        return self.journal_syncer.request(journal)
-
-    def _recorded(
-        self, turn: _TurnContext, record: TurnRecord, reply: AssistantReply, completion: Completion
-    ) -> None:
-        parsed = turn.parsed
+        async with self.session_lock(parsed.session_id):
+            journal = self.store.record(
+                record,
+                turn.assembly,
+                turn.provider.recorded_reply(parsed, reply),
+                rescored=rescored,
+                constrained=constrained,
+                durable=False,
+                prompt_json=turn.prompt_json,
+            )
+        # Written before the client sees the end of its answer (a crash of this process loses
+        # nothing). The fsync, a millisecond or more on a disk, runs in a worker thread, batched;
+        # the answer waits for it only with agenttap_journal_fsync=before_reply.
+        synced = self.journal_syncer.request(journal)
+        if self.fsync_before_reply:
+            await synced
         self.control.note_recorded(
             parsed.session_id,
             len(record.prompt_ids),
@@ -689,3 +615,4 @@ class TurnPipeline:
         )
         self.note_recorded(record)
         turn.provider.finished(parsed, reply, completion)
+        return record

@@ -160,64 +160,6 @@ class _LineSplitter:
                 raise malformed_answer("an over-long line", f"over {self._limit} bytes")
 
 
-class StreamPieces:
-    """A generation's SSE answer, fed as its bytes arrive -> its pieces. Pure, so that the
-    proxy's own reader (``VLLMClient.stream``) and mitmproxy's (agenttap_stream_path=direct)
-    read it alike."""
-
-    def __init__(self, base_url: str, path: str, prompt_len: int) -> None:
-        self.base_url = base_url
-        self._parse = generate_delta if path == GENERATE_PATH else completions_delta
-        self._lines = _LineSplitter(stream_line_limit(prompt_len))
-        self.done = False  # ``data: [DONE]`` seen
-        self.finished = False  # a finish_reason seen
-
-    def feed(self, data: bytes) -> tuple[list[CompletionDelta], PolicyError | None]:
-        """The pieces whose lines ``data`` completes (b"": the stream ended), each saying which
-        server sampled it; and what was wrong with the answer, if anything (after the pieces
-        before it, as they came). Keep-alives (chunks with neither tokens nor text) are
-        dropped: a caller waiting for the first real piece goes on waiting."""
-        batch: list[CompletionDelta] = []
-        if self.done:
-            return batch, None
-        try:
-            for line in self._lines.feed(data) if data else self._lines.rest():
-                if not line.startswith(b"data:"):
-                    continue  # blank lines, SSE comments (": ping"), event names
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    self.done = True
-                    break
-                for choice in answer_choices(answer_json(payload, "a stream line")):
-                    delta = self._parse(choice)
-                    if delta.finish_reason is not None:
-                        self.finished = True
-                    elif not (delta.token_ids or delta.text or delta.weight_versions):
-                        continue
-                    delta.backend = self.base_url
-                    batch.append(delta)
-        except PolicyError as exc:
-            return batch, exc
-        return batch, None
-
-    def ended_early(self) -> PolicyError:
-        # Status 0: the server went away mid-generation (a crash, a restart): retryable.
-        return PolicyError(
-            f"the policy server at {self.base_url} ended its stream before the generation "
-            "finished (no finish_reason, no [DONE]); the answer is incomplete"
-        )
-
-
-def policy_refusal(status: int, text: str) -> PolicyError:
-    """A policy server's answer with a status other than 200, as the error the client is told
-    (vLLM's own message where its body has one)."""
-    try:
-        message = json.loads(text).get("error", {}).get("message") or text
-    except (json.JSONDecodeError, AttributeError):
-        message = text
-    return PolicyError(f"policy server answered {status}: {message}", status)
-
-
 JSON_CONTENT = {"Content-Type": "application/json"}
 
 
@@ -421,7 +363,11 @@ class VLLMClient:
         if resp.status != 200:
             text = await resp.text()
             resp.release()
-            raise policy_refusal(resp.status, text)
+            try:
+                message = json.loads(text).get("error", {}).get("message") or text
+            except (json.JSONDecodeError, AttributeError):
+                message = text
+            raise PolicyError(f"policy server answered {resp.status}: {message}", resp.status)
         return resp
 
     async def complete(
@@ -551,13 +497,15 @@ class VLLMClient:
         ``progress_timeout_s`` raise PolicyError: the caller answers it as an error, never
         as a complete answer."""
         path, body = await self._body(prompt_ids, params, stream=True, prompt_json=prompt_json)
-        pieces = StreamPieces(self.base_url, path, len(prompt_ids))
+        parse = generate_delta if path == GENERATE_PATH else completions_delta
         deadline = self._deadline()
         try:
             async with asyncio.timeout_at(deadline):
                 resp = await self._post(path, body)
         except TimeoutError as exc:
             raise self._stalled() from exc
+        finished = False
+        lines = _LineSplitter(stream_line_limit(len(prompt_ids)))
         async with resp:
             while True:
                 try:
@@ -570,33 +518,45 @@ class VLLMClient:
                 # Every line already here is parsed before any is yielded, so that each piece
                 # says whether another follows at once (``more``): a writer sends those in one
                 # write, as the policy's bytes came in one read.
-                batch, error = pieces.feed(data)
-                if any(d.token_ids or d.finish_reason is not None for d in batch):
-                    deadline = self._deadline()
+                batch: list[CompletionDelta] = []
+                error: PolicyError | None = None
+                done = False
+                try:
+                    for line in lines.feed(data) if data else lines.rest():
+                        if not line.startswith(b"data:"):
+                            continue  # blank lines, SSE comments (": ping"), event names
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        for choice in answer_choices(answer_json(payload, "a stream line")):
+                            delta = parse(choice)
+                            if delta.token_ids or delta.finish_reason is not None:
+                                deadline = self._deadline()
+                                finished = finished or delta.finish_reason is not None
+                            elif not (delta.text or delta.weight_versions):
+                                # A keep-alive: not passed on, so that a caller waiting for the
+                                # first piece before it answers (a status line) still waits for
+                                # a real one.
+                                continue
+                            batch.append(delta)
+                except PolicyError as exc:
+                    error = exc  # after the pieces before it, as they came
                 for i, delta in enumerate(batch):
                     delta.more = i < len(batch) - 1
                     yield delta
                 if error is not None:
                     raise error
-                if pieces.done:
+                if done:
                     return
                 if not data:
                     break
-        if not pieces.finished:
-            raise pieces.ended_early()
-
-    async def stream_request(
-        self, prompt_ids: list[int], params: SamplingParams, prompt_json: str | None = None
-    ) -> tuple[str, bytes, StreamPieces]:
-        """One streamed generation for a caller that sends it and reads its answer itself
-        (agenttap_stream_path=direct: mitmproxy does): its URL, its JSON body, and the reader
-        of its answer's bytes. No failover, no resume after an abort, no stall deadline."""
-        path, body = await self._body(prompt_ids, params, stream=True, prompt_json=prompt_json)
-        return (
-            f"{self.base_url}{path}",
-            dump_body(body),
-            StreamPieces(self.base_url, path, len(prompt_ids)),
-        )
+        if not finished:
+            # Status 0: the server went away mid-generation (a crash, a restart): retryable.
+            raise PolicyError(
+                f"the policy server at {self.base_url} ended its stream before the generation "
+                "finished (no finish_reason, no [DONE]); the answer is incomplete"
+            )
 
     async def prompt_logprobs(self, ids: list[int]) -> list[float | None]:
         """Log-probability of each token of ``ids`` given the ones before it (entry 0: None)."""
