@@ -11,6 +11,10 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 - ``mitmdump``: plain mitmdump (no script) in regular mode; the client calls
   ``https://api.openai.com`` through ``HTTPS_PROXY``-style CONNECT, TLS intercepted with the
   mitmproxy CA, and mitmproxy's own ``map_remote`` sends it to the fake server over HTTP.
+  As mitmproxy does by default, it holds each answer whole before sending it on: a stream
+  reaches the client all at once, when it has ended.
+- ``mitmdump-s``: the same with ``bench/stream_responses.py``: streams relayed as they come,
+  chunk by chunk, which is what agenttap does (and what a user forwarding SSE would set up).
 - ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
   vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
@@ -113,7 +117,7 @@ def reply_words(n: int) -> list[str]:
     return [("" if i == 0 else " ") + WORDS[i % len(WORDS)] for i in range(n)]
 
 
-PATHS = ("direct", "mitmdump", "agenttap", "agenttap-2", "policy", "litellm")
+PATHS = ("direct", "mitmdump", "mitmdump-s", "agenttap", "agenttap-2", "policy", "litellm")
 # The pool path: this many agenttap processes, sessions spread over them (--pool sets it).
 POOL = 2
 # (name, max_tokens, stream)
@@ -310,6 +314,11 @@ def stop_child(child: subprocess.Popen[bytes]) -> None:
             child.wait(10)
         except subprocess.TimeoutExpired:
             child.kill()
+
+
+# Plain mitmdump holds a response whole before it sends it on, streams included; this makes it
+# relay them as they come, as a user forwarding SSE would set it up.
+STREAMING = ("-s", str(REPO / "bench" / "stream_responses.py"))
 
 
 def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Server:
@@ -705,8 +714,38 @@ def report(
         "bound: the most calls/s this CPU per call allows: each proxy process at most one core "
         "(Python), all processes together at most this machine's cores"
     )
+    if "mitmdump-s" in names:
+        streaming_ratios(names, kinds, added, rates)
     for name, note in notes.items():
         print(f"{name}: skipped ({note})")
+
+
+def streaming_ratios(
+    names: list[str],
+    kinds: list[str],
+    added: dict[tuple[str, str], tuple[float, float]],
+    rates: dict[tuple[str, str, int], list[float]],
+) -> None:
+    """The ratios again, against mitmdump-s: a proxy that streams, as agenttap does (plain
+    mitmdump sends a stream on only once it has ended)."""
+    print("\nRatios to mitmdump-s (plain mitmdump relaying streams as they come):")
+    cols = [(kind, c) for c in (32, 64) for kind in kinds]
+    print(
+        f"{'path':<10}"
+        + "".join(f" | {f'added p50, {kind}':>27}" for kind in kinds)
+        + "".join(f" | {f'calls/s, {kind}, {c}':>30}" for kind, c in cols)
+    )
+    for name in names:
+        if name in ("direct", "mitmdump-s"):
+            continue
+        line = f"{name:<10}"
+        for kind in kinds:
+            ref = added.get(("mitmdump-s", kind), (0.0, 0.0))[0]
+            line += f" | {added[(name, kind)][0] / ref if ref > 0 else 0.0:>26.2f}x"
+        for kind, c in cols:
+            ref = statistics.median(rates[("mitmdump-s", kind, c)])
+            line += f" | {statistics.median(rates[(name, kind, c)]) / ref:>29.2f}x"
+        print(line)
 
 
 def main() -> int:
@@ -767,6 +806,14 @@ def main() -> int:
                 "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
             )
             servers["mitmdump"].upstream = servers["direct"]
+        if "mitmdump-s" in wanted:
+            servers["mitmdump-s"] = start_mitmdump(
+                "mitmdump-s",
+                ["--map-remote", f"|https://api.openai.com|{fake_url}", *STREAMING],
+                work,
+                confdir,
+            )
+            servers["mitmdump-s"].upstream = servers["direct"]
         if "agenttap" in wanted or "agenttap-2" in wanted:
             stub, stub_url = spawn_child("--serve-stub", work)
             children.append(stub)

@@ -5,7 +5,8 @@
 ``bench/overhead.py`` answers at once, so its streams arrive in a few large reads. A real policy
 samples a token every 10 to 50 ms, and each one comes alone: the proxy handles every token as a
 read, a parse, an event and a write to the client. Here the fake OpenAI server (behind plain
-mitmdump) and the vLLM-shaped stub (behind agenttap) stream a token every ``--pace-ms``
+mitmdump, and behind ``mitmdump-s``, plain mitmdump relaying each chunk as it comes) and the
+vLLM-shaped stub (behind agenttap) stream a token every ``--pace-ms``
 milliseconds; ``--clients`` conversations stream back to back, each its own session, through each
 proxy in turn (the same client code and checks as bench/overhead.py). Printed per path: tokens
 per second streamed, the proxy's CPU microseconds per token (from /proc, every thread), the
@@ -63,6 +64,9 @@ def main() -> int:
     parser.add_argument("--pace-ms", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed answer")
     parser.add_argument("--seconds", type=float, default=20.0, help="per path")
+    parser.add_argument(
+        "--only", default="", help="comma-separated paths to run (default: all; the first is 1.00x)"
+    )
     args = parser.parse_args()
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
@@ -77,6 +81,15 @@ def main() -> int:
             "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
         )
         proxies.append(mitm)
+        # Plain mitmdump holds an answer whole before sending it on; this one streams it.
+        proxies.append(
+            overhead.start_mitmdump(
+                "mitmdump-s",
+                ["--map-remote", f"|https://api.openai.com|{fake_url}", *overhead.STREAMING],
+                work,
+                confdir,
+            )
+        )
         tap = overhead.start_mitmdump(
             "agenttap",
             [
@@ -96,7 +109,10 @@ def main() -> int:
             flush=True,
         )
         results: dict[str, tuple[int, float]] = {}
+        wanted = args.only.split(",") if args.only else [p.name for p in proxies]
         for server in proxies:
+            if server.name not in wanted:
+                continue
             path = overhead.Path_(server, ca)
             results[server.name] = asyncio.run(
                 run_path(path, args.clients, args.tokens, args.seconds)
