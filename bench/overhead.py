@@ -316,11 +316,6 @@ def stop_child(child: subprocess.Popen[bytes]) -> None:
             child.kill()
 
 
-# Plain mitmdump holds a response whole before it sends it on, streams included; this makes it
-# relay them as they come, as a user forwarding SSE would set it up.
-STREAMING = ("-s", str(REPO / "bench" / "stream_responses.py"))
-
-
 def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Server:
     port = free_port()
     log = work / f"{name}.log"
@@ -337,6 +332,18 @@ def start_mitmdump(name: str, args: list[str], work: Path, confdir: Path) -> Ser
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     wait_port(port, proc, name, log, 120)
     return Server(name, proc, log, "https://api.openai.com", f"http://127.0.0.1:{port}")
+
+
+def start_plain_mitmdump(
+    name: str, fake_url: str, work: Path, confdir: Path, streaming: bool = False
+) -> Server:
+    """Plain mitmdump sending api.openai.com's calls to the fake server. It holds a response
+    whole before sending it on, streams included; ``streaming``: it relays them as they come
+    (bench/stream_responses.py), as a user forwarding SSE would set it up."""
+    args = ["--map-remote", f"|https://api.openai.com|{fake_url}"]
+    if streaming:
+        args += ["-s", str(REPO / "bench" / "stream_responses.py")]
+    return start_mitmdump(name, args, work, confdir)
 
 
 def install_litellm(work: Path) -> Path | None:
@@ -575,6 +582,11 @@ async def throughput(
     return rate, (ms(own0, own1), ms(up0, up1), ms(client0, client1))
 
 
+def ratio(value: float, ref: float) -> str:
+    """``value`` as a multiple of ``ref`` for the tables ("-" where there is no reference)."""
+    return f"{value / ref:.2f}x" if ref > 0 else "-"
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = (len(ordered) - 1) * q
@@ -662,8 +674,7 @@ def report(
                 line += f" | {'(own) ' + f'{p50:.2f}':>20} {p95:>6.2f} {'':>7}"
                 continue
             ref = added.get(("mitmdump", kind), (0.0, 0.0))[0]
-            ratio = f"{p50 / ref:.2f}x" if ref > 0 else "-"
-            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio:>7}"
+            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio(p50, ref):>7}"
         print(line)
     if ("agenttap", kinds[0]) in latency and ("policy", kinds[0]) in latency:
         # What agenttap itself adds: its latency over its policy's own (the stub called as
@@ -678,8 +689,7 @@ def report(
             own, base = latency[("agenttap", kind)], latency[("policy", kind)]
             p50, p95 = pct(own, 0.5) - pct(base, 0.5), pct(own, 0.95) - pct(base, 0.95)
             ref = added.get(("mitmdump", kind), (0.0, 0.0))[0]
-            ratio = f"{p50 / ref:.2f}x" if ref > 0 else "-"
-            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio:>7}"
+            line += f" | {p50:>20.2f} {p95:>6.2f} {ratio(p50, ref):>7}"
         print(line)
     print("\nThroughput, calls/s (median of rounds; x mitm: / plain mitmdump's):")
     cols = [(kind, c) for c in (32, 64) for kind in kinds]
@@ -692,8 +702,7 @@ def report(
         for kind, c in cols:
             value = statistics.median(rates[(name, kind, c)])
             ref = statistics.median(rates.get(("mitmdump", kind, c), [0.0]))
-            ratio = f"{value / ref:.2f}x" if ref else "-"
-            line += f" | {value:>27.1f} {ratio:>6}"
+            line += f" | {value:>27.1f} {ratio(value, ref):>6}"
         print(line)
     print(
         f"\nCPU per call at 32 clients, ms (median of rounds; this machine has {os.cpu_count()} "
@@ -741,10 +750,10 @@ def streaming_ratios(
         line = f"{name:<10}"
         for kind in kinds:
             ref = added.get(("mitmdump-s", kind), (0.0, 0.0))[0]
-            line += f" | {added[(name, kind)][0] / ref if ref > 0 else 0.0:>26.2f}x"
+            line += f" | {ratio(added[(name, kind)][0], ref):>27}"
         for kind, c in cols:
             ref = statistics.median(rates[("mitmdump-s", kind, c)])
-            line += f" | {statistics.median(rates[(name, kind, c)]) / ref:>29.2f}x"
+            line += f" | {ratio(statistics.median(rates[(name, kind, c)]), ref):>30}"
         print(line)
 
 
@@ -802,16 +811,11 @@ def main() -> int:
         children.append(fake)
         servers["direct"] = Server("direct", fake, work / "serve-fake.log", fake_url)
         if "mitmdump" in wanted:
-            servers["mitmdump"] = start_mitmdump(
-                "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
-            )
+            servers["mitmdump"] = start_plain_mitmdump("mitmdump", fake_url, work, confdir)
             servers["mitmdump"].upstream = servers["direct"]
         if "mitmdump-s" in wanted:
-            servers["mitmdump-s"] = start_mitmdump(
-                "mitmdump-s",
-                ["--map-remote", f"|https://api.openai.com|{fake_url}", *STREAMING],
-                work,
-                confdir,
+            servers["mitmdump-s"] = start_plain_mitmdump(
+                "mitmdump-s", fake_url, work, confdir, streaming=True
             )
             servers["mitmdump-s"].upstream = servers["direct"]
         if "agenttap" in wanted or "agenttap-2" in wanted:

@@ -31,6 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from bench import overhead  # noqa: E402
 
+# The proxies, in the order they run (the first is the 1.00x of the ratio column).
+PATHS = ("mitmdump", "mitmdump-s", "agenttap")
 # The generation speed the last column assumes, tokens per second per stream.
 STREAM_RATE = 50
 
@@ -65,43 +67,46 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed answer")
     parser.add_argument("--seconds", type=float, default=20.0, help="per path")
     parser.add_argument(
-        "--only", default="", help="comma-separated paths to run (default: all; the first is 1.00x)"
+        "--only",
+        default="",
+        help=f"comma-separated paths to run, among {', '.join(PATHS)} (default: all; the first "
+        "is 1.00x)",
     )
     args = parser.parse_args()
+    wanted = [p for p in PATHS if not args.only or p in args.only.split(",")]
+    if args.only and set(args.only.split(",")) - set(PATHS):
+        parser.error(f"--only takes paths among {', '.join(PATHS)}")
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
     proxies: list[overhead.Server] = []
     try:
-        fake, fake_url = overhead.spawn_child("--serve-fake", work)
-        stub, stub_url = overhead.spawn_child("--serve-stub", work)
-        children += [fake, stub]
-        mitm = overhead.start_mitmdump(
-            "mitmdump", ["--map-remote", f"|https://api.openai.com|{fake_url}"], work, confdir
-        )
-        proxies.append(mitm)
-        # Plain mitmdump holds an answer whole before sending it on; this one streams it.
-        proxies.append(
-            overhead.start_mitmdump(
-                "mitmdump-s",
-                ["--map-remote", f"|https://api.openai.com|{fake_url}", *overhead.STREAMING],
+        if "mitmdump" in wanted or "mitmdump-s" in wanted:
+            fake, fake_url = overhead.spawn_child("--serve-fake", work)
+            children.append(fake)
+            for name in ("mitmdump", "mitmdump-s"):
+                if name in wanted:
+                    proxies.append(
+                        overhead.start_plain_mitmdump(
+                            name, fake_url, work, confdir, streaming=name == "mitmdump-s"
+                        )
+                    )
+        if "agenttap" in wanted:
+            stub, stub_url = overhead.spawn_child("--serve-stub", work)
+            children.append(stub)
+            tap = overhead.start_mitmdump(
+                "agenttap",
+                [
+                    "-s", str(REPO / "addons" / "capture.py"),
+                    "--set", f"agenttap_policy_url={stub_url}",
+                    "--set", f"agenttap_tokenizer={overhead.QWEN3}",
+                    "--set", f"agenttap_out={work / 'out'}",
+                ],
                 work,
                 confdir,
-            )
-        )
-        tap = overhead.start_mitmdump(
-            "agenttap",
-            [
-                "-s", str(REPO / "addons" / "capture.py"),
-                "--set", f"agenttap_policy_url={stub_url}",
-                "--set", f"agenttap_tokenizer={overhead.QWEN3}",
-                "--set", f"agenttap_out={work / 'out'}",
-            ],
-            work,
-            confdir,
-        )  # fmt: skip
-        proxies.append(tap)
+            )  # fmt: skip
+            proxies.append(tap)
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
             f"{args.clients} clients, a token every {args.pace_ms:g} ms, {args.tokens}-token "
@@ -109,10 +114,7 @@ def main() -> int:
             flush=True,
         )
         results: dict[str, tuple[int, float]] = {}
-        wanted = args.only.split(",") if args.only else [p.name for p in proxies]
         for server in proxies:
-            if server.name not in wanted:
-                continue
             path = overhead.Path_(server, ca)
             results[server.name] = asyncio.run(
                 run_path(path, args.clients, args.tokens, args.seconds)
