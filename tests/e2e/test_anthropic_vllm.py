@@ -56,7 +56,10 @@ def test_multi_turn_session_is_exact(
 def test_structured_output_from_the_real_policy(
     vllm_proxy: Proxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Claude Code's title call: a random policy still has to give schema-valid JSON."""
+    """Claude Code's title call: a random policy still has to give schema-valid JSON.
+
+    Greedy, so that the run is the same every time: sampled, a random policy may spend all
+    its tokens on the whitespace JSON allows between the tokens of the object."""
     client = vllm_proxy.anthropic("anth-vllm-json", monkeypatch)
     schema = {
         "type": "object",
@@ -68,7 +71,11 @@ def test_structured_output_from_the_real_policy(
         model="claude-haiku-4-5",
         max_tokens=200,
         messages=[{"role": "user", "content": "Write a title for: create hello.txt"}],
-        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        # In the body: this SDK's create() no longer takes temperature, the API still does.
+        extra_body={
+            "temperature": 0,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
     )
     assert msg.stop_reason == "end_turn", msg
     value = json.loads(msg.content[0].text)
