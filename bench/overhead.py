@@ -346,6 +346,22 @@ def start_plain_mitmdump(
     return start_mitmdump(name, args, work, confdir)
 
 
+def start_agenttap(name: str, stub_url: str, out: Path, work: Path, confdir: Path) -> Server:
+    """mitmdump with agenttap's addon, answered by the vLLM-shaped stub at ``stub_url``,
+    writing its shards under ``out``."""
+    return start_mitmdump(
+        name,
+        [
+            "-s", str(REPO / "addons" / "capture.py"),
+            "--set", f"agenttap_policy_url={stub_url}",
+            "--set", f"agenttap_tokenizer={QWEN3}",
+            "--set", f"agenttap_out={out}",
+        ],
+        work,
+        confdir,
+    )  # fmt: skip
+
+
 def install_litellm(work: Path) -> Path | None:
     """LiteLLM's proxy in its own venv under .cache/ (first use: pip install); None if it fails."""
     exe = LITELLM_VENV / "bin" / "litellm"
@@ -825,17 +841,7 @@ def main() -> int:
             servers["policy"] = Server("policy", stub, work / "serve-stub.log", stub_url)
 
             def agenttap(name: str) -> Server:
-                server = start_mitmdump(
-                    name,
-                    [
-                        "-s", str(REPO / "addons" / "capture.py"),
-                        "--set", f"agenttap_policy_url={stub_url}",
-                        "--set", f"agenttap_tokenizer={QWEN3}",
-                        "--set", f"agenttap_out={work / 'out' / name}",
-                    ],
-                    work,
-                    confdir,
-                )  # fmt: skip
+                server = start_agenttap(name, stub_url, work / "out" / name, work, confdir)
                 server.upstream = servers["policy"]
                 return server
 

@@ -73,9 +73,10 @@ def main() -> int:
         "is 1.00x)",
     )
     args = parser.parse_args()
-    wanted = [p for p in PATHS if not args.only or p in args.only.split(",")]
-    if args.only and set(args.only.split(",")) - set(PATHS):
+    only = set(args.only.split(",")) if args.only else set(PATHS)
+    if only - set(PATHS):
         parser.error(f"--only takes paths among {', '.join(PATHS)}")
+    wanted = [p for p in PATHS if p in only]
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
@@ -95,18 +96,9 @@ def main() -> int:
         if "agenttap" in wanted:
             stub, stub_url = overhead.spawn_child("--serve-stub", work)
             children.append(stub)
-            tap = overhead.start_mitmdump(
-                "agenttap",
-                [
-                    "-s", str(REPO / "addons" / "capture.py"),
-                    "--set", f"agenttap_policy_url={stub_url}",
-                    "--set", f"agenttap_tokenizer={overhead.QWEN3}",
-                    "--set", f"agenttap_out={work / 'out'}",
-                ],
-                work,
-                confdir,
-            )  # fmt: skip
-            proxies.append(tap)
+            proxies.append(
+                overhead.start_agenttap("agenttap", stub_url, work / "out", work, confdir)
+            )
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
             f"{args.clients} clients, a token every {args.pace_ms:g} ms, {args.tokens}-token "

@@ -66,8 +66,11 @@ def ensure_tiny_model(
     return model_dir
 
 
-# vLLM takes disable_any_whitespace only from the server's config (a request's own field is
-# ignored), and only with the xgrammar or guidance backend named.
+# Compact JSON under a schema, as the providers give it: by default vLLM's grammar allows any
+# whitespace between JSON tokens, and a policy early in training (a random one always) can
+# spend its whole budget on it, never closing the object. vLLM takes disable_any_whitespace
+# only from the server's config (a request's own field is ignored), and only with the xgrammar
+# or guidance backend named.
 STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
@@ -93,9 +96,6 @@ def start_vllm(
         "--max-model-len", str(max_model_len),
         "--host", "127.0.0.1",
         "--port", str(port),
-        # Compact JSON under a schema, as the providers give it: by default the grammar allows
-        # any whitespace between JSON tokens, and a policy early in training (a random one
-        # always) can spend its whole budget on it, never closing the object.
         "--structured-outputs-config", STRUCTURED_OUTPUTS_CONFIG,
         *(extra_args or []),
     ]  # fmt: skip
