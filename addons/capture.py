@@ -341,6 +341,11 @@ class AgentTap:
             proxy_url=await self._proxy_url(settings.advertise_host),
             ca_path=str(ca),
             bundle_path=str(bundle),
+            require_session_secret=settings.require_session_secret,
+            sandbox=settings.sandbox,
+            confdir=str(ca.parent),
+            sandbox_hide=settings.sandbox_hide
+            + ((settings.token_file,) if settings.token_file is not None else ()),
         )
         gateway = Gateway(config, self._template)
         await gateway.start()

@@ -138,6 +138,13 @@ class GatewayConfig:
     proxy_url: str = ""
     ca_path: str = ""
     bundle_path: str = ""
+    # Calls must name an opened session and carry its secret (agenttap_require_session_secret).
+    require_session_secret: bool = False
+    # Rollouts' sandbox: "bwrap" or "none" (agenttap_sandbox), and what it hides beyond OUT:
+    # mitmproxy's confdir (the CA key), the token file, agenttap_sandbox_hide.
+    sandbox: str = "bwrap"
+    confdir: str = ""
+    sandbox_hide: tuple[Path, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -30,6 +30,8 @@ DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,generativelanguage.googleapis.
 DEFAULT_MODEL_NAMES = "claude-opus-5-5,claude-sonnet-4-5,claude-haiku-5-5"
 TRUE = frozenset({"true", "yes", "on", "1"})
 FALSE = frozenset({"false", "no", "off", "0"})
+# Options whose value is a secret: errors name them, never their value.
+SECRET_OPTIONS = frozenset({"agenttap_token"})
 
 
 # -- value parsers (text -> typed value, or ValueError) ----------------------------------------
@@ -147,12 +149,48 @@ def parse_port(text: str) -> int:
     return port
 
 
+# A token shorter than this, or one character repeated, is refused: the token is the trainer's
+# key to every session, reward and rollout, and agents under training guess.
+MIN_TOKEN_CHARS = 24
+TOKEN_CHARS = "letters, digits and - . _ ~"
+
+
 def parse_token(text: str) -> str:
     """The control API's bearer token; empty: a random one is made at each start."""
     token = text.strip()
-    if token and (len(token) < 16 or not all(c.isalnum() or c in "-._~" for c in token)):
-        raise ValueError("must be at least 16 characters of letters, digits and - . _ ~")
+    if not token:
+        return token
+    if not all(c.isalnum() or c in "-._~" for c in token):
+        raise ValueError(f"must be made of {TOKEN_CHARS} only")
+    if len(token) < MIN_TOKEN_CHARS or len(set(token)) == 1:
+        raise ValueError(
+            f"is too weak: a token must be at least {MIN_TOKEN_CHARS} characters and not one "
+            f"character repeated. Make one with: python3 -c 'import secrets; "
+            f"print(secrets.token_urlsafe(24))'"
+        )
     return token
+
+
+def parse_token_file(text: str) -> str:
+    """The token read from a file only its owner may read (mode 0600, or 0400); empty: none.
+    A file others can read is refused: the token must never reach an agent."""
+    if not text.strip():
+        return ""
+    path = Path(text.strip()).expanduser()
+    try:
+        mode = path.stat().st_mode
+        content = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
+    if mode & 0o077:
+        raise ValueError(
+            f"{path} may be read by others (mode {mode & 0o777:o}); make it private first: "
+            f"chmod 600 {path}"
+        )
+    token = content.strip()
+    if not token:
+        raise ValueError(f"{path} is empty; write the token into it")
+    return parse_token(token)
 
 
 def parse_folder(text: str) -> Path | None:
@@ -163,6 +201,13 @@ def parse_folder(text: str) -> Path | None:
     if not path.is_dir():
         raise ValueError(f"{path} is not a folder")
     return path
+
+
+def parse_paths(text: str) -> tuple[Path, ...]:
+    """Comma-separated paths, made absolute (they need not exist)."""
+    return tuple(
+        Path(part.strip()).expanduser().absolute() for part in text.split(",") if part.strip()
+    )
 
 
 def parse_out_folder(text: str) -> Path:
@@ -354,9 +399,45 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "agenttap_token",
         "",
-        "Bearer token the control API wants (16 or more letters, digits, - . _ ~); empty: a "
-        "random one, printed at start as AGENTTAP_TOKEN=...",
+        "Bearer token the control API wants (24 or more letters, digits, - . _ ~, not one "
+        "character repeated); empty: agenttap_token_file's, else a random one, printed at "
+        "start as AGENTTAP_TOKEN=... Prefer agenttap_token_file: a command line is public.",
         parse_token,
+    ),
+    Option(
+        "agenttap_token_file",
+        "",
+        "File holding the control API's bearer token (mode 0600: readable by its owner only). "
+        "Use it instead of agenttap_token, whose value every local user can read on mitmdump's "
+        "command line (scripts/run_proxy.sh and the launcher do).",
+        parse_token_file,
+    ),
+    Option(
+        "agenttap_require_session_secret",
+        "false",
+        "true: every API call must name a session opened through the control API (POST "
+        "/sessions or /rollouts) and carry its secret (the proxy password, or the API key in "
+        "base-URL mode); false: calls under a proxy username never opened keep working, while "
+        "opened sessions always want their secret (true/false).",
+        parse_bool,
+    ),
+    Option(
+        "agenttap_sandbox",
+        "bwrap",
+        "How rollouts (POST /rollouts) run their agent and verifier: bwrap (a bubblewrap "
+        "sandbox per rollout: its own PID namespace, the host read-only, OUT, the CA key and "
+        "other rollouts hidden; needs apt-get install bubblewrap) or none (as plain child "
+        "processes, which can read and write everything this user can; logged as a warning). "
+        "A rollout request may ask for \"sandbox\": \"none\" itself.",
+        lambda text: parse_choice(text, ("bwrap", "none")),
+    ),
+    Option(
+        "agenttap_sandbox_hide",
+        "",
+        "Paths (comma-separated) a rollout's sandbox hides, beyond those it always hides (OUT, "
+        "mitmproxy's confdir with the CA key, agenttap_token_file): the launcher's and "
+        "run_proxy.sh's private folder of logs, your own secrets (~/.ssh, ~/.aws).",
+        parse_paths,
     ),
     Option(
         "agenttap_check_policy",
@@ -441,8 +522,8 @@ def as_text(value: Any) -> str:
 def describe(option: Option, text: str | None, problem: str) -> str:
     """The error a user reads: which option, what was given, what it accepts. ``text`` None:
     the value itself could not be read (no value, given twice)."""
-    if text is None:
-        given = option.name
+    if text is None or option.name in SECRET_OPTIONS:
+        given = option.name  # a secret's value is never echoed into a log
     else:
         shown = text if len(text) <= 80 else text[:77] + "..."
         plain = shown and all(c.isalnum() or c in "-_.:/,|*=" for c in shown)
@@ -495,6 +576,10 @@ class Settings:
     passthrough: tuple[str, ...] = ()
     check_policy: bool = True
     fsync_before_reply: bool = False
+    require_session_secret: bool = False
+    sandbox: str = "bwrap"
+    sandbox_hide: tuple[Path, ...] = ()
+    token_file: Path | None = None
 
 
 def parse_value(option: Option, text: str) -> Any:
@@ -518,6 +603,11 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
     overlap = sorted(
         h for h in values["agenttap_hosts"] if passes_through(h, values["agenttap_passthrough"])
     )
+    if values["agenttap_token"] and values["agenttap_token_file"]:
+        raise ValueError(
+            "agenttap: --set agenttap_token and --set agenttap_token_file are both set; give "
+            "the token once (the file keeps it off the command line)"
+        )
     if overlap:
         raise ValueError(
             f"agenttap: --set agenttap_passthrough would let {', '.join(overlap)} through: API "
@@ -543,11 +633,19 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         recompute_logprobs=values["agenttap_recompute_mismatch_logprobs"],
         api_host=values["agenttap_api_host"] or "127.0.0.1",
         api_port=values["agenttap_api_port"],
-        token=values["agenttap_token"],
+        token=values["agenttap_token"] or values["agenttap_token_file"],
         advertise_host=values["agenttap_advertise_host"],
         max_rollouts=values["agenttap_max_rollouts"],
         passthrough=values["agenttap_passthrough"],
         check_policy=values["agenttap_check_policy"],
         fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",
+        require_session_secret=values["agenttap_require_session_secret"],
+        sandbox=values["agenttap_sandbox"],
+        sandbox_hide=values["agenttap_sandbox_hide"],
+        token_file=(
+            Path(texts["agenttap_token_file"].strip()).expanduser().absolute()
+            if texts.get("agenttap_token_file", "").strip()
+            else None
+        ),
         provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
     )
