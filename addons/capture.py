@@ -39,7 +39,7 @@ from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from addons.control_host import ControlHost  # noqa: E402
-from addons.credentials import proxy_user, strip_secrets  # noqa: E402
+from addons.credentials import proxy_credentials, strip_secrets  # noqa: E402
 from capture.banner import ready_line, start_lines  # noqa: E402
 from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
@@ -53,7 +53,6 @@ from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
     HOST_HEADER,
-    LOOPBACK_HEADER,
     TOKEN_HEADER,
     Gateway,
     GatewayConfig,
@@ -71,15 +70,18 @@ from capture.options import (  # noqa: E402
     unknown_names,
 )
 from capture.pipeline import call_logger  # noqa: E402
-from capture.session_ids import SESSION_HEADER, quote_session  # noqa: E402
+from capture.session_ids import (  # noqa: E402
+    SESSION_HEADER,
+    SESSION_SECRET_HEADER,
+    quote_session,
+)
 from capture.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 # Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
-# API (capture/control_api.py); `POST http://agenttap.local/flush[?session=ID]` from loopback
-# needs no token (tests and scripts use it instead of waiting for the idle timeout).
+# API (capture/control_api.py), with its token like every control route.
 # A body that may ask for a stream; answered over the loopback listener (see _answer_buffered).
 MAY_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
@@ -181,8 +183,8 @@ async def accepts(host: str, port: int, timeout: float = 2.0) -> bool:
 class AgentTap:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
-        # client connection id -> proxy username given on its CONNECT
-        self._tunnel_sessions: dict[str, str] = {}
+        # client connection id -> proxy username and password given on its CONNECT
+        self._tunnel_sessions: dict[str, tuple[str, str]] = {}
         # client connection id -> its calls being answered in-process (cancelled if it leaves)
         self._buffered_calls: dict[str, set[asyncio.Task[web.Response]]] = {}
         self._options = {o.name: o for o in all_options()}
@@ -449,7 +451,7 @@ class AgentTap:
     def http_connect(self, flow: http.HTTPFlow) -> None:
         # The CONNECT is logged too (flow_detail >= 2 prints its headers): keys go first. A
         # proxyauth the user set has read its credentials already (it runs before scripts).
-        user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        user, password = proxy_credentials(flow.request.headers.get("Proxy-Authorization"))
         strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return  # proxyauth's 407
@@ -460,7 +462,7 @@ class AgentTap:
             return
         if user:
             # The requests inside this tunnel are flows of their own on the same connection.
-            self._tunnel_sessions[flow.client_conn.id] = user
+            self._tunnel_sessions[flow.client_conn.id] = (user, password)
 
     def tls_clienthello(self, data: tls.ClientHelloData) -> None:
         # A passthrough host's TLS is never intercepted: its bytes are relayed as they are.
@@ -590,7 +592,9 @@ class AgentTap:
             flow.request.headers.pop("Proxy-Authorization", None)
             return  # forwarded unchanged: the agent's own tools, never recorded
         # Keys go before anything else, refusals included: every flow is logged and can be saved.
-        plain_proxy_user = proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        plain_user, plain_password = proxy_credentials(
+            flow.request.headers.get("Proxy-Authorization")
+        )
         strip_secrets(flow.request)
         if flow.response or self._refuse_broken(flow):
             return
@@ -613,13 +617,17 @@ class AgentTap:
             )
             return
         auth = flow.metadata.get("proxyauth")
-        session_id = (
-            (str(auth[0]) if auth else None)
-            or self._tunnel_sessions.get(flow.client_conn.id)
-            or plain_proxy_user
+        tunnel = self._tunnel_sessions.get(flow.client_conn.id)
+        if auth:
+            session_id, secret = str(auth[0]), str(auth[1]) if len(auth) > 1 else ""
+        elif tunnel is not None:
+            session_id, secret = tunnel
+        elif plain_user:
+            session_id, secret = plain_user, plain_password
+        else:
             # a replayed flow keeps the session it was recorded under
-            or str(flow.metadata.get("agenttap_session") or "anonymous")
-        )
+            session_id = str(flow.metadata.get("agenttap_session") or "anonymous")
+            secret = ""
         req = flow.request
         # Put back by _restore before the flow is saved or shown.
         flow.metadata["agenttap_origin"] = [
@@ -640,6 +648,9 @@ class AgentTap:
             req.headers[OVERSIZED_HEADER] = note
         req.headers[TOKEN_HEADER] = self.gateway.token
         req.headers[SESSION_HEADER] = quote_session(session_id)
+        if secret:
+            # The gateway checks it against the session's (capture/session_control.py).
+            req.headers[SESSION_SECRET_HEADER] = quote_session(secret)
         req.headers[HOST_HEADER] = host
         if "Content-Encoding" in req.headers:
             # The gateway decodes the body itself (bounded, errors in the provider's format);
@@ -673,7 +684,8 @@ class AgentTap:
             return
         scheme, host, port, authority, host_header = origin
         req = flow.request
-        for name in (TOKEN_HEADER, SESSION_HEADER, HOST_HEADER, LOOPBACK_HEADER, BEARER_HEADER):
+        for name in (TOKEN_HEADER, SESSION_HEADER, SESSION_SECRET_HEADER, HOST_HEADER,
+                     BEARER_HEADER):  # fmt: skip
             req.headers.pop(name, None)
         answered = flow.response is not None and flow.response.status_code < 400
         if UNSUPPORTED_ENCODING_HEADER in req.headers and answered:

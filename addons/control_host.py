@@ -2,13 +2,14 @@
 
 Plain-HTTP requests to that name are sent to the gateway, which answers them; nothing leaves
 the machine. A control call's ``Authorization: Bearer`` token is checked here, then stripped
-like every credential (a saved or logged flow never holds it): the gateway is told only ``ok``
-or ``wrong``. ``POST /flush`` from loopback needs no token (scripts and tests used it before
-the API had one). Runs before the main addon, which strips credentials from every flow."""
+like every credential (a saved or logged flow never holds it): the gateway is told only ``ok``,
+``wrong`` or nothing, in a header of ours that the client's own copy (removed first, with every
+``X-Agenttap-*`` header it sent) cannot stand in for. Every route but ``/healthz`` and
+``/ready`` wants the token, ``/flush`` included. Runs before the main addon, which strips
+credentials from every flow."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Callable
 
@@ -20,7 +21,6 @@ from capture.gateway import (
     BEARER_HEADER,
     CONTROL_HOST,
     HOST_HEADER,
-    LOOPBACK_HEADER,
     TOKEN_HEADER,
     Gateway,
 )
@@ -58,12 +58,8 @@ class ControlHost:
         flow.metadata["agenttap_origin"] = [
             req.scheme, req.host, req.port, req.authority, req.headers.get("Host"),
         ]  # fmt: skip
-        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
-        if ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
-            req.headers[LOOPBACK_HEADER] = "1"
-        bearer = flow.metadata.get("agenttap_bearer")
-        if bearer:
-            req.headers[BEARER_HEADER] = bearer
+        # Always set (stripped of any copy above): "" tells the gateway no token was given.
+        req.headers[BEARER_HEADER] = flow.metadata.get("agenttap_bearer") or ""
         req.headers[TOKEN_HEADER] = gateway.token
         req.headers[HOST_HEADER] = CONTROL_HOST
         req.host = "127.0.0.1"

@@ -90,13 +90,15 @@ class Endpoints:
             "gemini": f"{prefix}/gemini",
         }
 
-    def env(self, session_id: str) -> dict[str, str]:
-        """What a client needs in proxy mode: the proxy with the session as its username, the
-        CA under each variable a client reads it from, dummy keys, headless switches."""
+    def env(self, session_id: str, secret: str = "") -> dict[str, str]:
+        """What a client needs in proxy mode: the proxy with the session as its username and
+        its ``secret`` as the password, the CA under each variable a client reads it from, the
+        secret as every API key (base-URL mode: the key is the secret), headless switches.
+        Without a secret (a session never opened): ``x`` and dummy keys."""
         env: dict[str, str] = {"AGENTTAP_SESSION": session_id}
         if self.proxy_url:
             scheme, _, hostport = self.proxy_url.partition("://")
-            proxy = f"{scheme}://{session_id}:x@{hostport}"
+            proxy = f"{scheme}://{session_id}:{secret or 'x'}@{hostport}"
             env.update(HTTPS_PROXY=proxy, https_proxy=proxy)
             env.update(NO_PROXY="localhost,127.0.0.1,::1", no_proxy="localhost,127.0.0.1,::1")
         if self.ca_path:
@@ -113,7 +115,7 @@ class Endpoints:
                 "PIP_CERT",  # pip
             ):
                 env[name] = bundle
-        env.update(DUMMY_KEYS)
+        env.update({name: secret for name in DUMMY_KEYS} if secret else DUMMY_KEYS)
         # Headless runs: no side traffic from Claude Code, no trust prompt from Gemini CLI.
         env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
         env["GEMINI_CLI_TRUST_WORKSPACE"] = "true"
@@ -192,13 +194,11 @@ class ControlAPI:
         return self.gateway.config.out_dir
 
     # -- dispatch ------------------------------------------------------------------------------
-    async def handle(
-        self, request: web.Request, loopback: bool, bearer: str | None = None
-    ) -> web.StreamResponse:
-        """Answer a control route. ``loopback``: the caller is on this machine (POST /flush
-        through agenttap.local needs no token from there, as before the API existed).
-        ``bearer``: through the proxy, the addon checked the token already ("ok", "wrong",
-        "" for none); None: check the request's own ``Authorization`` header."""
+    async def handle(self, request: web.Request, bearer: str | None = None) -> web.StreamResponse:
+        """Answer a control route; every one but ``OPEN_ROUTES`` wants the token, wherever
+        the caller is. ``bearer``: through the proxy, the addon checked the token already
+        ("ok", "wrong", "" for none); None: check the request's own ``Authorization``
+        header."""
         path = request.path.rstrip("/") or "/"
         method = request.method
         if path == UI_PREFIX or path.startswith(f"{UI_PREFIX}/"):
@@ -208,7 +208,7 @@ class ControlAPI:
                 if refused is not None:
                     return refused
             return await self.viewer.handle(request)
-        if path not in OPEN_ROUTES and not (loopback and path == "/flush"):
+        if path not in OPEN_ROUTES:
             refused = self._check_token(request, bearer)
             if refused is not None:
                 return refused
@@ -410,8 +410,10 @@ class ControlAPI:
         return web.json_response(
             {
                 "id": sess.id,
-                "env": self.endpoints.env(sid),
+                # The session's secret is in both: the proxy password and every API key.
+                "env": self.endpoints.env(sid, sess.secret),
                 "base_urls": self.endpoints.base_urls(sid),
+                "api_key": sess.secret,
                 "limits": sess.summary()["limits"],
             }
         )

@@ -13,6 +13,7 @@ Nothing here knows about mitmproxy or any one provider.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
@@ -42,11 +43,15 @@ from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
 from capture.session_control import SessionControl
 from capture.session_ids import (
+    INTERNAL_PREFIX,
     SECRET_HEADERS,
     SECRET_QUERY,
     SESSION_HEADER,
+    SESSION_SECRET_HEADER,
+    api_keys,
     quote_session,
     request_session_id,
+    unquote_session,
 )
 from capture.sessions import RowAnnotations, SessionStore
 from capture.whitebox import serve_generate
@@ -66,10 +71,9 @@ logger = logging.getLogger(__name__)
 
 TOKEN_HEADER = "X-Agenttap-Token"
 HOST_HEADER = "X-Agenttap-Host"
-# Set by the addon on control calls through the proxy (http://agenttap.local) from loopback.
-LOOPBACK_HEADER = "X-Agenttap-Loopback"
 # The addon checks a control call's bearer token (then strips it like every credential) and
-# says here what it found: "ok" or "wrong".
+# says here what it found: "ok", "wrong" or "" (none). A client's own copy of any X-Agenttap-*
+# header is removed before (addons/credentials.py); only calls with TOKEN_HEADER are read.
 BEARER_HEADER = "X-Agenttap-Bearer"
 CONTROL_HOST = "agenttap.local"
 # Base-URL mode: /sess/<id>/<prefix>/... names the provider's host; no prefix: guessed.
@@ -412,7 +416,8 @@ class Gateway:
 
     async def _dispatch(self, request: IncomingRequest) -> web.StreamResponse:
         """A call the addon routed here (proxy mode), or a control call via agenttap.local."""
-        if request.headers.get(TOKEN_HEADER) != self.token:
+        given = request.headers.get(TOKEN_HEADER, "")
+        if not secrets.compare_digest(given.encode(), self.token.encode()):
             return web.Response(status=403, text="agenttap gateway: only the proxy may call this")
         host = request.headers.get(HOST_HEADER, "")
         if not isinstance(request, web.Request) and (
@@ -422,19 +427,51 @@ class Gateway:
         if host == CONTROL_HOST:
             assert isinstance(request, web.Request)
             assert self.api is not None
-            return await self.api.handle(
-                request,
-                loopback=LOOPBACK_HEADER in request.headers,
-                bearer=request.headers.get(BEARER_HEADER, ""),
-            )
-        return await self._answer(request, host)
+            return await self.api.handle(request, bearer=request.headers.get(BEARER_HEADER, ""))
+        secret = unquote_session(request.headers.get(SESSION_SECRET_HEADER, ""))
+        return await self._answer(request, host, [secret])
 
     async def _public(self, request: web.Request) -> web.StreamResponse:
         """The API listener: per-session base URLs (/sess/<id>/...) and the control API."""
         assert self.api is not None
+        if not self._host_served(request.host):
+            # DNS rebinding: a web page's own name resolved to this machine must not reach the
+            # API (a browser sends no token, but a base URL needs none in a session never
+            # opened). IP literals and the names configured here are served.
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"agenttap: this listener does not serve the host name "
+                        f"{request.host.rpartition(':')[0] or request.host!r}; use "
+                        f"{self.api.endpoints.api_url} (or set agenttap_advertise_host)",
+                        "status": 421,
+                    }
+                },
+                status=421,
+            )
         if request.path.startswith("/sess/"):
             return await self._base_url(request)
-        return await self.api.handle(request, loopback=False)
+        return await self.api.handle(request)
+
+    def _host_served(self, host_header: str) -> bool:
+        """The API listener's ``Host`` check: an IP literal, ``localhost``, or a name this
+        instance listens on or hands out."""
+        host = host_header.strip().lower()
+        if host.startswith("["):
+            host = host[1 : host.find("]")] if "]" in host else host
+        elif host.count(":") == 1:
+            host = host.partition(":")[0]
+        host = host.rstrip(".")
+        if not host:
+            return False
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            pass
+        config = self.config
+        names = {"localhost", (config.api_host or "").lower(), config.advertise_host.lower()}
+        return host in names or host.endswith(".localhost")
 
     async def _base_url(self, request: web.Request) -> web.StreamResponse:
         """``/sess/<id>[/openai|/anthropic|/gemini]/<API path>``: the call as if it had been
@@ -443,7 +480,15 @@ class Gateway:
         raw_id, _, tail = rest.partition("/")
         raw_path, _, _ = tail.partition("?")
         session_id = urllib.parse.unquote(raw_id)
+        given = api_keys(request.headers, request.query)
         if raw_path.rstrip("/") == "generate":
+            refused = self.control.credential_refusal(
+                session_id, given, required=self.config.require_session_secret
+            )
+            if refused is not None:
+                return web.json_response(
+                    {"error": {"message": refused, "type": "authentication_error"}}, status=401
+                )
             return await serve_generate(self.pipeline, request, session_id)
         first, _, after = raw_path.partition("/")
         host = BASE_URL_PREFIXES.get(first)
@@ -451,13 +496,16 @@ class Gateway:
             raw_path = after
         else:
             host = self._guess_host(request, "/" + raw_path)
+        # The client's keys and every X-Agenttap-* header it sent go: only we set those.
         headers = CIMultiDict(
-            (k, v) for k, v in request.headers.items() if k.lower() not in SECRET_HEADERS
+            (k, v)
+            for k, v in request.headers.items()
+            if (name := k.lower()) not in SECRET_HEADERS and not name.startswith(INTERNAL_PREFIX)
         )
         headers[SESSION_HEADER] = quote_session(session_id or "anonymous")
         query = [(k, v) for k, v in request.query.items() if k.lower() not in SECRET_QUERY]
         url = URL.build(path="/" + raw_path, encoded=True).with_query(query)
-        return await self._answer(request.clone(rel_url=url, headers=headers), host)
+        return await self._answer(request.clone(rel_url=url, headers=headers), host, given)
 
     @staticmethod
     def _guess_host(request: web.Request, path: str) -> str:
@@ -468,9 +516,20 @@ class Gateway:
             return BASE_URL_PREFIXES["gemini"]
         return BASE_URL_PREFIXES["openai"]
 
-    async def _answer(self, request: IncomingRequest, host: str) -> web.StreamResponse:
+    async def _answer(
+        self, request: IncomingRequest, host: str, secrets_given: list[str]
+    ) -> web.StreamResponse:
         call = Call.of(request, host)
         provider, route = self._route(call)
+        # Before anything of the session is read or counted: a caller without its secret
+        # touches nothing of it.
+        refused = self.control.credential_refusal(
+            self.session_id(request, provider),
+            secrets_given,
+            required=self.config.require_session_secret,
+        )
+        if refused is not None:
+            return provider.error(401, refused)
         oversized = request.headers.get(OVERSIZED_HEADER)
         if oversized:
             return provider.error(431, oversized_head_message(oversized))

@@ -7,7 +7,7 @@
         sess = tap.open_session(metadata={"task_id": "t1", "group_id": "g1", "split": "train"},
                                 limits={"max_calls": 30, "deadline_s": 600})
         subprocess.run(["claude", "-p", task], env={**os.environ, **sess.env})  # proxy mode
-        # or: OpenAI(base_url=sess.base_urls["openai"], api_key="x")            # base-URL mode
+        # or: OpenAI(base_url=sess.base_urls["openai"], api_key=sess.api_key)    # base-URL mode
         table = sess.close(reward=1.0)          # pyarrow.Table of its thread rows
 
 mitmproxy keeps one master per interpreter, so each instance is a ``mitmdump`` child process
@@ -25,9 +25,11 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -108,6 +110,9 @@ class Session:
     id: str
     env: dict[str, str]
     base_urls: dict[str, str]
+    # The session's secret: the API key base-URL clients send (``env`` has it as every key and
+    # as the proxy password). A call of this session without it gets a 401.
+    api_key: str = ""
     # Set by close: why it ended (stop, max_calls, max_tokens, deadline) and its metrics.
     end_reason: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -129,8 +134,8 @@ class Session:
 
     def codex_config(self, model: str = "gpt-5") -> str:
         """A Codex ``config.toml`` that sends Codex to this session's base URL (Codex reads no
-        base-URL variable); its key comes from ``AGENTTAP_KEY``, which must be set (any
-        value)."""
+        base-URL variable); its key comes from ``AGENTTAP_KEY``, which must hold the session's
+        ``api_key``."""
         return (
             f'model = "{model}"\nmodel_provider = "agenttap"\n\n'
             f"[model_providers.agenttap]\n"
@@ -185,10 +190,20 @@ class AgentTap:
     ) -> AgentTap:
         """Start an instance; returns once it answers. ``host``: where the proxy and the API
         listen (loopback, or an address sandboxes elsewhere reach; ``advertise_host``: the
-        name they use for it); ports 0: free ones. ``options``: more ``--set`` options."""
+        name they use for it); ports 0: free ones. ``options``: more ``--set`` options.
+
+        The token never reaches an agent: it is handed to mitmdump in a file only this user may
+        read (``agenttap_token_file``), never on its command line, and mitmdump's log (which
+        prints it) is kept beside it, in a private folder outside ``out`` (``log``) that the
+        rollouts' sandboxes hide."""
         out_dir = Path(out).resolve()
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = out_dir / f"mitmdump-{os.getpid()}-{time.monotonic_ns()}.log"
+        private = Path(tempfile.mkdtemp(prefix="agenttap-"))  # mode 0700
+        token_file = private / "token"
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token or secrets.token_urlsafe(24))
+        log = private / "mitmdump.log"
         settings = {
             "agenttap_policy_url": policy_url,
             "agenttap_tokenizer": str(Path(tokenizer).resolve()),
@@ -196,7 +211,8 @@ class AgentTap:
             "agenttap_api_host": host,
             "agenttap_api_port": str(api_port),
             **({"agenttap_advertise_host": advertise_host} if advertise_host else {}),
-            **({"agenttap_token": token} if token else {}),
+            "agenttap_token_file": str(token_file),
+            "agenttap_sandbox_hide": str(private),
             **({"confdir": str(Path(confdir).resolve())} if confdir else {}),
             **(options or {}),
         }
@@ -208,7 +224,7 @@ class AgentTap:
         ]  # fmt: skip
         for name, value in settings.items():
             cmd += ["--set", f"{name}={value}"]
-        with open(log, "wb") as fh:
+        with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
             proc = subprocess.Popen(
                 cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO
             )
@@ -233,7 +249,9 @@ class AgentTap:
         if limits:
             body["limits"] = limits
         answer = self.client.post("/sessions", body)
-        return Session(self.client, answer["id"], answer["env"], answer["base_urls"])
+        return Session(
+            self.client, answer["id"], answer["env"], answer["base_urls"], answer["api_key"]
+        )
 
     def sessions(self) -> list[dict[str, Any]]:
         return list(self.client.get("/sessions")["sessions"])

@@ -7,7 +7,7 @@
     pool = ProxyPool.start(["http://gpu0:8000", "http://gpu1:8000"], "/models/qwen3",
                            "/shared/rollouts", num_proxies=8)
     sess = pool.open_session(metadata={"task_id": "t1"})   # on the least-loaded proxy
-    OpenAI(base_url=sess.base_urls["openai"], api_key="x")  # or sess.env (proxy mode)
+    OpenAI(base_url=sess.base_urls["openai"], api_key=sess.api_key)  # or sess.env (proxy mode)
     table = sess.close(reward=1.0)                     # its thread rows, as with AgentTap
     rows = pool.dataset().to_table()                   # every proxy's shards, one dataset
     pool.shutdown()
@@ -226,7 +226,12 @@ class ProxyActor:
         sess = self.tap.open_session(session_id, metadata, limits)
         with self._lock:
             self.opened += 1
-        return {"id": sess.id, "env": dict(sess.env), "base_urls": dict(sess.base_urls)}
+        return {
+            "id": sess.id,
+            "env": dict(sess.env),
+            "base_urls": dict(sess.base_urls),
+            "api_key": sess.api_key,
+        }
 
     def close_session(
         self, session_id: str, reward: float | dict[str, float] | None = None
@@ -302,6 +307,7 @@ class PoolSession:
     proxy: int
     env: dict[str, str]
     base_urls: dict[str, str]
+    api_key: str = ""
     closed: bool = field(default=False)
 
     def close(self, reward: float | dict[str, float] | None = None) -> pa.Table:
@@ -450,7 +456,9 @@ class ProxyPool:
         except BaseException:
             self._forget(sid)
             raise
-        return PoolSession(self, answer["id"], index, answer["env"], answer["base_urls"])
+        return PoolSession(
+            self, answer["id"], index, answer["env"], answer["base_urls"], answer["api_key"]
+        )
 
     def _forget(self, sid: str) -> int:
         with self._lock:

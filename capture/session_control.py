@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,8 @@ SPLITS = ("train", "val")
 CLOSED_KEPT = 100_000
 # What a session id may hold: it names a URL path segment and a journal file.
 # (It is also a proxy URL's username, where ':' and '@' would end it.)
-SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Matched whole (fullmatch): "$" would let a trailing newline through.
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def parse_limits(value: Any) -> Limits:
 
 
 def check_session_id(value: Any) -> str:
-    if not isinstance(value, str) or not SESSION_ID.match(value):
+    if not isinstance(value, str) or not SESSION_ID.fullmatch(value):
         raise ValueError(
             f'"id" must be 1 to 128 letters, digits, "_", "." or "-", starting with a letter or '
             f"digit; got {value!r}"
@@ -145,6 +147,9 @@ class ControlledSession:
     last_active_at: float = field(default_factory=time.time)
     # Once closed: the thread shards holding its rows (GET /sessions/{id} reads them back).
     thread_shards: list[Any] = field(default_factory=list)
+    # Minted when opened through the API: every call of the session must carry it (the proxy
+    # password, or the API key in base-URL mode). Never in a summary, a log or a row.
+    secret: str = field(default="", repr=False)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -185,6 +190,7 @@ class SessionControl:
         sess.metadata = dict(metadata or {})
         sess.limits = limits or Limits()
         sess.opened = True
+        sess.secret = secrets.token_urlsafe(24)
         sess.opened_at = time.time()
         sess.opened_mono = self._clock()
         self._live[session_id] = sess
@@ -192,6 +198,30 @@ class SessionControl:
 
     def get(self, session_id: str) -> ControlledSession | None:
         return self._live.get(session_id) or self._closed.get(session_id)
+
+    def credential_refusal(
+        self, session_id: str, given: list[str], required: bool = False
+    ) -> str | None:
+        """Why a call naming ``session_id`` and carrying the secrets ``given`` must be refused,
+        or None. A session opened through the API (live or closed) wants its own secret; one
+        never opened is open to any caller unless ``required`` (agenttap_require_session_secret).
+        Touches nothing: a refused caller cannot count against the session's limits."""
+        sess = self._live.get(session_id) or self._closed.get(session_id)
+        if sess is None or not sess.secret:
+            if required:
+                return (
+                    f"agenttap: session {session_id!r} was not opened through the control API; "
+                    f"this proxy serves only opened sessions (agenttap_require_session_secret). "
+                    f"Open one with POST /sessions and use the env or base_urls it returns."
+                )
+            return None
+        expected = sess.secret.encode()
+        if any(secrets.compare_digest(g.encode(), expected) for g in given if g):
+            return None
+        return (
+            f"agenttap: session {session_id!r} wants its secret: use the env (HTTPS_PROXY="
+            f"http://ID:SECRET@...) or the API key that POST /sessions returned for it."
+        )
 
     def live(self) -> list[ControlledSession]:
         return list(self._live.values())

@@ -15,6 +15,11 @@ from capture.sessions import safe_text
 from rewriter.providers.base import IncomingRequest, Provider
 
 SESSION_HEADER = "X-Agenttap-Session"
+# The proxy password a client gave (its session's secret), as the addon tells the gateway.
+SESSION_SECRET_HEADER = "X-Agenttap-Session-Secret"
+# Every header of ours starts so; a client's own copies are removed before anything reads them
+# (a client that could set one would speak for the addon).
+INTERNAL_PREFIX = "x-agenttap-"
 # Credentials a client sends to its provider: never forwarded, never logged, never stored.
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
 SECRET_QUERY = frozenset({"key", "api-key", "api_key", "apikey", "access_token"})
@@ -31,6 +36,23 @@ def quote_session(session_id: str) -> str:
 
 def unquote_session(value: str) -> str:
     return urllib.parse.unquote(value)
+
+
+def api_keys(headers: Any, query: Any) -> list[str]:
+    """The API keys a client sent, wherever its provider puts one (``Authorization: Bearer``,
+    ``x-api-key``, ``x-goog-api-key``, ``api-key``, ``?key=``): in base-URL mode a session's
+    secret is the API key its client sends."""
+    found = []
+    for name in SECRET_HEADERS:
+        if name == "proxy-authorization":
+            continue
+        for value in headers.getall(name, []) if hasattr(headers, "getall") else []:
+            scheme, _, rest = value.partition(" ")
+            found.append(rest.strip() if scheme.lower() == "bearer" else value.strip())
+    for name, value in query.items():
+        if name.lower() in SECRET_QUERY:
+            found.append(value)
+    return found
 
 
 def request_session_id(request: IncomingRequest, provider: Provider[Any]) -> str:

@@ -4,7 +4,8 @@
 #                        [--api-port N] [--tool-parser NAME] [--reasoning-parser NAME]
 #                        [--max-model-len N] [-- MITMDUMP ARGS...]
 # --port: the proxy (default 8080); --api-port: the control API and per-session base URLs
-# (default the proxy's port + 1). AGENTTAP_TOKEN in the environment sets the API's token.
+# (default the proxy's port + 1). AGENTTAP_TOKEN in the environment sets the API's token (24 or
+# more characters); it reaches mitmdump in a file only you can read, never on a command line.
 # With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
 # here, 32768 tokens of context unless --max-model-len says otherwise) is started first, so the
 # whole path can be seen working offline (it prints its progress while it loads). Sets up what it
@@ -38,12 +39,26 @@ done
 if [ -n "$POLICY_URL" ]; then export AGENTTAP_SKIP_VLLM=1; fi
 AGENTTAP_SKIP_CLIENTS=1 AGENTTAP_SKIP_BROWSER=1 bash "$ROOT/scripts/setup.sh" >&2
 
-POLICY_PID=""
-cleanup() { [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null; wait 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
+# Private to this user (0700): the token file and the policy's log. Rollouts' sandboxes hide it.
+PRIVATE="$(mktemp -d -t agenttap-XXXXXXXX)"
+POLICY_PID="" MITM_PID=""
+# Whatever exits first (Ctrl-C, a TERM, mitmdump or the policy ending), everything started
+# here stops; never under set -e, so one process already gone does not skip the rest.
+cleanup() {
+  set +e
+  [ -n "$MITM_PID" ] && kill "$MITM_PID" 2>/dev/null
+  [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null
+  wait 2>/dev/null
+  rm -f "$PRIVATE/token"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+( umask 077; printf '%s' "${AGENTTAP_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}" > "$PRIVATE/token" )
+unset AGENTTAP_TOKEN  # no child's environment holds it
 
 if [ -z "$POLICY_URL" ]; then
-  LOG="$(mktemp -t agenttap-policy.XXXXXX.log)"
+  LOG="$PRIVATE/policy.log"
   FIFO="$(mktemp -u)"; mkfifo "$FIFO"
   "$PY" -m rewriter.policy_server --log "$LOG" --max-model-len "$MAX_MODEL_LEN" > "$FIFO" &
   POLICY_PID=$!
@@ -61,7 +76,6 @@ if [ -z "$TOKENIZER" ]; then
 fi
 
 [ -n "$API_PORT" ] || API_PORT=$((PORT + 1))
-TOKEN="${AGENTTAP_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
 
 # Check the policy before anything listens (the addon checks again, with --set options too);
 # --set agenttap_check_policy=false after -- skips both.
@@ -78,7 +92,7 @@ esac
   --set agenttap_policy_url="$POLICY_URL" --set agenttap_tokenizer="$TOKENIZER" \
   --set agenttap_out="$OUT" --set agenttap_tool_parser="$TOOL_PARSER" \
   --set agenttap_reasoning_parser="$REASONING_PARSER" \
-  --set agenttap_api_port="$API_PORT" --set agenttap_token="$TOKEN" "$@" &
+  --set agenttap_api_port="$API_PORT" --set agenttap_token_file="$PRIVATE/token" \
+  --set agenttap_sandbox_hide="$PRIVATE" "$@" &
 MITM_PID=$!
-trap 'kill $MITM_PID 2>/dev/null; cleanup' EXIT INT TERM
 wait $MITM_PID

@@ -128,6 +128,8 @@ class Proxy:
     ca: Path
     log: Path
     proc: subprocess.Popen[bytes]
+    # The control API's token (every route but /healthz and /ready wants it, /flush too).
+    token: str = ""
 
     def env(self, session: str) -> dict[str, str]:
         return {
@@ -171,7 +173,12 @@ class Proxy:
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{self.port}"})
         )
-        req = urllib.request.Request(f"http://agenttap.local/flush{query}", data=b"", method="POST")
+        req = urllib.request.Request(
+            f"http://agenttap.local/flush{query}",
+            data=b"",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token or proxy_token(self.log)}"},
+        )
         try:
             with opener.open(req, timeout=60) as resp:
                 return list(json.load(resp)["written"])
@@ -230,6 +237,15 @@ def read_turns(out: Path, session: str | None = None) -> list[dict]:
 
 def read_threads(out: Path, session: str | None = None) -> list[dict]:
     return _read_shards(out / "threads", session)
+
+
+def proxy_token(log: Path) -> str:
+    """The control API's token as the proxy printed it at start (``AGENTTAP_TOKEN=``)."""
+    for line in log.read_text(errors="replace").splitlines():
+        _, found, token = line.partition("AGENTTAP_TOKEN=")
+        if found:
+            return token.split()[0]
+    raise AssertionError(f"no AGENTTAP_TOKEN= line in {log}")
 
 
 def agenttap_options(

@@ -10,7 +10,7 @@ import pytest
 from mitmproxy.test import tflow
 
 from addons.control_host import ControlHost
-from capture.gateway import BEARER_HEADER, HOST_HEADER, LOOPBACK_HEADER, TOKEN_HEADER
+from capture.gateway import BEARER_HEADER, HOST_HEADER, TOKEN_HEADER
 
 GATEWAY: Any = SimpleNamespace(token="internal-secret", port=40123, api_token="t" * 24)
 
@@ -29,7 +29,7 @@ def control_flow(
 
 @pytest.mark.parametrize(
     ("authorization", "state"),
-    [("Bearer " + "t" * 24, "ok"), ("Bearer nope", "wrong"), (None, None), ("Basic abc", None)],
+    [("Bearer " + "t" * 24, "ok"), ("Bearer nope", "wrong"), (None, ""), ("Basic abc", "")],
 )
 def test_control_calls_reach_the_gateway_with_the_token_checked(
     authorization: str | None, state: str | None
@@ -45,15 +45,25 @@ def test_control_calls_reach_the_gateway_with_the_token_checked(
     )
     assert req.headers.get(BEARER_HEADER) == state
     assert "Authorization" not in req.headers  # never saved, never logged
-    assert req.headers.get(LOOPBACK_HEADER) == "1"  # tflow's client is on loopback
     assert flow.metadata["agenttap_routed"] is True
 
 
-def test_a_remote_client_is_not_loopback() -> None:
-    flow = control_flow(None)
-    flow.client_conn.peername = ("192.0.2.7", 50000)
-    ControlHost(lambda: GATEWAY).request(flow)
-    assert LOOPBACK_HEADER not in flow.request.headers  # its /flush needs the token
+@pytest.mark.parametrize("authorization", [None, "Bearer nope", "Basic abc"])
+def test_a_forged_bearer_or_any_header_of_ours_from_the_client_is_dropped(
+    authorization: str | None,
+) -> None:
+    """A client's own X-Agenttap-Bearer: ok (and every other X-Agenttap-* header it sends)
+    never reaches the gateway: the gateway hears only what the addon found."""
+    flow = control_flow(authorization)
+    flow.request.headers[BEARER_HEADER] = "ok"
+    flow.request.headers["X-Agenttap-Loopback"] = "1"
+    flow.request.headers["x-agenttap-session-secret"] = "forged"
+    addon = ControlHost(lambda: GATEWAY)
+    addon.requestheaders(flow)
+    addon.request(flow)
+    headers = flow.request.headers
+    assert headers.get_all(BEARER_HEADER) == ["wrong" if authorization == "Bearer nope" else ""]
+    assert "X-Agenttap-Loopback" not in headers and "X-Agenttap-Session-Secret" not in headers
 
 
 def test_other_flows_are_left_alone_and_a_stopped_gateway_is_a_503() -> None:

@@ -241,10 +241,59 @@ def test_a_session_environment_serves_every_client() -> None:
 def test_api_options_are_checked() -> None:
     assert parse_host(" 0.0.0.0 ") == "0.0.0.0" and parse_host("::1") == "::1"
     assert parse_port("0") == 0 and parse_port("8081") == 8081
-    assert parse_token("") == "" and parse_token("a" * 16) == "a" * 16
-    for parse, bad in [(parse_host, "a b"), (parse_port, "70000"), (parse_token, "short")]:
+    strong = "k3Y-" + "abcdefghij" * 2
+    assert parse_token("") == "" and parse_token(strong) == strong
+    weak = ["short", "a" * 16, "a" * 40, "k3Y-abcdefghij-abcdefg", "x y" * 10]
+    for parse, bad in [(parse_host, "a b"), (parse_port, "70000")] + [
+        (parse_token, w) for w in weak
+    ]:
         with pytest.raises(ValueError):
             parse(bad)
+
+
+def test_a_weak_token_is_refused_and_never_echoed() -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_settings({"agenttap_token": "a" * 30})
+    assert "too weak" in str(refused.value) and "a" * 30 not in str(refused.value)
+    with pytest.raises(ValueError) as bad_char:
+        parse_settings({"agenttap_token": "secret with spaces-0123456789"})
+    assert "secret with spaces" not in str(bad_char.value)
+
+
+def test_the_token_file_must_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("k3Y-abcdefghij-abcdefghij\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        parse_settings({"agenttap_token_file": str(path)})
+    path.chmod(0o600)
+    assert parse_settings({"agenttap_token_file": str(path)}).token == "k3Y-abcdefghij-abcdefghij"
+    with pytest.raises(ValueError, match="both set"):
+        parse_settings(
+            {"agenttap_token_file": str(path), "agenttap_token": "k3Y-abcdefghij-abcdefghij"}
+        )
+
+
+def test_session_ids_are_matched_whole() -> None:
+    for bad in ["nl\n", "a/b", "..", "a\x00", "", "-x", "x" * 129]:
+        with pytest.raises(ValueError):
+            check_session_id(bad)
+    assert check_session_id("s-1.a_b") == "s-1.a_b"
+
+
+def test_an_opened_session_wants_its_secret_and_a_refusal_touches_nothing() -> None:
+    control = SessionControl()
+    sess = control.open("victim", {"task": "t"}, parse_limits({"max_calls": 1}))
+    assert len(sess.secret) >= 24 and sess.secret not in str(sess.summary())
+    for given in ([], [""], ["x"], [sess.secret[:-1]]):
+        assert control.credential_refusal("victim", given) is not None
+    assert control.credential_refusal("victim", ["x", sess.secret]) is None
+    assert sess.metrics.refused == 0 and sess.in_flight == 0  # nothing counted
+    # Never opened: anyone, unless every session must be opened.
+    assert control.credential_refusal("free", []) is None
+    assert control.credential_refusal("free", [], required=True) is not None
+    control.close("victim")
+    assert control.credential_refusal("victim", []) is not None  # closed: still its own
 
 
 def test_passthrough_patterns_never_let_an_api_host_through() -> None:
