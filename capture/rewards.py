@@ -8,6 +8,10 @@ them onto the thread rows (:func:`join_rewards`; ``capture.reader.load_threads``
 default): among the late rewards that apply to a row, the one set last wins and replaces the
 reward the row was written with.
 
+Only files :func:`write_rewards` wrote count: each is listed, with the SHA-256 of its bytes, in
+``OUT/rewards/_index.jsonl``, and :func:`load_rewards` ignores (with a warning) a file that is
+not listed or whose bytes changed. A file an agent planted in the folder is not a reward.
+
     write_rewards(Path("OUT"), "sess-1", 1.0)                         # every thread of sess-1
     write_rewards(Path("OUT"), "sess-2", {"t-a": 0.5, "t-b": -1.0})   # per thread
     rows = join_rewards(rows, load_rewards(Path("OUT")))
@@ -15,8 +19,11 @@ reward the row was written with.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -31,6 +38,8 @@ from capture.shards import rows_to_table, write_table
 logger = logging.getLogger(__name__)
 
 REWARDS_DIR = "rewards"
+# The files write_rewards wrote: one JSON line each, {"name", "sha256"}.
+INDEX_NAME = "_index.jsonl"
 
 REWARD_SCHEMA = pa.schema(
     [
@@ -121,21 +130,59 @@ def write_rewards(
     else:
         rows = [{"session_id": session_id, "thread_id": None, "reward": parsed, "set_at": when}]
     name = f"rewards-{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.parquet"
-    return write_table(
-        Path(out_dir) / REWARDS_DIR, rows_to_table(rows, REWARD_SCHEMA), "rewards", name
-    )
+    directory = Path(out_dir) / REWARDS_DIR
+    path = write_table(directory, rows_to_table(rows, REWARD_SCHEMA), "rewards", name)
+    line = json.dumps({"name": name, "sha256": _sha256(path)}) + "\n"
+    fd = os.open(directory / INDEX_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _index(directory: Path) -> dict[str, str]:
+    """File name -> SHA-256 of the files write_rewards wrote (a torn last line is skipped)."""
+    try:
+        text = (directory / INDEX_NAME).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            found[str(entry["name"])] = str(entry["sha256"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def load_rewards(out_dir: Path) -> pa.Table:
     """Every late reward under ``out_dir/rewards/`` as one table of ``REWARD_SCHEMA``, files in
     name order (the order they were written). A missing folder gives an empty table; a file that
     cannot be read, or lacks the columns, is skipped with a warning; temporary and hidden files
-    (``.NAME.tmp``, names starting with ``.`` or ``_``) are ignored."""
+    (``.NAME.tmp``, names starting with ``.`` or ``_``) are ignored, and so is a file
+    write_rewards did not write (not in its index, or changed since), with a warning."""
     directory = Path(out_dir) / REWARDS_DIR
     tables: list[pa.Table] = []
     if directory.is_dir():
+        index = _index(directory)
         for path in sorted(directory.glob("*.parquet")):
             if path.name.startswith((".", "_")) or not path.is_file():
+                continue
+            expected = index.get(path.name)
+            if expected is None or _sha256(path) != expected:
+                logger.warning(
+                    "ignoring %s: agenttap did not write it (not in %s, or changed since); "
+                    "late rewards come through POST /sessions/ID/reward or write_rewards",
+                    path,
+                    INDEX_NAME,
+                )
                 continue
             try:
                 table = pq.read_table(path, columns=REWARD_SCHEMA.names)

@@ -77,7 +77,8 @@ def test_write_rewards_session_wide(tmp_path: Path) -> None:
     before = time.time()
     path = write_rewards(tmp_path, "s1", 0.75)
     assert path.parent == tmp_path / "rewards" and path.suffix == ".parquet"
-    assert [p.name for p in (tmp_path / "rewards").iterdir()] == [path.name]  # no temp file left
+    # No temp file left; the index (which readers check) lists it.
+    assert sorted(p.name for p in (tmp_path / "rewards").iterdir()) == ["_index.jsonl", path.name]
     table = pq.read_table(path)
     assert table.schema == REWARD_SCHEMA
     [row] = table.to_pylist()
@@ -148,6 +149,23 @@ def test_load_rewards_skips_unreadable_and_temp_files(
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "rewards-0-garbage.parquet" in warned and "rewards-1-wrong.parquet" in warned
     assert ".tmp" not in warned
+
+
+def test_a_planted_or_changed_rewards_file_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that reaches OUT/rewards (no sandbox) cannot give itself a reward: a file
+    write_rewards did not write, or one it wrote and the agent changed, is not read."""
+    real = write_rewards(tmp_path, "s1", 0.0, set_at=1.0)
+    planted = pa.table(
+        {"session_id": ["s1"], "thread_id": [None], "reward": [100.0], "set_at": [9e9]}
+    )
+    pq.write_table(planted, tmp_path / "rewards" / "rewards-99999999999999999999-x.parquet")
+    with caplog.at_level(logging.WARNING, logger="capture.rewards"):
+        assert load_rewards(tmp_path).column("reward").to_pylist() == [0.0]
+    assert "rewards-99999999999999999999-x.parquet" in caplog.text
+    pq.write_table(planted, real)  # the real file, rewritten
+    assert load_rewards(tmp_path).num_rows == 0
 
 
 # -- join_rewards ---------------------------------------------------------------------------
