@@ -42,7 +42,7 @@ def pct(times: list[float], q: float) -> float:
 def calls(sess: Session, n: int) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=sess.base_urls["openai"], api_key="k", max_retries=0)
+    client = openai.OpenAI(base_url=sess.base_urls["openai"], api_key=sess.api_key, max_retries=0)
     history: list[dict[str, str]] = []
     for i in range(n):
         history.append({"role": "user", "content": f"step {i} of {sess.id}"})

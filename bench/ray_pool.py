@@ -65,14 +65,16 @@ def pct(times: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-async def session_calls(http: Any, base_url: str, sid: str, calls: int) -> list[float]:
+async def session_calls(http: Any, base_url: str, sid: str, key: str, calls: int) -> list[float]:
     times = []
     history: list[dict[str, str]] = []
     for i in range(calls):
         history.append({"role": "user", "content": f"step {i} of {sid}"})
         start = time.perf_counter()
         async with http.post(
-            f"{base_url}/chat/completions", json={"model": "m", "messages": history}
+            f"{base_url}/chat/completions",
+            json={"model": "m", "messages": history},
+            headers={"Authorization": f"Bearer {key}"},
         ) as resp:
             body = await resp.json()
             assert resp.status == 200, body
@@ -81,14 +83,14 @@ async def session_calls(http: Any, base_url: str, sid: str, calls: int) -> list[
     return times
 
 
-async def drive(base_urls: list[tuple[str, str]], calls: int) -> tuple[float, list[float]]:
+async def drive(base_urls: list[tuple[str, str, str]], calls: int) -> tuple[float, list[float]]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         start = time.perf_counter()
         per_session = await asyncio.gather(
-            *(session_calls(http, url, sid, calls) for sid, url in base_urls)
+            *(session_calls(http, url, sid, key, calls) for sid, url, key in base_urls)
         )
         wall = time.perf_counter() - start
     return wall, [t for times in per_session for t in times]
@@ -101,7 +103,7 @@ def run(
     try:
         # Warm-up: one call through every actor (connections, first tokenizer use).
         warm = [pool.open_session(session_id=f"warm-{n}-{i}") for i in range(n)]
-        asyncio.run(drive([(s.id, s.base_urls["openai"]) for s in warm], 1))
+        asyncio.run(drive([(s.id, s.base_urls["openai"], s.api_key) for s in warm], 1))
         for sess in warm:
             sess.close(reward=0.0)
         sessions = [pool.open_session(session_id=f"b{n}-{i}") for i in range(args.sessions)]
@@ -112,7 +114,7 @@ def run(
         others = [os.getpid(), *stub_pids]
         before = cpu_s(proxies), cpu_s(others)
         wall, times = asyncio.run(
-            drive([(s.id, s.base_urls["openai"]) for s in sessions], args.calls)
+            drive([(s.id, s.base_urls["openai"], s.api_key) for s in sessions], args.calls)
         )
         proxy_cpu, other_cpu = cpu_s(proxies) - before[0], cpu_s(others) - before[1]
         start = time.perf_counter()

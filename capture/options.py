@@ -428,7 +428,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "sandbox per rollout: its own PID namespace, the host read-only, OUT, the CA key and "
         "other rollouts hidden; needs apt-get install bubblewrap) or none (as plain child "
         "processes, which can read and write everything this user can; logged as a warning). "
-        "A rollout request may ask for \"sandbox\": \"none\" itself.",
+        'A rollout request may ask for "sandbox": "none" itself.',
         lambda text: parse_choice(text, ("bwrap", "none")),
     ),
     Option(

@@ -44,10 +44,16 @@ def http(
         return exc.code, json.loads(exc.read())
 
 
-def chat(base_url: str, text: str, history: list[dict[str, Any]] | None = None) -> Any:
+def chat(where: Any, text: str, history: list[dict[str, Any]] | None = None) -> Any:
+    """One chat call in base-URL mode: ``where`` is a session (its base URL and its secret as
+    the API key) or a bare base URL (a session never opened: any key)."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0, timeout=60)
+    if isinstance(where, str):
+        base_url, key = where, "sk-test"
+    else:
+        base_url, key = where.base_urls["openai"], where.api_key
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
     messages = (history or []) + [{"role": "user", "content": text}]
     return client.chat.completions.create(model="policy", messages=messages)
 
@@ -165,8 +171,8 @@ def test_close_answers_json_with_per_thread_rewards(tap: AgentTap, stub: StubPol
     stub.replies.clear()
     stub.script("A.", "B.")
     # Two separate conversations: two thread rows.
-    chat(sess.base_urls["openai"], "first conversation")
-    chat(sess.base_urls["openai"], "another conversation")
+    chat(sess, "first conversation")
+    chat(sess, "another conversation")
     rows = sess.rows().to_pylist()
     assert len(rows) == 2 and all(r["reward"] is None for r in rows)
     rewards = {rows[0]["thread_id"]: 1.0, rows[1]["thread_id"]: 0.0, "t-unknown": 5.0}
@@ -196,17 +202,18 @@ def test_base_url_mode_serves_all_four_providers_exactly(
     stub.replies.clear()
     stub.script("Chat.", "Responses.", "Messages.", "Gemini.")
     n = len(stub.requests)
-    oai = openai.OpenAI(base_url=urls["openai"], api_key="k", max_retries=0, timeout=60)
+    oai = openai.OpenAI(base_url=urls["openai"], api_key=sess.api_key, max_retries=0, timeout=60)
     got = [oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "c"}])]
     assert got[0].choices[0].message.content == "Chat."
     assert oai.responses.create(model="m", input="r").output_text == "Responses."
-    ant = anthropic.Anthropic(base_url=urls["anthropic"], api_key="k", max_retries=0)
+    ant = anthropic.Anthropic(base_url=urls["anthropic"], api_key=sess.api_key, max_retries=0)
     msg = ant.messages.create(
         model="claude-opus-5-5", max_tokens=100, messages=[{"role": "user", "content": "a"}]
     )
     assert msg.content[0].text == "Messages."  # type: ignore[union-attr]
     gem = genai.Client(
-        api_key="k", http_options=types.HttpOptions(base_url=urls["gemini"], timeout=60_000)
+        api_key=sess.api_key,
+        http_options=types.HttpOptions(base_url=urls["gemini"], timeout=60_000),
     )
     assert gem.models.generate_content(model="gemini-2.5-flash", contents="g").text == "Gemini."
 
@@ -232,10 +239,10 @@ def test_limits_end_the_session_with_a_final_answer(tap: AgentTap, stub: StubPol
     # max_calls: the third call is refused, never reaches the policy, and says so.
     sess = tap.open_session(limits={"max_calls": 2})
     n = len(stub.requests)
-    chat(sess.base_urls["openai"], "1")
-    chat(sess.base_urls["openai"], "2")
+    chat(sess, "1")
+    chat(sess, "2")
     with pytest.raises(openai.BadRequestError) as err:
-        chat(sess.base_urls["openai"], "3")
+        chat(sess, "3")
     assert err.value.response.headers["x-should-retry"] == "false"
     assert "max_calls" in str(err.value)
     assert len(stub.requests) == n + 2
@@ -245,27 +252,27 @@ def test_limits_end_the_session_with_a_final_answer(tap: AgentTap, stub: StubPol
     # max_tokens: a call's budget is what is left, so the session samples exactly the limit.
     sess = tap.open_session(limits={"max_tokens": 5})
     stub.script("one two three four five six seven eight nine ten")
-    first = chat(sess.base_urls["openai"], "count")
+    first = chat(sess, "count")
     assert first.choices[0].finish_reason == "length"
     assert stub.requests[-1]["max_tokens"] == 5
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        chat(sess.base_urls["openai"], "more")
+        chat(sess, "more")
     rows = sess.close().to_pylist()
     assert sess.end_reason == "max_tokens" and sess.metrics["completion_tokens"] == 5
     assert rows[0]["end_reason"] == "max_tokens" and sum(rows[0]["loss_mask"]) == 5
 
     # deadline: counted from the opening.
     sess = tap.open_session(limits={"deadline_s": 0.3})
-    chat(sess.base_urls["openai"], "quick")
+    chat(sess, "quick")
     time.sleep(0.4)
     with pytest.raises(openai.BadRequestError, match="deadline"):
-        chat(sess.base_urls["openai"], "late")
+        chat(sess, "late")
     sess.close()
     assert sess.end_reason == "deadline" and sess.metrics["calls"] == 1
 
     # A closed session's calls are refused too: its rows are written.
     with pytest.raises(openai.BadRequestError, match="closed by the trainer"):
-        chat(sess.base_urls["openai"], "after close")
+        chat(sess, "after close")
 
 
 def test_two_instances_in_one_process_plain_and_asyncio(
@@ -276,7 +283,7 @@ def test_two_instances_in_one_process_plain_and_asyncio(
             stub.url, QWEN3, tmp_path / "b", confdir=confdir
         ) as other:
             sess: Session = await other.open_session(metadata={"task_id": "async"})
-            await asyncio.to_thread(chat, sess.base_urls["openai"], "from asyncio")
+            await asyncio.to_thread(chat, sess, "from asyncio")
             table = await other.close_session(sess, 1.0)
             return [str(v) for v in table.column("session_id").to_pylist()]
 
@@ -284,7 +291,7 @@ def test_two_instances_in_one_process_plain_and_asyncio(
         ids = asyncio.run(main())
         assert len(ids) == 1
         sess = first.open_session(id="plain")
-        chat(sess.base_urls["openai"], "from the plain one")
+        chat(sess, "from the plain one")
         assert first.sessions()[0]["metrics"]["calls"] == 1
     # Stopped cleanly: the process is gone and the open session was written on the way out.
     assert first.proc.poll() is not None
@@ -313,7 +320,8 @@ def test_responses_websocket_by_base_url(tap: AgentTap, stub: StubPolicy) -> Non
 
     async def converse() -> list[list[dict[str, Any]]]:
         out = []
-        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+        auth = {"Authorization": f"Bearer {sess.api_key}"}
+        async with aiohttp.ClientSession() as http, http.ws_connect(url, headers=auth) as ws:
             previous = None
             for text in ["one", "two", "three"]:
                 message = {"type": "response.create", "model": "gpt-5", "store": False,
@@ -364,16 +372,16 @@ def test_prometheus_metrics_count_calls_tokens_and_refusals(
     sess = tap.open_session(limits={"max_calls": 2})
     stub.replies.clear()
     stub.script("One.", "Two.")
-    chat(sess.base_urls["openai"], "1")
+    chat(sess, "1")
     import openai
 
-    client = openai.OpenAI(base_url=sess.base_urls["openai"], api_key="k", max_retries=0)
+    client = openai.OpenAI(base_url=sess.base_urls["openai"], api_key=sess.api_key, max_retries=0)
     stream = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "2"}], stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Two."
     with pytest.raises(openai.BadRequestError):
-        chat(sess.base_urls["openai"], "3")
+        chat(sess, "3")
     # A body the provider refuses: counted as the client's mistake, not the policy's.
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[misc, list-item]
@@ -405,7 +413,7 @@ def test_flushing_a_session_never_seen_is_a_404(tap: AgentTap, stub: StubPolicy)
     status, body = http(f"{tap.api_url}/flush?session=never-called", "POST", tap.token)
     assert status == 404 and "has seen no call of it" in body["error"]["message"]
     sess = tap.open_session(id="flushed-twice")
-    chat(sess.base_urls["openai"], "hello")
+    chat(sess, "hello")
     first = http(f"{tap.api_url}/flush?session=flushed-twice", "POST", tap.token)
     again = http(f"{tap.api_url}/flush?session=flushed-twice", "POST", tap.token)
     assert first[0] == 200 and len(first[1]["written"]) >= 2
@@ -415,9 +423,9 @@ def test_flushing_a_session_never_seen_is_a_404(tap: AgentTap, stub: StubPolicy)
 
 def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:
     sess = tap.open_session()
-    chat(sess.base_urls["openai"], "status?")
+    chat(sess, "status?")
     seen = tap.log.read_text(errors="replace").count("agenttap status:")
-    chat(sess.base_urls["openai"], "status again?")
+    chat(sess, "status again?")
     deadline = time.monotonic() + 30
     while tap.log.read_text(errors="replace").count("agenttap status:") <= seen:
         assert time.monotonic() < deadline, "no status line within 30 s of a call"

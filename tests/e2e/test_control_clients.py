@@ -109,7 +109,7 @@ def test_claude_code_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path
         workdir,
         {
             "ANTHROPIC_BASE_URL": sess.base_urls["anthropic"],
-            "ANTHROPIC_API_KEY": "sk-ant-dummy",
+            "ANTHROPIC_API_KEY": sess.api_key,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         },
     )
@@ -151,7 +151,7 @@ def test_gemini_cli_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path)
         workdir,
         {
             "GOOGLE_GEMINI_BASE_URL": sess.base_urls["gemini"],
-            "GEMINI_API_KEY": "dummy",
+            "GEMINI_API_KEY": sess.api_key,
             "GEMINI_CLI_TRUST_WORKSPACE": "true",
         },
     )
@@ -179,7 +179,7 @@ def test_codex_by_base_url(tap: AgentTap, stub: StubPolicy, tmp_path: Path) -> N
     stub.script(FUNCTION_CALL, LAST)
     sess = tap.open_session(metadata={"task_id": "codex-base-url"})
     # Codex 0.169 ignores OPENAI_BASE_URL: a model provider in its config names the base URL.
-    env = base_env(workdir, {"AGENTTAP_KEY": "sk-dummy"})
+    env = base_env(workdir, {"AGENTTAP_KEY": sess.api_key})
     (Path(env["CODEX_HOME"]) / "config.toml").write_text(sess.codex_config())
     done, _ = run(codex("Create hello.txt containing hi"), workdir, env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -75,10 +75,10 @@ def ids_by_replica(n_replicas: int, per_replica: int) -> list[list[str]]:
     return found
 
 
-def chat(base_url: str, sid: str, calls: int) -> list[str]:
+def chat(base_url: str, sid: str, calls: int, key: str) -> list[str]:
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
     history: list[dict[str, str]] = []
     answers = []
     for i in range(calls):
@@ -114,7 +114,7 @@ def test_sessions_placed_on_both_actors_keep_replica_affinity_and_read_back_as_o
         i["api_url"] for i in infos
     }
     with ThreadPoolExecutor(4) as workers:
-        answers = list(workers.map(lambda s: chat(s.base_urls["openai"], s.id, 2), sessions))
+        answers = list(workers.map(lambda s: chat(s.base_urls["openai"], s.id, 2, s.api_key), sessions))
     # Each session hit the replica its id's hash names, whichever actor held it.
     for sess, got in zip(sessions, answers, strict=True):
         replica = [stub.url for stub in replicas].index(pool.replica_for(sess.id))
@@ -204,7 +204,7 @@ def test_proxies_per_node_places_them_on_every_node(
         assert len(infos) == 2 * len(nodes)
         assert {i["node_id"] for i in infos} == nodes
         sess = per_node.open_session(session_id="ray-pool-per-node")
-        assert chat(sess.base_urls["openai"], sess.id, 1) == [
+        assert chat(sess.base_urls["openai"], sess.id, 1, sess.api_key) == [
             REPLIES[per_node.policy_urls.index(per_node.replica_for(sess.id))]
         ]
         assert sess.close(reward=0.5).column("reward").to_pylist() == [0.5]

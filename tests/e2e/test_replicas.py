@@ -77,10 +77,9 @@ def session_hashing_to(index: int, n: int, prefix: str) -> str:
 def openai_client(tap: AgentTap, sid: str, open_it: bool = True) -> Any:
     import openai
 
-    if open_it:
-        tap.open_session(id=sid)
+    key = tap.open_session(id=sid).api_key if open_it else "x"
     base_url = f"{tap.api_url}/sess/{sid}/v1"
-    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
 
 
 def test_sessions_stick_to_the_replica_their_hash_names_when_idle(

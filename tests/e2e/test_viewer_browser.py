@@ -164,7 +164,7 @@ def test_live_proxy_viewer_shows_live_sessions_and_wants_the_token(
 
     sess = stub_tap.open_session(metadata={"task_id": "live-task"})
     client = openai.OpenAI(
-        base_url=sess.base_urls["openai"], api_key="sk-x", max_retries=0, timeout=60
+        base_url=sess.base_urls["openai"], api_key=sess.api_key, max_retries=0, timeout=60
     )
     stub.replies.clear()
     stub.script(TOOL_CALL)
