@@ -281,7 +281,8 @@ class AgentTap:
         finish_reason, reward, metrics and rows."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
         optional = {
-            "workdir": str(workdir) if workdir is not None else None,
+            # The proxy's working directory is not the caller's: relative to the caller.
+            "workdir": str(Path(workdir).resolve()) if workdir is not None else None,
             "limits": limits,
             "metadata": metadata,
             "verifier": {"command": verifier} if verifier else None,

@@ -214,7 +214,9 @@ def parse_out_folder(text: str) -> Path:
     """Where shards go: created if missing, so only a path that is a file is refused here."""
     if not text.strip():
         raise ValueError("is empty; give the output folder")
-    path = Path(text.strip()).expanduser()
+    # Absolute from here on: agents' HOME and CODEX_HOME, rollouts' workdirs and every path
+    # handed out are under it, and an agent runs in another working directory.
+    path = Path(text.strip()).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a folder")
     return path

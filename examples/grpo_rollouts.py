@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--out", default="grpo-run")
     parser.add_argument("--pad-id", type=int, default=151643)  # Qwen's <|endoftext|>
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the same from any working directory
     task = out / "task"
     task.mkdir(parents=True, exist_ok=True)
     (task / "TASK.md").write_text(TASK + "\n")

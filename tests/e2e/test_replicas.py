@@ -74,10 +74,13 @@ def session_hashing_to(index: int, n: int, prefix: str) -> str:
     )
 
 
-def openai_client(tap: AgentTap, sid: str, open_it: bool = True) -> Any:
+def openai_client(tap: AgentTap, sid: str, open_it: bool = True, key: str = "x") -> Any:
+    """A base-URL client of session ``sid``: opened here (its secret as the key), or opened
+    already (``key``: its secret)."""
     import openai
 
-    key = tap.open_session(id=sid).api_key if open_it else "x"
+    if open_it:
+        key = tap.open_session(id=sid).api_key
     base_url = f"{tap.api_url}/sess/{sid}/v1"
     return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
 
@@ -160,7 +163,7 @@ def test_a_full_replica_answers_the_providers_retryable_error(
     def call() -> None:
         try:
             results.append(
-                openai_client(tap, sid, open_it=False)
+                openai_client(tap, sid, open_it=False, key=key)
                 .chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
                 .choices[0]
                 .message.content
@@ -168,7 +171,7 @@ def test_a_full_replica_answers_the_providers_retryable_error(
         except openai.APIStatusError as exc:
             results.append(exc)
 
-    tap.open_session(id=sid)
+    key = tap.open_session(id=sid).api_key
     threads = [threading.Thread(target=call) for _ in range(3)]
     for t in threads:
         t.start()
