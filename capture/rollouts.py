@@ -4,15 +4,24 @@ with that reward; the answer holds each rollout's status, finish reason, metrics
 
 A rollout's files live in ``OUT/rollouts/<id>/<index>/``: ``work/`` (a fresh copy of the
 task's workdir, where the agent runs and the verifier scores), ``home/`` (the agent's own
-``HOME``), ``agent.log`` and ``verifier.log``. Agents run in process groups of their own: a
-rollout that ends, is cancelled (``DELETE``) or outlives its timeout, and the proxy stopping,
-end every process of theirs. The number of agents running at once is capped
-(``agenttap_max_rollouts``); past it a new request is refused (429, ``Retry-After``).
+``HOME``), ``verifier-home/``, ``agent.log`` and ``verifier.log`` (scratch ``tmp/`` and
+``verifier-tmp/`` folders, each one's ``TMPDIR``, are removed once it has ended).
+
+The agent and the verifier each run in a bubblewrap sandbox (capture/sandbox.py; option
+``agenttap_sandbox``, or ``"sandbox"`` in the request): the host read-only, only ``work``, its
+``HOME`` and ``TMPDIR`` writable, OUT (every other rollout included), mitmproxy's confdir (but
+the CA certificate) and ``agenttap_sandbox_hide`` hidden, its own PID namespace. A rollout that
+ends, is cancelled (``DELETE``) or outlives its timeout, and the proxy stopping, end every
+process of its agents (unsandboxed: their process groups); the verifier starts only once every
+process of the agent is gone, after ``restore`` put the seed's copies of its paths back. The
+number of agents running at once is capped (``agenttap_max_rollouts``); past it a new request
+is refused (429, ``Retry-After``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -22,9 +31,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from capture.agents import agent_command
+from capture.sandbox import (
+    Jail,
+    SandboxSpec,
+    UnsafeWorkdir,
+    bwrap_argv,
+    check_restore,
+    copy_seed,
+    find_bwrap,
+    read_info,
+    restore,
+)
 from capture.session_control import (
     END_STOP,
     check_metadata,
@@ -46,7 +66,12 @@ MAX_N = 256
 VERIFIER_TIMEOUT_S = 300.0
 # A grace period between SIGTERM and SIGKILL for an agent's process group.
 KILL_GRACE_S = 3.0
+# The longest wait for a sandbox's last process once it was killed (the kernel's work: quick).
+GONE_TIMEOUT_S = 10.0
 OUTPUT_KEPT = 4000
+# The verifier's output read back for its last line.
+VERIFIER_TAIL = 65536
+SANDBOXES = ("bwrap", "none")
 
 
 @dataclass
@@ -60,6 +85,10 @@ class RolloutSpec:
     limits: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     verifier: list[str] | None = None
+    # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
+    restore: tuple[str, ...] = ()
+    # "bwrap" or "none"; None: the option's (agenttap_sandbox).
+    sandbox: str | None = None
     timeout_s: float = 3600.0
     id: str = ""
 
@@ -68,7 +97,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
     """A ``POST /rollouts`` body; ValueError worded for the caller otherwise."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
-    known = ("agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id")
+    known = ("agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox")
     reject_unknown(body, (*known, "timeout_s", "wait"))
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -81,23 +110,32 @@ def parse_rollout(body: Any) -> RolloutSpec:
     if body.get("workdir") is not None:
         if not isinstance(body["workdir"], str):
             raise ValueError('"workdir" must be a folder path on the proxy\'s machine')
-        workdir = Path(body["workdir"]).expanduser()
+        workdir = Path(body["workdir"]).expanduser().resolve()
         if not workdir.is_dir():
             raise ValueError(f'"workdir" {str(workdir)!r} is not a folder on the proxy\'s machine')
     limits = parse_limits(body.get("limits"))
     verifier = None
+    restore_paths: tuple[str, ...] = ()
     if body.get("verifier") is not None:
         spec = body["verifier"]
         command_ok = (
             isinstance(spec, dict)
-            and set(spec) == {"command"}
-            and isinstance(spec["command"], list)
+            and set(spec) <= {"command", "restore"}
+            and isinstance(spec.get("command"), list)
             and spec["command"]
             and all(isinstance(a, str) for a in spec["command"])
         )
         if not command_ok:
-            raise ValueError('"verifier" must be {"command": ["program", "arg", ...]}')
+            raise ValueError(
+                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", ...]}'
+            )
         verifier = list(spec["command"])
+        restore_paths = check_restore(spec.get("restore", []))
+        if restore_paths and workdir is None:
+            raise ValueError('"restore" puts paths back from the "workdir": give one')
+    sandbox = body.get("sandbox")
+    if sandbox is not None and sandbox not in SANDBOXES:
+        raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
     timeout = body.get("timeout_s")
     if timeout is None:
         timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
@@ -118,6 +156,8 @@ def parse_rollout(body: Any) -> RolloutSpec:
         limits={k: v for k, v in vars(limits).items() if v is not None},
         metadata=check_metadata(body.get("metadata")),
         verifier=verifier,
+        restore=restore_paths,
+        sandbox=sandbox,
         timeout_s=float(timeout),
         id=rollout_id or "r-" + uuid.uuid4().hex[:12],
     )
@@ -141,7 +181,8 @@ class Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = 0.0
     wall_time_s: float = 0.0
-    proc: asyncio.subprocess.Process | None = None
+    # The process running now: the agent, then the verifier.
+    child: Child | None = None
 
     def summary(self, rows: bool = True) -> dict[str, Any]:
         out = {
@@ -163,9 +204,21 @@ class Run:
 
 
 @dataclass
+class Child:
+    """A started agent or verifier: the process we started (bwrap, or the command itself) and,
+    sandboxed, the sandbox's PID namespace."""
+
+    proc: asyncio.subprocess.Process
+    jail: Jail | None = None
+
+
+@dataclass
 class Rollout:
     spec: RolloutSpec
     runs: list[Run]
+    # How its agents run: "bwrap" (with the bwrap found) or "none".
+    sandbox: str = "bwrap"
+    bwrap: str | None = None
     created_at: float = field(default_factory=time.time)
     cancelled: bool = False
     task: asyncio.Task[None] | None = None
@@ -185,6 +238,7 @@ class Rollout:
             "agent": self.spec.agent,
             "n": self.spec.n,
             "status": "done" if self.done else "running",
+            "sandbox": self.sandbox,
             "cancelled": self.cancelled,
             "created_at": self.created_at,
             "rollouts": [r.summary(rows) for r in self.runs],
@@ -230,12 +284,22 @@ class Rollouts:
 
     def start(self, spec: RolloutSpec) -> Rollout:
         """Open the rollout's sessions and start its agents (Busy past the cap; ValueError for
-        an id in use)."""
+        an id in use; SandboxUnavailable, a ValueError, when it would run in bwrap and bwrap is
+        not installed)."""
         if spec.id in self._rollouts:
             raise ValueError(f"rollout id {spec.id!r} is in use")
+        sandbox = spec.sandbox or self.api.gateway.config.sandbox
+        bwrap = find_bwrap() if sandbox == "bwrap" else None
         running = self.running_agents()
         if running + spec.n > self.max_running:
             raise Busy(running, self.max_running)
+        if bwrap is None:
+            logger.warning(
+                "agenttap: rollout %s runs its agents and verifier unsandboxed (sandbox none): "
+                "they can read and write everything this user can, the token file and the CA "
+                "key included",
+                spec.id,
+            )
         runs = []
         for i in range(spec.n):
             sid = f"{spec.id}-{i}"
@@ -243,7 +307,7 @@ class Rollouts:
             self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
             self.api.gateway.metrics.sessions_opened.inc()
             runs.append(Run(i, sid, self.root / spec.id / str(i)))
-        rollout = Rollout(spec, runs)
+        rollout = Rollout(spec, runs, sandbox, bwrap)
         self._rollouts[spec.id] = rollout
         rollout.task = asyncio.get_running_loop().create_task(self._run_all(rollout))
         logger.info("agenttap: rollout %s: %d x %s started", spec.id, spec.n, spec.command[0])
@@ -253,9 +317,9 @@ class Rollouts:
         """Stop a rollout: its agents' process groups end, its sessions are closed with their
         rows kept (``end_reason`` ``cancelled``)."""
         rollout.cancelled = True
-        for run in rollout.runs:
-            if run.proc is not None and run.proc.returncode is None:
-                await _kill_group(run.proc)
+        await asyncio.gather(
+            *(_stop(run.child, graceful=True) for run in rollout.runs if run.child is not None)
+        )
         if rollout.task is not None:
             await asyncio.wait([rollout.task])
 
@@ -282,7 +346,9 @@ class Rollouts:
                 run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
             elif run.error is None and spec.verifier is not None:
                 run.status = "scoring"
-                await self._verify(spec.verifier, run)
+                await self._verify(rollout, run)
+                if rollout.cancelled:
+                    run.status = "cancelled"
         except Exception as exc:  # a defect of ours must not leave the session open
             logger.exception("agenttap: rollout %s/%d failed", rollout.id, run.index)
             run.error = f"agenttap: internal error: {exc}"
@@ -292,78 +358,158 @@ class Rollouts:
 
     async def _agent(self, rollout: Rollout, run: Run) -> None:
         spec = rollout.spec
-        work, home = run.folder / "work", run.folder / "home"
+        work, home, tmp = run.folder / "work", run.folder / "home", run.folder / "tmp"
         run.folder.mkdir(parents=True, exist_ok=True)
         if spec.workdir is not None:
-            await asyncio.to_thread(shutil.copytree, spec.workdir, work, symlinks=True)
+            try:
+                await asyncio.to_thread(copy_seed, spec.workdir, work)
+            except UnsafeWorkdir as exc:  # the seed changed since the request was checked
+                run.error = str(exc)
+                return
         else:
             work.mkdir()
-        home.mkdir()
+        for folder in (home, home / ".codex", tmp):
+            folder.mkdir()
+        # Built whole, never from os.environ: the proxy's environment may hold the token.
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "HOME": str(home),
+            "TMPDIR": str(tmp),
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "CODEX_HOME": str(home / ".codex"),
-            **self.api.endpoints.env(run.session_id),
+            **self._session_env(run),
             **spec.agent_env,
             "AGENTTAP_ROLLOUT": rollout.id,
         }
-        (home / ".codex").mkdir()
         log = run.folder / "agent.log"
         if rollout.cancelled:
             return
         run.status = "running"
         with open(log, "wb") as out:
             try:
-                run.proc = await asyncio.create_subprocess_exec(
-                    *spec.command, cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+                run.child = await self._spawn(rollout, spec.command, env, work, home, tmp, out)
             except OSError as exc:
                 run.error = f"the agent could not start: {exc}"
                 return
+            timed_out = False
             try:
-                run.exit_code = await asyncio.wait_for(run.proc.wait(), spec.timeout_s)
+                # A DELETE while it started found no process to stop: it is stopped here.
+                if not rollout.cancelled:
+                    run.exit_code = await asyncio.wait_for(run.child.proc.wait(), spec.timeout_s)
             except TimeoutError:
+                timed_out = True
                 run.error = f"the agent ran past its timeout ({spec.timeout_s:g} s) and was stopped"
             finally:
-                # Whatever it left running (a tool's server, a sub-process) ends with it.
-                await _kill_group(run.proc)
-                run.exit_code = run.proc.returncode
+                # Whatever it left running (a tool's server, a daemon) ends with it.
+                gone = await _stop(run.child, graceful=timed_out or rollout.cancelled)
+                run.exit_code = run.child.proc.returncode
+        if not gone and run.error is None:
+            run.error = "agenttap: the agent's processes did not end; it is not scored"
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
         run.agent_output = _tail(log)
 
-    async def _verify(self, command: list[str], run: Run) -> None:
-        """The verifier's last stdout line is the reward; anything else is an error, its output
-        kept."""
+    def _session_env(self, run: Run) -> dict[str, str]:
+        """The session's environment for its agent (proxy, CA, its secret as the keys)."""
+        sess = self.api.gateway.control.get(run.session_id)
+        return self.api.endpoints.env(run.session_id, sess.secret if sess is not None else "")
+
+    def _hidden(self) -> tuple[Path, ...]:
+        config = self.api.gateway.config
+        confdir = (Path(config.confdir),) if config.confdir else ()
+        return (Path(self.api.out_dir), *confdir, *config.sandbox_hide)
+
+    async def _spawn(
+        self,
+        rollout: Rollout,
+        command: list[str],
+        env: dict[str, str],
+        work: Path,
+        home: Path,
+        tmp: Path,
+        out: IO[bytes],
+    ) -> Child:
+        """Start ``command`` in ``work`` (its output to ``out``), in the rollout's sandbox: only
+        ``work``, ``home`` and ``tmp`` writable."""
+        common: dict[str, Any] = {
+            "env": env,
+            "stdin": asyncio.subprocess.DEVNULL,
+            "stdout": out,
+            "stderr": asyncio.subprocess.STDOUT,
+            "start_new_session": True,
+        }
+        if rollout.bwrap is None:
+            return Child(await asyncio.create_subprocess_exec(*command, cwd=work, **common))
+        ends = self.api.endpoints
+        box = SandboxSpec(
+            work, home, tmp, hide=self._hidden(),
+            expose_files=tuple(Path(p) for p in (ends.ca_path, ends.bundle_path) if p),
+        )  # fmt: skip
+        info_r, info_w = os.pipe()
+        try:
+            argv = bwrap_argv(box, command, rollout.bwrap, info_fd=info_w)
+            proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(info_w,), **common)
+        except BaseException:
+            os.close(info_r)
+            raise
+        finally:
+            os.close(info_w)
+        child = Child(proc)
+        try:
+            child.jail = Jail.from_info(await read_info(info_r))
+        except TimeoutError:  # never set up: it is killed as a process group
+            logger.error("agenttap: rollout %s: bwrap did not report its sandbox", rollout.id)
+        return child
+
+    async def _verify(self, rollout: Rollout, run: Run) -> None:
+        """Score the agent's copy: the seed's ``restore`` paths put back, the verifier run in a
+        sandbox of its own (a fresh HOME and TMPDIR, PYTHONSAFEPATH=1 so a module the agent
+        dropped in the workdir does not shadow the standard library). Its last output line is
+        the reward; anything else is an error, its output kept."""
+        spec = rollout.spec
+        assert spec.verifier is not None
         work = run.folder / "work"
+        home, tmp = run.folder / "verifier-home", run.folder / "verifier-tmp"
+        if spec.restore and spec.workdir is not None:
+            try:
+                await asyncio.to_thread(restore, spec.workdir, work, spec.restore)
+            except (UnsafeWorkdir, OSError) as exc:
+                run.error = f"the verifier's restore failed: {exc}"
+                return
+        home.mkdir()
+        tmp.mkdir()
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            "HOME": str(run.folder / "home"),
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+            "HOME": str(home),
+            "TMPDIR": str(tmp),
+            "PYTHONSAFEPATH": "1",
             "AGENTTAP_SESSION": run.session_id,
         }
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *command, cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        except OSError as exc:
-            run.error = f"the verifier could not start: {exc}"
-            return
-        try:
-            raw, _ = await asyncio.wait_for(proc.communicate(), VERIFIER_TIMEOUT_S)
-        except TimeoutError:
-            await _kill_group(proc)
-            run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
-            return
-        output = raw.decode("utf-8", "replace")
-        (run.folder / "verifier.log").write_text(output)
+        log = run.folder / "verifier.log"
+        with open(log, "wb") as out:
+            try:
+                run.child = await self._spawn(rollout, spec.verifier, env, work, home, tmp, out)
+            except OSError as exc:
+                run.error = f"the verifier could not start: {exc}"
+                return
+            try:
+                if not rollout.cancelled:
+                    await asyncio.wait_for(run.child.proc.wait(), VERIFIER_TIMEOUT_S)
+            except TimeoutError:
+                run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
+            finally:
+                await _stop(run.child, graceful=False)
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        output = _tail(log, VERIFIER_TAIL)
         run.verifier_output = output[-OUTPUT_KEPT:]
-        lines = [line.strip() for line in output.splitlines() if line.strip()]
-        if proc.returncode != 0:
-            run.error = f"the verifier exited with {proc.returncode}"
+        returncode = run.child.proc.returncode
+        if run.error is not None:
             return
+        if returncode != 0:
+            run.error = f"the verifier exited with {returncode}"
+            return
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
         try:
             reward = float(lines[-1]) if lines else math.nan
         except ValueError:
@@ -392,6 +538,30 @@ class Rollouts:
             run.rows = rows
 
 
+async def _stop(child: Child, graceful: bool) -> bool:
+    """End every process of an agent or verifier; True once none is left. Sandboxed: with
+    ``graceful``, SIGTERM to each of its processes and a grace for it to exit, then SIGKILL to
+    its sandbox's init (the kernel kills the rest of its PID namespace), and a wait until that
+    init is gone. Unsandboxed: its process group, SIGTERM then SIGKILL."""
+    jail, proc = child.jail, child.proc
+    if jail is None:
+        await _kill_group(proc)
+        return not _group_alive(proc.pid)
+    if graceful and proc.returncode is None:
+        jail.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
+    jail.kill()
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    await proc.wait()
+    gone = await jail.wait_gone(GONE_TIMEOUT_S)
+    if not gone:
+        logger.error("agenttap: a sandbox's processes did not end in %g s", GONE_TIMEOUT_S)
+    return gone
+
+
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     """End a process and every process of its group: SIGTERM, then SIGKILL after a grace."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
@@ -416,8 +586,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, size: int = OUTPUT_KEPT) -> str:
+    """The last ``size`` bytes of a log, as text."""
     try:
-        return path.read_text(errors="replace")[-OUTPUT_KEPT:]
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
+            return fh.read().decode("utf-8", "replace")
     except OSError:
         return ""

@@ -1,12 +1,14 @@
 """The rollout routes of the control API (capture/rollouts.py runs them):
 
 - ``POST /rollouts`` ``{"agent": "claude-code" | "codex" | "gemini" | {"command": [...]},
-  "prompt", "workdir"?, "n"?, "limits"?, "metadata"?, "verifier"?: {"command": [...]},
-  "id"?, "timeout_s"?, "wait"?}``: runs ``n`` agents (one group id: the rollout's id) and
-  answers, once all have ended, with each one's status, ``finish_reason`` (``stop``,
-  ``max_calls``, ``max_tokens``, ``deadline``, ``error``, ``cancelled``), reward, metrics and
-  rows; ``"wait": false`` answers 202 at once (then ``GET /rollouts/{id}``). Past the cap on
-  agents running at once: 429 with ``Retry-After``.
+  "prompt", "workdir"?, "n"?, "limits"?, "metadata"?, "verifier"?: {"command": [...],
+  "restore"?: ["tests/", ...]}, "sandbox"?: "bwrap" | "none", "id"?, "timeout_s"?, "wait"?}``:
+  runs ``n`` agents (one group id: the rollout's id), each sandboxed unless ``"sandbox":
+  "none"``, and answers, once all have ended, with each one's status, ``finish_reason``
+  (``stop``, ``max_calls``, ``max_tokens``, ``deadline``, ``error``, ``cancelled``), reward,
+  metrics and rows; ``"wait": false`` answers 202 at once (then ``GET /rollouts/{id}``). Past
+  the cap on agents running at once: 429 with ``Retry-After``; a workdir with a symlink out of
+  it, or bwrap missing: 400.
 - ``GET /rollouts``, ``GET /rollouts/{id}`` (while it runs too), ``DELETE /rollouts/{id}``
   (its agents stop; their rows are kept, ``end_reason`` ``cancelled``).
 """
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from capture.rollouts import Busy, Rollouts, parse_rollout
+from capture.sandbox import check_seed
 
 if TYPE_CHECKING:
     from capture.control_api import ControlAPI
@@ -38,6 +41,8 @@ class RolloutRoutes:
         wait = body.get("wait", True)
         if not isinstance(wait, bool):
             raise ValueError('"wait" must be true or false')
+        if spec.workdir is not None:  # a link out of it: refused before anything starts
+            await asyncio.to_thread(check_seed, spec.workdir)
         try:
             rollout = self.rollouts.start(spec)
         except Busy as exc:

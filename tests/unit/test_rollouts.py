@@ -43,6 +43,35 @@ def test_each_cli_runs_headless_with_its_switches() -> None:
         ({"agent": "codex", "prompt": "x", "limits": {"max_calls": -1}}, "max_calls"),
         ({"agent": "codex", "prompt": "x", "id": "a b"}, '"id"'),
         ({"agent": "codex", "prompt": "x", "tools": []}, "unknown field"),
+        ({"agent": "codex", "prompt": "x", "sandbox": "docker"}, '"sandbox"'),
+        ({"agent": "codex", "prompt": "x", "sandbox": False}, '"sandbox"'),
+        ({"agent": "codex", "prompt": "x", "verifier": {"restore": ["tests"]}}, '"verifier"'),
+        (
+            {"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "on_error": "x"}},
+            '"verifier"',
+        ),
+        (
+            {"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "restore": ["t"]}},
+            '"restore" puts paths back from the "workdir"',
+        ),
+        (
+            {
+                "agent": "codex",
+                "prompt": "x",
+                "workdir": "/",
+                "verifier": {"command": ["t"], "restore": ["../etc"]},
+            },
+            '"restore"',
+        ),
+        (
+            {
+                "agent": "codex",
+                "prompt": "x",
+                "workdir": "/",
+                "verifier": {"command": ["t"], "restore": ["/etc"]},
+            },
+            '"restore"',
+        ),
     ],
 )
 def test_bad_rollout_requests_say_what_is_wrong(body: dict, words: str) -> None:
@@ -61,3 +90,18 @@ def test_a_rollout_request_is_read(tmp_path: Path) -> None:
     # The agent's own timeout follows its deadline, with a minute to end cleanly.
     assert spec.timeout_s == 120.0
     assert parse_rollout({"agent": "codex", "prompt": "x"}).id.startswith("r-")
+
+
+def test_the_sandbox_and_restore_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "task").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = parse_rollout(
+        {"agent": "codex", "prompt": "x", "workdir": "task", "sandbox": "none",
+         "verifier": {"command": ["pytest"], "restore": ["tests/", "setup.cfg"]}}
+    )  # fmt: skip
+    # A relative workdir is the proxy's, resolved once: the copy does not depend on a later cwd.
+    assert spec.workdir == tmp_path / "task" and spec.workdir.is_absolute()
+    assert spec.restore == ("tests", "setup.cfg") and spec.sandbox == "none"
+    # No "sandbox": the option's (agenttap_sandbox) applies.
+    assert parse_rollout({"agent": "codex", "prompt": "x"}).sandbox is None
+    assert parse_rollout({"agent": "codex", "prompt": "x", "sandbox": "bwrap"}).sandbox == "bwrap"
