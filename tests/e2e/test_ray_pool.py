@@ -158,7 +158,9 @@ def test_a_new_session_goes_to_the_actor_with_fewer_calls_in_flight(
     for stub in replicas:
         stub.first_delay_s = 3.0
     try:
-        slow = threading.Thread(target=chat, args=(first.base_urls["openai"], first.id, 1))
+        slow = threading.Thread(
+            target=chat, args=(first.base_urls["openai"], first.id, 1, first.api_key)
+        )
         slow.start()
         deadline = time.monotonic() + 10
         while pool.loads()[first.proxy]["in_flight"] == 0:
