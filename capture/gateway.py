@@ -337,7 +337,8 @@ class Gateway:
 
     async def _sweep(self) -> None:
         last_status = 0.0
-        last_totals: dict[str, int] = {}
+        # As at start: no status line until a call has come (none while idle).
+        last_totals: dict[str, int] = dict(self.pipeline.totals)
         while True:
             await asyncio.sleep(
                 min(self.config.sweep_interval_s, max(0.2, self.config.idle_timeout_s / 2))

@@ -283,11 +283,15 @@ class VLLMClient:
                 available = resp.status in (400, 422)
         except aiohttp.ClientError:
             return False
-        logger.info(
-            "%s: %s",
-            self.base_url,
-            "using " + GENERATE_PATH if available else "no generate endpoint",
-        )
+        if available:
+            logger.info("%s: token ids go to vLLM's %s", self.base_url, GENERATE_PATH)
+        else:
+            logger.info(
+                "%s: this server has no %s; token ids go to /v1/completions instead (the same "
+                "tokens and logprobs; nothing to do)",
+                self.base_url,
+                GENERATE_PATH,
+            )
         return available
 
     async def _sampling_defaults(self, model: str) -> dict[str, Any]:

@@ -187,6 +187,50 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
         with urllib.request.urlopen(req, timeout=30) as resp:
             live = {s["id"]: s for s in json.load(resp)["sessions"]}
         assert live["run-proxy-base"]["metrics"]["calls"] == 1
+        # The token is on no command line and in no environment (/proc is readable by all).
+        assert not processes_with(token.group(1).encode())
+        assert not processes_with(b"agenttap_token=")
         run.stop_and_check_nothing_is_left()
+    finally:
+        run.kill_all()
+
+
+def environ_holds(secret: bytes) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if secret in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "mitmdump-exits-first"])
+def test_run_proxy_stops_everything_it_started_whatever_ends_first(
+    confdir: Path, tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (SIGINT to the script's process group, as a terminal sends it), or mitmdump
+    ending on its own: the embedded vLLM and mitmdump are gone, no listener is left, and a
+    token given in the environment reached no child's environment."""
+    token = "env-token-" + os.urandom(12).hex()
+    monkeypatch.setenv("AGENTTAP_TOKEN", token)
+    run = RunProxy(tmp_path, confdir)
+    try:
+        _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+        assert f"AGENTTAP_TOKEN={token}" in run.output()
+        # The script's own environment was given it; no process it started holds it.
+        assert set(environ_holds(token.encode())) <= {run.proc.pid}
+        if how == "ctrl-c":
+            os.killpg(run.proc.pid, signal.SIGINT)
+        else:
+            (mitmdump,) = processes_with(f"--listen-port {run.port}".encode())
+            os.kill(mitmdump, signal.SIGTERM)
+        run.proc.wait(60)
+        _wait_for("the vLLM server to stop", lambda: not run.vllm_running(), 60)
+        _wait_for("mitmdump to stop", lambda: not run.mitmdump_running(), 30)
+        for port in (run.port, run.api_port):
+            with socket.socket() as sock:
+                assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
     finally:
         run.kill_all()
