@@ -227,8 +227,19 @@ def session_list(
     return out
 
 
+def first_trained(loss_mask: Sequence[int] | None) -> int | None:
+    """The position of a row's first trained token (``loss_mask`` 1), where the page opens the
+    row (its sampled tokens may sit 12k prompt tokens in); None when nothing is trained."""
+    for pos, mask in enumerate(loss_mask or ()):
+        if mask == 1:
+            return pos
+    return None
+
+
 def row_node(row: dict[str, Any]) -> dict[str, Any]:
-    """A thread row for the tree: its links, counts and calls, no token lists."""
+    """A thread row for the tree: its links, counts and calls, no token lists;
+    ``first_trained``: where its trained tokens start (None unknown: no loss mask read, or
+    nothing trained)."""
     tokens = row.get("tokens")
     if tokens is None:
         tokens = len(row.get("input_ids") or ())
@@ -245,6 +256,7 @@ def row_node(row: dict[str, Any]) -> dict[str, Any]:
         "superseded_by": row.get("superseded_by"),
         "tokens": int(tokens),
         "trained_tokens": int(trained),
+        "first_trained": first_trained(row.get("loss_mask")),
         "num_turns": int(row.get("num_turns") or 0),
         "reward": row.get("reward"),
         "end_reason": row.get("end_reason"),
@@ -351,7 +363,12 @@ def row_overview(row: dict[str, Any]) -> dict[str, Any]:
     for p in prov:
         if 0 <= p < len(PROVENANCE):
             counts[PROVENANCE[p]] += 1
-    return {"provenance": counts, "trained": int(sum(mask)), "total": len(prov)}
+    return {
+        "provenance": counts,
+        "trained": int(sum(mask)),
+        "total": len(prov),
+        "first_trained": first_trained(mask),
+    }
 
 
 # -- diff of two calls -------------------------------------------------------------------------

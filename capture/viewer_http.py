@@ -6,8 +6,12 @@ offline over a folder of shards with one command:
 
     .venv/bin/python -m capture.viewer_http OUT [--tokenizer DIR] [--port 8765]
 
+The page (``/ui/``) and its icon (``/ui/favicon.ico``) hold no data and answer without the
+token; every ``/ui/api/`` route wants it.
+
 Routes: ``GET /ui/api/sessions``, ``GET /ui/api/sessions/{id}`` (its row tree and calls),
-``GET /ui/api/sessions/{id}/rows/{thread_id}?offset=&limit=`` (a page of a row's tokens),
+``GET /ui/api/sessions/{id}/rows/{thread_id}?offset=&limit=[&overview=1]`` (a page of a row's
+tokens; the row's counts with the first page, or with ``overview=1``),
 ``GET /ui/api/sessions/{id}/diff?a=REQUEST_ID&b=REQUEST_ID``.
 """
 
@@ -15,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
+import struct
 import sys
+import zlib
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
@@ -33,10 +40,53 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UI_PREFIX = "/ui"
+ICON_PATH = f"{UI_PREFIX}/favicon.ico"
 
 
 def _page() -> bytes:
     return resources.files("capture").joinpath("ui/index.html").read_bytes()
+
+
+def _png(size: int, colour: Callable[[int, int], bytes]) -> bytes:
+    """A ``size`` x ``size`` RGBA PNG; ``colour(x, y)``: a pixel's 4 bytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    raw = b"".join(b"\x00" + b"".join(colour(x, y) for x in range(size)) for y in range(size))
+    header = struct.pack(">IIBBBBB", size, size, 8, 6, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+@functools.cache
+def icon() -> bytes:
+    """The page's icon, an .ico holding one 32x32 PNG: lines of tokens on the header's blue,
+    prompt grey, sampled white, the sampled ones underlined green (trained). Drawn here, it
+    holds no data, so it answers without the token."""
+    blue, grey = b"\x24\x34\x47\xff", b"\x9e\xa7\xb0\xff"
+    white, green = b"\xff\xff\xff\xff", b"\x4c\xaf\x50\xff"
+    bars = [(7, 9, 6, 26, grey), (12, 14, 6, 19, grey), (17, 19, 6, 24, white)]
+    bars.append((22, 24, 6, 24, green))
+
+    def colour(x: int, y: int) -> bytes:
+        for y0, y1, x0, x1, c in bars:
+            if y0 <= y < y1 and x0 <= x < x1:
+                return c
+        return blue
+
+    png = _png(32, colour)
+    # ICONDIR (reserved, type 1 = icon, one image) and its entry (32x32, 32 bpp, PNG at 22).
+    return (
+        struct.pack("<HHH", 0, 1, 1)
+        + struct.pack("<BBBBHHII", 32, 32, 0, 0, 1, 32, len(png), 22)
+        + png
+    )
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -102,10 +152,15 @@ class ViewerRoutes:
 
     @staticmethod
     def is_page(path: str) -> bool:
-        return path in (UI_PREFIX, f"{UI_PREFIX}/", f"{UI_PREFIX}/index.html")
+        """The paths that answer without the token: the page shell and its icon (no data)."""
+        return path in (UI_PREFIX, f"{UI_PREFIX}/", f"{UI_PREFIX}/index.html", ICON_PATH)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if path == ICON_PATH:
+            if request.method not in ("GET", "HEAD"):
+                return _error(405, f"agenttap viewer: {path} answers GET only")
+            return _icon_response()
         if self.is_page(path):
             if path == UI_PREFIX:
                 raise web.HTTPFound(f"{UI_PREFIX}/")
@@ -126,7 +181,8 @@ class ViewerRoutes:
             if len(parts) == 4 and parts[0] == "sessions" and parts[2] == "rows":
                 offset = _int(request.query.get("offset", "0"), "offset")
                 limit = _int(request.query.get("limit", str(viewer.PAGE_TOKENS)), "limit")
-                return await self._run(self._tokens, parts[1], parts[3], offset, limit)
+                overview = offset == 0 or request.query.get("overview") == "1"
+                return await self._run(self._tokens, parts[1], parts[3], offset, limit, overview)
             if len(parts) == 3 and parts[0] == "sessions" and parts[2] == "diff":
                 a, b = request.query.get("a", ""), request.query.get("b", "")
                 if not a or not b:
@@ -183,12 +239,14 @@ class ViewerRoutes:
             ),
         }
 
-    def _tokens(self, sid: str, tid: str, offset: int, limit: int) -> dict[str, Any]:
+    def _tokens(
+        self, sid: str, tid: str, offset: int, limit: int, overview: bool
+    ) -> dict[str, Any]:
         row = next((r for r in self._rows(sid) if r["thread_id"] == tid), None)
         if row is None:
             raise LookupError(f"session {sid!r} has no row {tid!r}")
         page = viewer.token_page(row, self.decode, offset, limit)
-        if offset == 0:
+        if overview:
             page["overview"] = viewer.row_overview(row)
         return page
 
@@ -217,6 +275,14 @@ def live_viewer(gateway: Gateway) -> ViewerRoutes:
     )
 
 
+def _icon_response() -> web.Response:
+    return web.Response(
+        body=icon(),
+        content_type="image/x-icon",
+        headers={"Cache-Control": "public, max-age=86400"},
+    )
+
+
 def _int(text: str, name: str) -> int:
     try:
         return int(text)
@@ -229,6 +295,8 @@ def offline_app(routes: ViewerRoutes) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == "/":
             raise web.HTTPFound(f"{UI_PREFIX}/")
+        if request.path == "/favicon.ico":
+            return _icon_response()
         if request.path == UI_PREFIX or request.path.startswith(f"{UI_PREFIX}/"):
             return await routes.handle(request)
         return _error(404, "agenttap viewer: the page is at /ui/")

@@ -4,6 +4,9 @@
 scaffold rewrote: a reminder injected into the history), with a dead retry branch and a spawned
 sub-agent row; metadata and reward set as a trainer's close sets them.
 ``long``: one row of 100,000 tokens over three calls.
+``long prompt``: one call whose sampled (trained) tokens sit 12,000 prompt tokens in.
+``hostile``: ids and text that are HTML and address syntax (``<img onerror=...>``, ``&row=``,
+``#``): the page must show them as text and route by them exactly.
 """
 
 from __future__ import annotations
@@ -196,3 +199,36 @@ def write_long_session(out: Path, sid: str = "long-1", tokens: int = 100_000) ->
     write_rows(out / "turns", calls, TURN_SCHEMA, "turns", stem=sid)
     write_rows(out / "threads", [row], THREAD_SCHEMA, "threads", stem=sid)
     return {"turns": calls, "rows": [row]}
+
+
+def write_long_prompt_session(
+    out: Path, sid: str = "prompt-1", prompt: int = 12_000, sampled: int = 300
+) -> dict[str, Any]:
+    """One call of ``prompt`` prompt tokens and ``sampled`` sampled ones: its row's first
+    trained token is at ``prompt``."""
+    rng = random.Random(12)
+    ids = [rng.randrange(1000, 30000) for _ in range(prompt + sampled)]
+    call = _turn(sid, "lp-0", 0, ids[:prompt], ids[prompt:], "x")
+    row = _row(sid, "t-lp-0", [call])
+    write_rows(out / "turns", [call], TURN_SCHEMA, "turns", stem=sid)
+    write_rows(out / "threads", [row], THREAD_SCHEMA, "threads", stem=sid)
+    return {"turns": [call], "rows": [row]}
+
+
+HOSTILE_SESSION = 'evil&row=x#<img src=x onerror="window.__pwned=1">'
+HOSTILE_REQUEST = '<img src=x onerror="window.__pwned=2">'
+HOSTILE_TEXT = '<img src=x onerror="window.__pwned=3"><script>window.__pwned=4</script>'
+
+
+def write_hostile_session(out: Path, tok: Any) -> dict[str, Any]:
+    """A session whose id, row id and sampled text are HTML (an agent controls all three)."""
+
+    def enc(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    prompt = enc("<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n")
+    call = _turn(HOSTILE_SESSION, HOSTILE_REQUEST, 0, prompt, enc(HOSTILE_TEXT), HOSTILE_TEXT)
+    row = _row(HOSTILE_SESSION, "t-" + HOSTILE_REQUEST, [call])
+    write_rows(out / "turns", [call], TURN_SCHEMA, "turns", stem="hostile")
+    write_rows(out / "threads", [row], THREAD_SCHEMA, "threads", stem="hostile")
+    return {"turns": [call], "rows": [row]}

@@ -1,17 +1,28 @@
 """The viewer's data (capture/viewer.py): sessions, the row tree, token pages, call lists and
-diffs, over shards written with the proxy's own writer."""
+diffs, over shards written with the proxy's own writer; where a row opens (its first trained
+token); the page's icon and which of the viewer's paths answer without the token."""
 
 from __future__ import annotations
 
+import asyncio
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from capture import viewer
 from capture.rewards import write_rewards
 from capture.viewer import ShardSource
-from tests.viewer_data import REMINDER, write_agent_session, write_long_session
+from capture.viewer_http import ViewerRoutes, icon, offline_app
+from tests.viewer_data import (
+    REMINDER,
+    write_agent_session,
+    write_long_prompt_session,
+    write_long_session,
+)
 
 
 @pytest.fixture
@@ -124,3 +135,77 @@ def test_the_source_sees_new_shards(out: Path, tok: Any) -> None:
     after = {s["id"] for s in viewer.session_list(source.summaries())}
     assert after - before == {"agent-2"}
     assert len(source.threads("agent-2")) == 4
+
+
+def test_the_first_trained_token_is_where_the_mask_turns_one() -> None:
+    assert viewer.first_trained([0] * 12_000 + [1, 1, 0, 1]) == 12_000
+    assert viewer.first_trained([1, 0]) == 0
+    assert viewer.first_trained([0, 0, 0]) is None
+    assert viewer.first_trained([]) is None and viewer.first_trained(None) is None
+
+
+def test_rows_carry_their_first_trained_token(out: Path, tmp_path: Path) -> None:
+    long_row = ShardSource(out).threads("long-1")[0]
+    node = viewer.row_tree([long_row])[0]
+    # The first call's sampled tokens: 30,000 // 3 - 500 prompt tokens in.
+    assert node["first_trained"] == 9500 == long_row["turns"][0]["start"]
+    assert viewer.row_overview(long_row)["first_trained"] == 9500
+    prompt_dir = tmp_path / "prompt"
+    write_long_prompt_session(prompt_dir)
+    row = ShardSource(prompt_dir).threads("prompt-1")[0]
+    assert viewer.row_node(row)["first_trained"] == 12_000
+    # A summary (no token lists read) does not know it; a row that trains nothing has none.
+    summary = next(s for s in ShardSource(out).summaries() if s["session_id"] == "long-1")
+    assert viewer.row_node(summary)["first_trained"] is None
+    untrained = dict(row, loss_mask=[0] * len(row["loss_mask"]))
+    assert viewer.row_node(untrained)["first_trained"] is None
+
+
+def test_the_icon_is_an_ico_holding_a_png() -> None:
+    data = icon()
+    reserved, kind, count = struct.unpack("<HHH", data[:6])
+    width, height, _, _, _, bpp, size, offset = struct.unpack("<BBBBHHII", data[6:22])
+    assert (reserved, kind, count) == (0, 1, 1) and (width, height, bpp) == (32, 32, 32)
+    png = data[offset:]
+    assert len(png) == size and png.startswith(b"\x89PNG\r\n\x1a\n")
+    # Every PNG chunk's CRC is right (a browser drops a broken icon).
+    pos = 8
+    kinds = []
+    while pos < len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        kind_data = png[pos + 4 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", png[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind_data) == crc
+        kinds.append(kind_data[:4])
+        pos += 12 + length
+    assert kinds == [b"IHDR", b"IDAT", b"IEND"]
+
+
+def test_only_the_page_and_its_icon_are_open() -> None:
+    for path in ("/ui", "/ui/", "/ui/index.html", "/ui/favicon.ico"):
+        assert ViewerRoutes.is_page(path), path
+    for path in ("/ui/api/sessions", "/ui/api/sessions/s/rows/t", "/ui/favicon.ico/x", "/ui/x"):
+        assert not ViewerRoutes.is_page(path), path
+
+
+def test_the_offline_app_serves_the_icon_and_the_overview_on_request(out: Path) -> None:
+    routes = ViewerRoutes(ShardSource(out), viewer.ids_only, "test")
+
+    async def run() -> None:
+        async with TestClient(TestServer(offline_app(routes))) as client:
+            for path in ("/ui/favicon.ico", "/favicon.ico"):
+                resp = await client.get(path)
+                assert resp.status == 200 and resp.content_type == "image/x-icon"
+                assert await resp.read() == icon()
+            assert (await client.post("/ui/favicon.ico")).status == 405
+            page = await (await client.get("/ui/")).text()
+            assert '<link rel="icon" href="favicon.ico"' in page
+            rows = "/ui/api/sessions/long-1/rows/t-long-2"
+            first = await (await client.get(f"{rows}?offset=0&limit=5")).json()
+            assert first["overview"]["first_trained"] == 9500
+            later = await (await client.get(f"{rows}?offset=9500&limit=5")).json()
+            assert "overview" not in later and later["loss_mask"] == [1] * 5
+            asked = await (await client.get(f"{rows}?offset=9500&limit=5&overview=1")).json()
+            assert asked["overview"]["trained"] == 1500
+
+    asyncio.run(run())
