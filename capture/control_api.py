@@ -7,9 +7,10 @@ per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every
 
 - ``POST /sessions`` ``{"id"?, "metadata"?, "limits"?: {"max_calls", "max_tokens", "deadline_s"}}``
   -> ``{"id", "env", "base_urls"}``
-- ``POST /sessions/{id}/close`` ``{"reward"?: number | {thread_id: number}}`` -> the session's
-  thread rows (JSON, or an Arrow IPC stream for ``Accept: application/vnd.apache.arrow.stream``)
-  with reward, metadata, ``end_reason`` and ``metrics``
+- ``POST /sessions/{id}/close`` ``{"reward"?: number | {thread_id: number},
+  "reward_auxiliary"?: bool}`` -> the session's thread rows (JSON, or an Arrow IPC stream for
+  ``Accept: application/vnd.apache.arrow.stream``) with reward (one number: on main and subagent
+  rows, on auxiliary rows too with ``reward_auxiliary``), metadata, ``end_reason``, ``metrics``
 - ``POST /sessions/{id}/reward`` ``{"reward"}``: a late reward, after close
 - ``GET /sessions``, ``GET /sessions/{id}``, ``GET /healthz``, ``GET /ready``,
   ``GET /openapi.json``, ``POST /flush[?session=ID]``
@@ -456,14 +457,20 @@ class ControlAPI:
 
     async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
         body = await self.body(request)
-        reject_unknown(body, ("reward",))
+        reject_unknown(body, ("reward", "reward_auxiliary"))
         reward = parse_reward(body["reward"]) if body.get("reward") is not None else None
+        reward_auxiliary = body.get("reward_auxiliary", False)
+        if not isinstance(reward_auxiliary, bool):
+            raise ValueError(
+                '"reward_auxiliary" must be true or false (true: one reward for the session is '
+                "set on its auxiliary rows too: titles, routers, summaries)"
+            )
         control = self.gateway.control
         if control.get(sid) is None or sid not in {s.id for s in control.live()}:
             if control.get(sid) is not None:
                 return _error(409, f"agenttap: session {sid!r} is closed already")
             return self._unknown(sid)
-        closed = await self.close_session(sid, reward)
+        closed = await self.close_session(sid, reward, reward_auxiliary=reward_auxiliary)
         assert closed is not None
         sess, rows, unmatched = closed
         return self._rows_response(request, sess, rows, unmatched)
@@ -473,11 +480,14 @@ class ControlAPI:
         sid: str,
         reward: float | dict[str, float] | None,
         end_reason: str | None = None,
+        reward_auxiliary: bool = False,
     ) -> tuple[ControlledSession, list[dict[str, Any]], list[str]] | None:
         """Close a live session: its rows written with the reward, metadata, end reason
         (``end_reason``, else the limit it reached, else ``stop``) and metrics. Returns the
         session, all its rows (those written before the close included) and the thread ids a
-        per-thread reward named that it has no row for; None if it is not live."""
+        per-thread reward named that it has no row for; None if it is not live. One number is
+        the reward of the main and subagent rows, and of the auxiliary ones only with
+        ``reward_auxiliary``; a per-thread reward is set on the threads it names."""
         control = self.gateway.control
         if sid not in {s.id for s in control.live()}:
             return None
@@ -489,6 +499,7 @@ class ControlAPI:
             reward=reward,
             end_reason=sess.end_reason,
             metrics=sess.metrics.as_dict(),
+            reward_auxiliary=reward_auxiliary,
         )
         new_rows: list[dict[str, Any]] = []
         store = self.gateway.store
@@ -499,12 +510,16 @@ class ControlAPI:
         earlier = _read_rows(written_before, sid)
         if earlier and reward is not None:
             # Rows written before the close (an idle or explicit flush) get the reward too.
-            earlier_ids = {r["thread_id"] for r in earlier}
-            late = (
-                {k: v for k, v in reward.items() if k in earlier_ids}
-                if isinstance(reward, dict)
-                else reward
-            )
+            # One number: per thread unless auxiliary rows get it too (a late reward for the
+            # whole session would be joined onto them).
+            late: float | dict[str, float]
+            if isinstance(reward, dict):
+                earlier_ids = {r["thread_id"] for r in earlier}
+                late = {k: v for k, v in reward.items() if k in earlier_ids}
+            elif reward_auxiliary:
+                late = reward
+            else:
+                late = {r["thread_id"]: reward for r in earlier if annotations.rewards(r)}
             if late != {}:
                 write_rewards(self.out_dir, sid, late)
             for row in earlier:

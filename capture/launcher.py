@@ -117,10 +117,15 @@ class Session:
     end_reason: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
-    def close(self, reward: float | dict[str, float] | None = None) -> pa.Table:
+    def close(
+        self, reward: float | dict[str, float] | None = None, reward_auxiliary: bool = False
+    ) -> pa.Table:
         """Close the session and get its thread rows (reward, metadata, end_reason, metrics
-        set) as a table; ``reward``: one number, or one per thread id."""
-        body = {"reward": reward} if reward is not None else {}
+        set) as a table; ``reward``: one number (set on the main and subagent rows, and on the
+        auxiliary ones too with ``reward_auxiliary``), or one per thread id."""
+        body: dict[str, Any] = {"reward": reward} if reward is not None else {}
+        if reward_auxiliary:
+            body["reward_auxiliary"] = True
         summary, table = self.client.request("POST", f"/sessions/{self.id}/close", body, arrow=True)
         self.end_reason = summary.get("end_reason")
         self.metrics = summary.get("metrics", {})

@@ -1,7 +1,8 @@
 """Read thread shards into padded batches for a trainer.
 
 rows = load_threads("OUT")                      # OUT/threads, late rewards from OUT/rewards joined
-batch = to_rl_batch(rows, pad_id=151643)        # verl-style prompts / responses (numpy)
+batch = to_rl_batch(rows, pad_id=151643)        # verl-style prompts / responses (numpy); rows
+                                                # without a reward: missing_reward=, kinds=
 batch = to_batch(rows, pad_id=151643)           # or whole rows padded to one length (numpy)
 tensors = to_torch(batch)                       # torch tensors, if torch is installed
 """
@@ -11,14 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as ds
 
 from capture.rewards import REWARDS_DIR, join_rewards, load_rewards
+from capture.shards import THREAD_SCHEMA
+from capture.trajectory.kinds import MAIN, THREAD_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,11 @@ def load_threads(
     dataset = ds.dataset(str(threads), format="parquet")
     if not dataset.files:
         return []
+    # The schema of the first file, with the columns of THREAD_SCHEMA it lacks (shards written
+    # before a column existed, such as thread_kind): null for the rows of those files.
+    schema = pa.unify_schemas([dataset.schema, THREAD_SCHEMA])
+    if schema != dataset.schema:
+        dataset = ds.dataset(str(threads), format="parquet", schema=schema)
     join = rewards and (columns is None or "reward" in columns)
     read = columns
     if join and columns is not None:
@@ -105,6 +114,65 @@ def to_batch(
 
 Truncation = Literal["error", "left", "right", "middle"]
 _TRUNCATIONS = ("error", "left", "right", "middle")
+MissingReward = Literal["error", "drop", "zero"]
+_MISSING_REWARDS = ("error", "drop", "zero")
+# Sessions a missing-reward error names (then how many more).
+_NAMED_SESSIONS = 5
+
+
+def row_kind(row: Mapping[str, Any]) -> str:
+    """A row's ``thread_kind``; ``main`` for rows written before the column existed (null)."""
+    return row.get("thread_kind") or MAIN
+
+
+def _reward_of(row: Mapping[str, Any]) -> float | None:
+    reward = row.get("reward")
+    if reward is None or (isinstance(reward, float) and np.isnan(reward)):
+        return None
+    return float(reward)
+
+
+def select_rows(
+    rows: list[dict[str, Any]],
+    missing_reward: MissingReward = "error",
+    kinds: Collection[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows :func:`to_rl_batch` batches: those of ``kinds`` (None: all), then, for rows
+    without a reward, what ``missing_reward`` says (see there)."""
+    if missing_reward not in _MISSING_REWARDS:
+        raise ValueError(
+            f"missing_reward must be one of {_MISSING_REWARDS}, not {missing_reward!r}"
+        )
+    if kinds is not None:
+        if isinstance(kinds, str):
+            kinds = (kinds,)
+        unknown = sorted(set(kinds) - set(THREAD_KINDS))
+        if unknown:
+            raise ValueError(f"kinds: unknown thread_kind(s) {unknown}; known: {THREAD_KINDS}")
+        rows = [r for r in rows if row_kind(r) in kinds]
+    missing = [r for r in rows if _reward_of(r) is None]
+    if not missing or missing_reward == "zero":
+        return rows
+    if missing_reward == "drop":
+        return [r for r in rows if _reward_of(r) is not None]
+    sessions = list(dict.fromkeys(str(r.get("session_id")) for r in missing))
+    named = ", ".join(repr(s) for s in sessions[:_NAMED_SESSIONS])
+    if len(sessions) > _NAMED_SESSIONS:
+        named += f" and {len(sessions) - _NAMED_SESSIONS} more"
+    auxiliary = sum(1 for r in missing if row_kind(r) == "auxiliary")
+    aux_note = (
+        f" ({auxiliary} of them auxiliary: side calls such as titles and routers, which a "
+        "session's reward leaves out unless closed with reward_auxiliary)"
+        if auxiliary
+        else ""
+    )
+    raise ValueError(
+        f"{len(missing)} of {len(rows)} rows have no reward{aux_note}: rows of session(s) "
+        f"{named}; "
+        "give those sessions a reward (at close, or a late one), or choose: "
+        "missing_reward='drop' (leave those rows out), missing_reward='zero' (reward 0), "
+        "kinds=('main', 'subagent') (leave auxiliary rows out)"
+    )
 
 
 class RLBatch(TypedDict):
@@ -117,7 +185,7 @@ class RLBatch(TypedDict):
     input_ids: np.ndarray  # (n, P + R) int64: prompts ++ responses
     attention_mask: np.ndarray  # (n, P + R) int64: 1 on real tokens
     position_ids: np.ndarray  # (n, P + R) int64: clip(cumsum(attention_mask) - 1, 0)
-    reward: np.ndarray  # (n,) float64, NaN where the row has none
+    reward: np.ndarray  # (n,) float64 (missing_reward: rows without one dropped, 0, or refused)
     token_level_rewards: np.ndarray  # (n, R) float32: reward on the last trained token
     group_id: list[str]  # metadata "group_id", else the session id
     session_id: list[str | None]
@@ -130,8 +198,18 @@ def to_rl_batch(
     max_prompt_len: int | None = None,
     max_response_len: int | None = None,
     truncation: Truncation = "error",
+    missing_reward: MissingReward = "error",
+    kinds: Collection[str] | None = None,
 ) -> RLBatch:
     """Split thread rows into prompt and response, padded as verl's PPO / GRPO batches are.
+
+    Which rows: ``kinds`` keeps only rows of these ``thread_kind`` values (None, the default: all;
+    ``("main", "subagent")`` leaves out auxiliary rows, the side calls a session's reward is not
+    set on by default; a row written before the column existed counts as ``main``). A row with
+    no reward (null) is refused: ``missing_reward="error"`` (default) raises ValueError naming
+    the first sessions whose rows have none; ``"drop"`` leaves those rows out of the batch;
+    ``"zero"`` batches them with reward 0. The batch's ``session_id`` and ``thread_id`` say
+    which rows it holds.
 
     A row's *prompt* is its tokens before its first trained token (the first ``loss_mask`` 1);
     its *response* is the rest: the policy's sampled tokens and, in a multi-turn row, the tool /
@@ -142,12 +220,12 @@ def to_rl_batch(
     Returns numpy arrays (see :class:`RLBatch`): ``prompts`` left-padded, ``responses``
     right-padded, ``input_ids`` = ``prompts`` ++ ``responses``, ``attention_mask``,
     ``position_ids`` (``clip(cumsum(attention_mask) - 1, min=0)``, as verl computes them),
-    ``response_mask``, ``rollout_log_probs``, ``reward`` (NaN where null), ``token_level_rewards``
-    (the row's reward on its last ``response_mask`` 1 token, 0 elsewhere; NaN there where the
-    reward is null, so a missing reward cannot train silently as 0; all 0 for a row that trains
-    nothing), and the lists ``group_id`` (the ``"group_id"`` of the row's ``metadata`` JSON, else
-    its ``session_id``; verl's GRPO groups by ``non_tensor_batch["uid"]``: pass it as that),
-    ``session_id`` and ``thread_id``.
+    ``response_mask``, ``rollout_log_probs``, ``reward`` (0 for a row without one only with
+    ``missing_reward="zero"``), ``token_level_rewards`` (the row's reward on its last
+    ``response_mask`` 1 token, 0 elsewhere; all 0 for a row that trains nothing), and the lists
+    ``group_id`` (the ``"group_id"`` of the row's ``metadata`` JSON, else its ``session_id``;
+    verl's GRPO groups by ``non_tensor_batch["uid"]``: pass it as that), ``session_id`` and
+    ``thread_id``.
 
     ``max_prompt_len`` / ``max_response_len``: pad to exactly this width (default: the longest in
     the batch). ``truncation`` for what exceeds them: ``"error"`` (default) raises ValueError
@@ -163,6 +241,7 @@ def to_rl_batch(
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
         ):
             raise ValueError(f"{name} must be a positive int or None, not {limit!r}")
+    rows = select_rows(rows, missing_reward, kinds)
 
     prompts: list[np.ndarray] = []
     responses: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -188,9 +267,11 @@ def to_rl_batch(
             response = slice(first, first + max_response_len)
         prompts.append(prompt)
         responses.append((ids[response], mask[response], logprobs[response]))
-        reward = row.get("reward")
+        reward = _reward_of(row)
         if reward is not None:
-            rewards[i] = float(reward)
+            rewards[i] = reward
+        elif missing_reward == "zero":
+            rewards[i] = 0.0
         session_ids.append(row.get("session_id"))
         thread_ids.append(row.get("thread_id"))
         group_ids.append(_group_id(row, label))

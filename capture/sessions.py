@@ -40,6 +40,7 @@ from capture.shards import (
     written_turn_counts,
 )
 from capture.trajectory import (
+    AUXILIARY,
     Assembly,
     CallNode,
     Provenance,
@@ -74,13 +75,20 @@ class RowAnnotations:
     reward: float | dict[str, float] | None = None
     end_reason: str | None = None
     metrics: dict[str, Any] | None = None
+    # One number is set on main and subagent rows; on auxiliary rows (side calls: a title, a
+    # router) only with this. A per-thread reward is set on the threads it names, whatever kind.
+    reward_auxiliary: bool = False
+
+    def rewards(self, row: dict[str, Any]) -> bool:
+        """Whether one number for the session is the reward of ``row``."""
+        return self.reward_auxiliary or row.get("thread_kind") != AUXILIARY
 
     def apply(self, row: dict[str, Any]) -> None:
         if self.metadata is not None:
             row["metadata"] = json.dumps(self.metadata, ensure_ascii=False)
         if isinstance(self.reward, dict):
             row["reward"] = self.reward.get(row["thread_id"])
-        elif self.reward is not None:
+        elif self.reward is not None and self.rewards(row):
             row["reward"] = float(self.reward)
         if self.end_reason is not None:
             row["end_reason"] = self.end_reason
@@ -539,6 +547,7 @@ def thread_row(
         "parent_thread_id": row.parent_thread_id,
         "parent_relation": row.parent_relation,
         "parent_tool_call_id": row.parent_tool_call_id,
+        "thread_kind": row.thread_kind,
         "dead": row.dead,
         "dead_reason": row.dead_reason,
         "superseded_by": row.superseded_by,

@@ -127,6 +127,8 @@ THREAD_SCHEMA = pa.schema(
         ("parent_thread_id", pa.string()),
         ("parent_relation", pa.string()),
         ("parent_tool_call_id", pa.string()),
+        # main, subagent or auxiliary (capture.trajectory.kinds); null in shards written before it.
+        ("thread_kind", pa.string()),
         ("dead", pa.bool_()),
         ("dead_reason", pa.string()),
         ("superseded_by", pa.string()),

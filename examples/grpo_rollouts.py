@@ -5,17 +5,22 @@
 
 agenttap starts (a mitmdump child on free ports), runs --n copies of the agent on the task
 below, each in a fresh copy of the task folder and its own session; a verifier scores each
-(1.0: hello.txt holds "hi", else 0.0); the rows come back with their rewards. Each row's
-advantage is its reward minus the mean reward of its group (the n rollouts of one task), as
-GRPO computes it. The batch (``capture.reader.to_rl_batch``: prompts, responses, masks, rollout
-logprobs, rewards, group ids) plus ``advantages`` is saved to OUT/batch.npz, ready for a
-trainer's update step. Copy this file and change TASK, VERIFIER and the update.
+(1.0: hello.txt holds "hi", else 0.0); the rows come back with their rewards. Advantages are
+computed per rollout, as GRPO does: a rollout's reward minus the mean reward of its group's
+rollouts (the n rollouts of one task; each rollout counts once, however many rows it made), and
+every row of the rollout gets its rollout's advantage. Only the main and subagent rows are
+trained: auxiliary rows (the agent's side calls: a title, a router's model choice) are left out.
+A rollout without a reward (its agent or verifier failed) is left out. The batch
+(``capture.reader.to_rl_batch``: prompts, responses, masks, rollout logprobs, rewards, group ids)
+plus ``advantages`` is saved to OUT/batch.npz, ready for a trainer's update step. Copy this
+file and change TASK, VERIFIER and the update.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,14 +36,16 @@ TASK = "Create a file hello.txt containing exactly: hi"
 VERIFIER = ["sh", "-c", 'if [ "$(cat hello.txt 2>/dev/null)" = hi ]; then echo 1; else echo 0; fi']
 
 
-def grpo_advantages(rewards: np.ndarray, groups: list[str]) -> np.ndarray:
-    """reward - mean reward of its group (rows with no reward count as 0)."""
-    rewards = np.nan_to_num(rewards.astype(np.float64), nan=0.0)
-    out = np.zeros_like(rewards)
-    for group in set(groups):
-        members = np.array([g == group for g in groups])
-        out[members] = rewards[members] - rewards[members].mean()
-    return out
+def grpo_advantages(rewards: dict[str, float], groups: dict[str, str]) -> dict[str, float]:
+    """Per rollout (keyed by its session id): its reward minus the mean reward of the rollouts
+    of its group (``groups``: rollout -> group)."""
+    members: dict[str, list[float]] = {}
+    for rollout, reward in rewards.items():
+        members.setdefault(groups[rollout], []).append(reward)
+    return {
+        rollout: reward - float(np.mean(members[groups[rollout]]))
+        for rollout, reward in rewards.items()
+    }
 
 
 def main() -> None:
@@ -65,28 +72,45 @@ def main() -> None:
         print(f"rollout {run['index']}: {run['status']} {run['finish_reason']} "
               f"reward={run['reward']} calls={run['metrics'].get('calls')}")  # fmt: skip
 
-    # The live (non-dead) rows of every rollout, each with its rollout's reward and group.
-    rows = [r for run in result["rollouts"] for r in run["rows"] if not r["dead"]]
-    if not rows:
-        sys.exit("no rows: no rollout made a model call (see each rollout's agent_output)")
-    batch = to_rl_batch(rows, pad_id=args.pad_id, truncation="left")
-    advantages = grpo_advantages(batch["reward"], batch["group_id"])
+    # One reward per rollout; its group is the rollout request's (the n copies of one task).
+    scored = [
+        run for run in result["rollouts"]
+        if run["reward"] is not None and math.isfinite(run["reward"])
+    ]  # fmt: skip
+    for run in result["rollouts"]:
+        if run not in scored:
+            print(f"rollout {run['index']}: no reward ({run['error']}); left out")
+    rewards = {run["session_id"]: float(run["reward"]) for run in scored}
+    groups = {run["session_id"]: result["group_id"] for run in scored}
+    per_rollout = grpo_advantages(rewards, groups)
+
+    # The live (non-dead) main and subagent rows of the scored rollouts: each carries its
+    # rollout's reward (a closed session's reward is set on those rows; auxiliary rows get none).
+    rows = [r for run in scored for r in run["rows"] if not r["dead"]]
+    batch = to_rl_batch(rows, pad_id=args.pad_id, truncation="left", kinds=("main", "subagent"))
+    if not batch["session_id"]:
+        sys.exit("no rows: no scored rollout made a model call (see each rollout's agent_output)")
+    advantages = np.array([per_rollout[sid] for sid in batch["session_id"]], dtype=np.float64)
     arrays = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
     np.savez(out / "batch.npz", advantages=advantages, **arrays)
     (out / "batch.json").write_text(
         json.dumps(
             {
-                "rows": len(rows),
+                "rows": len(batch["session_id"]),
                 "group_id": batch["group_id"],
                 "session_id": batch["session_id"],
-                "rewards": [None if np.isnan(x) else float(x) for x in batch["reward"]],
+                "rewards": batch["reward"].tolist(),
                 "advantages": advantages.tolist(),
+                "rollouts": {
+                    sid: {"reward": rewards[sid], "advantage": per_rollout[sid]} for sid in rewards
+                },
             },
             indent=1,
         )
     )
-    print(f"{len(rows)} rows, rewards {batch['reward'].tolist()}, advantages "
-          f"{advantages.round(3).tolist()} -> {out / 'batch.npz'}")  # fmt: skip
+    print(f"{len(batch['session_id'])} rows of {len(scored)} rollouts, rollout rewards "
+          f"{list(rewards.values())}, advantages {[round(a, 3) for a in per_rollout.values()]} "
+          f"-> {out / 'batch.npz'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ a ``rewritten`` row of the sequence it was removed from.
 Modules, one concern each: ``keys`` (message keys, digests, provenance), ``tree`` (the nodes:
 :class:`CallNode`, :class:`Assembly`), ``state`` (a session's calls and indexes, limits),
 ``placement`` (:class:`ThreadSet`: extension, retry, claims, commit), ``rewrites`` and
-``new_threads`` (the other two ways a request is placed), ``export`` (rows), ``journal`` (a node
-as a journal line and back).
+``new_threads`` (the other two ways a request is placed), ``export`` (rows), ``kinds`` (a row's
+``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and back).
 """
 
 from __future__ import annotations
@@ -54,12 +54,24 @@ from capture.trajectory.keys import (
     header_key,
     message_key,
 )
+from capture.trajectory.kinds import (
+    AUXILIARY,
+    MAIN,
+    SUBAGENT,
+    THREAD_KINDS,
+    thread_kind,
+    thread_kinds,
+)
 from capture.trajectory.placement import NotInline, ThreadSet
 from capture.trajectory.state import CLAIM_TTL_S
 from capture.trajectory.tree import Assembly, CallNode
 
 __all__ = [
+    "AUXILIARY",
     "CLAIM_TTL_S",
+    "MAIN",
+    "SUBAGENT",
+    "THREAD_KINDS",
     "TRAINED",
     "Assembly",
     "CallNode",
@@ -73,4 +85,6 @@ __all__ = [
     "header_key",
     "message_key",
     "seq_ids",
+    "thread_kind",
+    "thread_kinds",
 ]

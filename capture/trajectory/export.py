@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capture.trajectory.keys import TRAINED, MessageKey
+from capture.trajectory.kinds import MAIN, thread_kinds
 from capture.trajectory.tree import CallNode
 
 
@@ -31,6 +32,8 @@ class ThreadRow:
     dead_reason: str | None = None  # "superseded": the same request was sent again and
     superseded_by: str | None = None  # this thread id's answer is the one the client went on with
     trained_request_ids: list[str] = field(default_factory=list)
+    # "main", "subagent" or "auxiliary" (a side call: title, router, summary); see kinds.
+    thread_kind: str = MAIN
 
 
 def seq_ids(call: CallNode) -> list[int]:
@@ -85,6 +88,7 @@ def export_rows(calls: list[CallNode]) -> tuple[list[ThreadRow], dict[str, str]]
             assigned.setdefault(end_of(call).uid, []).append(call)
     by_uid = {c.uid: c for c in calls}
     rows: list[ThreadRow] = []
+    leaves: list[CallNode] = []  # the last call of each row's sequence
     thread_of: dict[str, str] = {}
     for end_uid in sorted(assigned):
         end = by_uid[end_uid]
@@ -94,6 +98,7 @@ def export_rows(calls: list[CallNode]) -> tuple[list[ThreadRow], dict[str, str]]
         top = min(assigned[end_uid], key=lambda c: c.uid)
         _link(row, top, main_child, row_id, superseded)
         rows.append(row)
+        leaves.append(end)
         for c in assigned[end_uid]:
             thread_of[c.request_id] = tid
         # Calls the client's later history removed: trained in the sequence they were cut from.
@@ -102,11 +107,14 @@ def export_rows(calls: list[CallNode]) -> tuple[list[ThreadRow], dict[str, str]]
             side, _ = _compose(cut_at, {c.uid for c in cut}, side_id, row_id)
             side.parent_thread_id, side.parent_relation = tid, "rewritten"
             rows.append(side)
+            leaves.append(cut_at)
             for c in cut:
                 thread_of[c.request_id] = side_id
             for turn in row.turns:
                 if turn["request_id"] in side.trained_request_ids:
                     turn["trained_in"] = side_id
+    for row, kind in zip(rows, thread_kinds(leaves, calls), strict=True):
+        row.thread_kind = kind
     return rows, thread_of
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from capture.records import TurnRecord
 from capture.trajectory.keys import Provenance
+from capture.trajectory.kinds import in_subagent
 from capture.trajectory.tree import CallNode
 
 
@@ -33,6 +34,9 @@ def call_entry(call: CallNode) -> dict[str, Any]:
         "started": call.started,
         "client_retry": call.client_retry,
         "sampled_provenance": call.sampled_provenance,
+        # What its row's thread_kind is decided from (the spawning call may be written already).
+        "tools": call.tools,
+        "subagent": call.subagent,
         # The logprobs the thread trains, where they are not the turn record's (a re-score).
         "sampled_logprobs": (
             call.sampled_logprobs if call.sampled_provenance != Provenance.SAMPLED else None
@@ -58,6 +62,8 @@ def call_from_entry(
         base = 0
         parent_row = entry.get("parent_row")
     spawn = entry.get("spawned_by")
+    spawned_by = (calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None
+    compaction_of = calls.get(entry.get("compaction_of") or "")
     call = CallNode(
         uid=len(calls),
         request_id=turn.request_id,
@@ -78,8 +84,11 @@ def call_from_entry(
         spliced=spliced,
         request_digest=entry.get("request_digest", 0),
         conv_digest=entry.get("conv_digest", 0),
-        spawned_by=(calls[spawn[0]], spawn[1]) if spawn and spawn[0] in calls else None,
-        compaction_of=calls.get(entry.get("compaction_of") or ""),
+        spawned_by=spawned_by,
+        compaction_of=compaction_of,
+        # Journals before these keys: tools not known (never auxiliary), sub-agents by the links.
+        tools=entry.get("tools"),
+        subagent=bool(entry.get("subagent")) or in_subagent(parent, spawned_by, compaction_of),
         parent_row=parent_row,
         started=entry.get("started", len(calls) + 1),
         client_retry=bool(entry.get("client_retry")),

@@ -13,6 +13,7 @@ from capture.trajectory.keys import (
     header_key,
     message_key,
 )
+from capture.trajectory.kinds import in_subagent, tools_offered
 from capture.trajectory.new_threads import NewThreadPlacement
 from capture.trajectory.rewrites import RewritePlacement
 from capture.trajectory.state import (
@@ -406,6 +407,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             spliced=list(assembly.spliced),
             spawned_by=assembly.spawned_by,
             compaction_of=assembly.compaction_of,
+            tools=tools_offered(assembly.header),
+            subagent=in_subagent(parent, assembly.spawned_by, assembly.compaction_of),
             header=intern(assembly.header),
             started=assembly.started or len(self.calls) + 1,
             client_retry=assembly.client_retry,

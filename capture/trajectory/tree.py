@@ -42,6 +42,10 @@ class CallNode:
     conv_digest: int = 0
     spawned_by: tuple[CallNode, str] | None = None  # (call, tool-call id) whose argument opened it
     compaction_of: CallNode | None = None  # the call whose summary this conversation opens with
+    # Whether its request offered tools (None: not known, a token-level call), and whether it
+    # belongs to a sub-agent (kinds.in_subagent): what a row's thread_kind is decided from.
+    tools: bool | None = None
+    subagent: bool = False
     children: list[CallNode] = field(default_factory=list)
     # Matching state (live sessions only; not needed to export rows).
     header: MessageKey = ()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import types
 from pathlib import Path
@@ -27,6 +26,7 @@ def thread_row(
     logprobs: list[float] | None = None,
     reward: float | None = None,
     metadata: dict[str, Any] | str | None = None,
+    thread_kind: str | None = "main",
 ) -> dict[str, Any]:
     """A complete THREAD_SCHEMA row (what the proxy writes), with the fields under test set."""
     if logprobs is None:
@@ -38,6 +38,7 @@ def thread_row(
         "parent_thread_id": None,
         "parent_relation": None,
         "parent_tool_call_id": None,
+        "thread_kind": thread_kind,
         "dead": False,
         "dead_reason": None,
         "superseded_by": None,
@@ -141,7 +142,7 @@ def test_load_threads_out_without_threads_is_empty(tmp_path: Path) -> None:
 
 
 def test_rl_batch_two_turn_row_and_one_turn_row() -> None:
-    batch = to_rl_batch([TWO_TURN, ONE_TURN], pad_id=PAD)
+    batch = to_rl_batch([TWO_TURN, ONE_TURN], pad_id=PAD, missing_reward="zero")
     # Prompts: the tokens before the first trained one, left-padded.
     assert batch["prompts"].tolist() == [[10, 11, 12], [PAD, 40, 41]]
     # Responses: the rest, environment tokens included, right-padded.
@@ -156,10 +157,10 @@ def test_rl_batch_two_turn_row_and_one_turn_row() -> None:
     ]
     assert batch["attention_mask"].tolist() == [[1] * 8, [0, 1, 1, 1, 1, 1, 0, 0]]
     assert batch["position_ids"].tolist() == [list(range(8)), [0, 0, 1, 2, 3, 4, 4, 4]]
-    assert batch["reward"][0] == 1.0 and math.isnan(batch["reward"][1])
+    assert batch["reward"].tolist() == [1.0, 0.0]  # no reward yet: 0, as asked
     tlr = batch["token_level_rewards"]
     assert tlr[0].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]  # on the last trained token
-    assert np.isnan(tlr[1, 2]) and np.count_nonzero(tlr[1]) == 1  # NaN: no reward yet
+    assert tlr[1].tolist() == [0.0] * 5
     assert batch["group_id"] == ["g7", "s2"]
     assert batch["session_id"] == ["s1", "s2"] and batch["thread_id"] == ["t-two", "t-one"]
     assert batch["prompts"].dtype == np.int64 and batch["rollout_log_probs"].dtype == np.float32
@@ -178,7 +179,9 @@ def test_rl_batch_last_trained_token_is_not_last_response_token() -> None:
 
 
 def test_rl_batch_fixed_widths_pad_to_the_limits() -> None:
-    batch = to_rl_batch([ONE_TURN], pad_id=PAD, max_prompt_len=4, max_response_len=6)
+    batch = to_rl_batch(
+        [ONE_TURN], pad_id=PAD, max_prompt_len=4, max_response_len=6, missing_reward="zero"
+    )
     assert batch["prompts"].tolist() == [[PAD, PAD, 40, 41]]
     assert batch["responses"].tolist() == [[50, 51, 52, PAD, PAD, PAD]]
     assert batch["input_ids"].shape == (1, 10) and batch["response_mask"].shape == (1, 6)
@@ -193,12 +196,18 @@ def test_rl_batch_group_id_sources() -> None:
         thread_row("s4", "t4", [1, 2], [0, 1], metadata="{not json"),
         thread_row("s5", "t5", [1, 2], [0, 1], metadata="[1, 2]"),  # JSON, not an object
     ]
-    assert to_rl_batch(rows, pad_id=0)["group_id"] == ["g", "s2", "5", "s4", "s5"]
+    assert to_rl_batch(rows, pad_id=0, missing_reward="zero")["group_id"] == [
+        "g",
+        "s2",
+        "5",
+        "s4",
+        "s5",
+    ]
 
 
 def test_rl_batch_row_that_trains_nothing_has_an_empty_response() -> None:
     rows = [ONE_TURN, thread_row("s9", "t-ctx", [7, 8, 9], [0, 0, 0], reward=1.0)]
-    batch = to_rl_batch(rows, pad_id=PAD)
+    batch = to_rl_batch(rows, pad_id=PAD, missing_reward="zero")
     assert batch["prompts"].tolist() == [[PAD, 40, 41], [7, 8, 9]]
     assert batch["responses"][1].tolist() == [PAD, PAD, PAD]
     assert batch["response_mask"][1].tolist() == [0, 0, 0]
@@ -220,7 +229,7 @@ LONG = thread_row(
 
 def test_truncation_error_names_row_and_lengths() -> None:
     with pytest.raises(ValueError) as info:
-        to_rl_batch([ONE_TURN, LONG], pad_id=0, max_prompt_len=4)
+        to_rl_batch([ONE_TURN, LONG], pad_id=0, max_prompt_len=4, missing_reward="zero")
     message = str(info.value)
     assert (
         "row 1" in message
@@ -248,7 +257,9 @@ def test_truncation_left_right_middle_for_prompts() -> None:
 
 
 def test_truncation_cuts_responses_at_their_end() -> None:
-    batch = to_rl_batch([LONG, ONE_TURN], pad_id=PAD, max_response_len=2, truncation="left")
+    batch = to_rl_batch(
+        [LONG, ONE_TURN], pad_id=PAD, max_response_len=2, truncation="left", missing_reward="zero"
+    )
     assert batch["responses"].tolist() == [[20, 30], [50, 51]]
     assert batch["response_mask"].tolist() == [[1, 0], [1, 1]]
     assert np.allclose(batch["rollout_log_probs"][0], [-3.5, 0.0])
@@ -271,19 +282,25 @@ def test_truncation_rows_within_limits_are_unchanged() -> None:
         {"max_prompt_len": 0},
         {"max_response_len": -1},
         {"max_response_len": 2.5},
+        {"missing_reward": "nan"},
+        {"kinds": ("main", "helper")},
     ],
 )
 def test_bad_batch_options(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        to_rl_batch([ONE_TURN], pad_id=0, **kwargs)
+        to_rl_batch([ONE_TURN], pad_id=0, **{"missing_reward": "zero", **kwargs})
 
 
 def test_misaligned_or_missing_columns() -> None:
     bad = dict(ONE_TURN, logprobs=[0.0])
     with pytest.raises(ValueError, match="differ in length"):
-        to_rl_batch([bad], pad_id=0)
+        to_rl_batch([bad], pad_id=0, missing_reward="zero")
     with pytest.raises(ValueError, match="logprobs"):
-        to_rl_batch([{k: v for k, v in ONE_TURN.items() if k != "logprobs"}], pad_id=0)
+        to_rl_batch(
+            [{k: v for k, v in ONE_TURN.items() if k != "logprobs"}],
+            pad_id=0,
+            missing_reward="zero",
+        )
 
 
 def test_rl_batch_from_shards_with_late_reward(tmp_path: Path) -> None:
@@ -295,6 +312,73 @@ def test_rl_batch_from_shards_with_late_reward(tmp_path: Path) -> None:
     assert batch["reward"].tolist() == [0.5, 1.0]
     assert batch["token_level_rewards"][0].tolist() == [0.0, 0.0, 0.5, 0.0, 0.0]
     assert batch["group_id"] == ["s2", "g7"]
+
+
+# -- rows without a reward, thread kinds ----------------------------------------------------
+
+
+def test_rows_without_a_reward_are_refused_naming_their_sessions() -> None:
+    rows = [thread_row("s-ok", "t", [1, 2], [0, 1], reward=1.0)]
+    rows += [thread_row(f"s-{i}", "t", [1, 2], [0, 1]) for i in range(7)]
+    rows.append(thread_row("s-0", "t-2", [1, 2], [0, 1]))  # named once
+    with pytest.raises(ValueError) as info:
+        to_rl_batch(rows, pad_id=0)
+    message = str(info.value)
+    assert "8 of 9 rows have no reward" in message
+    assert "'s-0', 's-1', 's-2', 's-3', 's-4' and 2 more" in message and "s-ok" not in message
+    assert "missing_reward='drop'" in message and "missing_reward='zero'" in message
+    assert "kinds=('main', 'subagent')" in message
+
+
+def test_missing_reward_drop_and_zero() -> None:
+    rows = [TWO_TURN, ONE_TURN, thread_row("s3", "t3", [1, 2], [0, 1], reward=-1.0)]
+    dropped = to_rl_batch(rows, pad_id=PAD, missing_reward="drop")
+    assert dropped["thread_id"] == ["t-two", "t3"] and dropped["reward"].tolist() == [1.0, -1.0]
+    assert dropped["input_ids"].shape[0] == 2
+    zero = to_rl_batch(rows, pad_id=PAD, missing_reward="zero")
+    assert zero["thread_id"] == ["t-two", "t-one", "t3"]
+    assert zero["reward"].tolist() == [1.0, 0.0, -1.0]
+    assert not np.isnan(zero["token_level_rewards"]).any()
+    # Every row rewarded: all three give the same batch.
+    full = [TWO_TURN, rows[2]]
+    for how in ("error", "drop", "zero"):
+        batch = to_rl_batch(full, pad_id=PAD, missing_reward=how)  # type: ignore[arg-type]
+        assert batch["reward"].tolist() == [1.0, -1.0]
+
+
+def test_auxiliary_rows_without_a_reward_need_a_choice() -> None:
+    """A session's reward leaves its auxiliary rows (a title call) without one: the batch says
+    so unless they are filtered out; rows written before the column existed count as main."""
+    main = thread_row("s", "t-main", [1, 2, 3], [0, 1, 1], reward=1.0)
+    sub = thread_row("s", "t-sub", [1, 4], [0, 1], reward=1.0, thread_kind="subagent")
+    title = thread_row("s", "t-title", [7, 8], [0, 1], thread_kind="auxiliary")
+    old = thread_row("s0", "t-old", [5, 6], [0, 1], reward=0.0, thread_kind=None)
+    rows = [main, sub, title, old]
+    with pytest.raises(ValueError, match=r"1 of 4 rows have no reward \(1 of them auxiliary"):
+        to_rl_batch(rows, pad_id=0)
+    batch = to_rl_batch(rows, pad_id=0, kinds=("main", "subagent"))
+    assert batch["thread_id"] == ["t-main", "t-sub", "t-old"]
+    assert to_rl_batch(rows, pad_id=0, kinds="auxiliary", missing_reward="zero")["thread_id"] == [
+        "t-title"
+    ]
+    assert to_rl_batch(rows, pad_id=0, kinds=["main"])["thread_id"] == ["t-main", "t-old"]
+
+
+def test_load_threads_reads_shards_from_before_thread_kind(tmp_path: Path) -> None:
+    """A folder mixing shards written before the thread_kind column with newer ones reads the
+    column from every file (null for the old rows), whichever file comes first."""
+    old_schema = THREAD_SCHEMA.remove(THREAD_SCHEMA.get_field_index("thread_kind"))
+    for first, second in (("a", "b"), ("b", "a")):
+        out = tmp_path / first
+        old = {k: v for k, v in thread_row("s1", "t-old", [1, 2], [0, 1]).items()}
+        del old["thread_kind"]
+        write_rows(out / "threads", [old], old_schema, "threads", stem=first)
+        new = thread_row("s2", "t-new", [1, 2], [0, 1], thread_kind="auxiliary")
+        write_rows(out / "threads", [new], THREAD_SCHEMA, "threads", stem=second)
+        rows = {r["thread_id"]: r for r in load_threads(out)}
+        assert rows["t-old"]["thread_kind"] is None
+        assert rows["t-new"]["thread_kind"] == "auxiliary"
+        assert len(load_threads(out, columns=["thread_id", "thread_kind"])) == 2
 
 
 # -- to_batch / to_torch --------------------------------------------------------------------
@@ -309,7 +393,7 @@ def test_to_batch_still_pads_whole_rows() -> None:
 
 def test_to_torch_without_torch_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails, as when missing
-    batch = to_rl_batch([ONE_TURN], pad_id=0)  # numpy needs no torch
+    batch = to_rl_batch([ONE_TURN], pad_id=0, missing_reward="zero")  # numpy needs no torch
     with pytest.raises(ImportError, match="pip install torch"):
         to_torch(batch)
 
@@ -318,7 +402,7 @@ def test_to_torch_converts_arrays_and_passes_lists(monkeypatch: pytest.MonkeyPat
     fake = types.ModuleType("torch")
     fake.from_numpy = lambda a: ("tensor", a)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch", fake)
-    batch = to_rl_batch([ONE_TURN], pad_id=0)
+    batch = to_rl_batch([ONE_TURN], pad_id=0, missing_reward="zero")
     tensors = to_torch(batch)
     assert tensors["prompts"][0] == "tensor" and tensors["prompts"][1] is batch["prompts"]
     assert tensors["session_id"] is batch["session_id"] and tensors["group_id"] == ["s2"]

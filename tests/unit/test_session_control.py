@@ -4,6 +4,7 @@ in-process, no sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from capture.session_control import (
     parse_limits,
 )
 from capture.sessions import RowAnnotations, SessionStore
+from capture.trajectory import AUXILIARY, MAIN
 from capture.whitebox import parse_generate
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
@@ -168,6 +170,50 @@ def test_annotations_are_written_into_every_thread_row(tmp_path: Path, qwen3_dir
     assert [(r["thread_id"], r["reward"], r["end_reason"]) for r in rows] == [(tid, 0.5, "stop")]
     assert json.loads(rows[0]["metrics"]) == {"calls": 3}
     assert len(store.written_threads("s", forget=True)) == 2 and store.written_threads("s") == []
+
+
+@pytest.mark.parametrize("reward_auxiliary", [False, True])
+def test_close_rewards_auxiliary_rows_only_when_asked(
+    tmp_path: Path, qwen3_dir: Path, reward_auxiliary: bool
+) -> None:
+    """A close with one number sets it on the main rows and, only with reward_auxiliary, on the
+    auxiliary ones (Claude Code's title call), for the rows written at the close and for those
+    an earlier flush wrote (late rewards, which readers join): both say the same."""
+    from capture.control_api import ControlAPI
+    from capture.gateway import Gateway, GatewayConfig
+    from capture.reader import load_threads
+    from tests.unit.test_thread_kind import CLAUDE_SYSTEM, CLAUDE_TOOLS, hermes, record
+
+    gateway = Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path))
+    api = ControlAPI(gateway, "t" * 32, Endpoints("http://127.0.0.1:1", "", "/ca.pem"))
+    gateway.control.open("s", {"task_id": "t"})
+    store = gateway.store
+    msgs = [Message("system", CLAUDE_SYSTEM), Message("user", "Create hello.txt")]
+    reply = record(store, "s", "r0", msgs, hermes("Write", {"file_path": "h"}), CLAUDE_TOOLS)
+    record(store, "s", "r1", [Message("system", "Generate a title."), Message("user", "Create")],
+           '{"title": "Hello"}', constrained=True)  # fmt: skip
+    store.end_session("s", keep_threads=True)  # an idle flush: two rows written before close
+    msgs += [reply, Message("tool", "ok", tool_call_id=reply.tool_calls[0].id)]
+    record(store, "s", "r2", msgs, "Done.", CLAUDE_TOOLS)
+    closed = asyncio.run(api.close_session("s", 1.0, reward_auxiliary=reward_auxiliary))
+    assert closed is not None
+    _, rows, _ = closed
+    title = 1.0 if reward_auxiliary else None
+    expected = {("r0",): (MAIN, 1.0), ("r1",): (AUXILIARY, title), ("r2",): (MAIN, 1.0)}
+    got = {tuple(r["trained_request_ids"]): (r["thread_kind"], r["reward"]) for r in rows}
+    assert got == expected
+    read = load_threads(tmp_path)
+    assert {tuple(r["trained_request_ids"]): (r["thread_kind"], r["reward"]) for r in read} == (
+        expected
+    )
+    # A per-thread reward names what it rewards, auxiliary rows included.
+    gateway.control.open("p")
+    record(store, "p", "q0", [Message("user", "Create")], "x", CLAUDE_TOOLS)
+    record(store, "p", "q1", [Message("system", "Title."), Message("user", "C")], "T")
+    rows = asyncio.run(api.close_session("p", {"t-q1": 0.5}))[1]  # type: ignore[index]
+    assert {r["thread_id"]: (r["thread_kind"], r["reward"]) for r in rows} == {
+        "t-q0": (MAIN, None), "t-q1": (AUXILIARY, 0.5),
+    }  # fmt: skip
 
 
 def _record(sid: str, rid: str, i: int, prompt: list[int], ids: list[int]) -> TurnRecord:
