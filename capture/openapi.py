@@ -74,7 +74,17 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "summary": "close the session, write its rows with reward and metadata",
                     "security": secured,
                     "parameters": [sid],
-                    "requestBody": body({"reward": reward}),
+                    "requestBody": body(
+                        {
+                            "reward": reward,
+                            "reward_auxiliary": {
+                                "type": "boolean",
+                                "default": False,
+                                "description": "one number is set on the main and subagent rows; "
+                                "true: on the auxiliary rows (titles, routers, summaries) too",
+                            },
+                        }
+                    ),
                     "responses": {"200": rows, "404": {"description": "unknown session"}},
                 }
             },
