@@ -4,8 +4,10 @@ flags that make it run without asking (permissions, sandbox, trust).
 Checked against the versions ``scripts/install_clients.sh`` pins (Claude Code 2.1.330, Codex
 0.169.0, Gemini CLI 0.61.0) by ``tests/e2e/test_rollouts.py``. Each agent runs in proxy mode:
 the session's ``env`` (capture/control_api.py ``Endpoints.env``) carries the proxy, the CA under
-every name these CLIs read it from, and dummy keys; each gets a fresh ``HOME`` so no earlier
-run's configuration or history leaks in.
+every name these CLIs read it from, and its session's secret as the keys; each gets a fresh
+``HOME`` so no earlier run's configuration or history leaks in, and runs in the rollout's
+bubblewrap sandbox (capture/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR``
+writable), which is why the CLIs' own permission prompts and sandboxes are switched off here.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ AGENTS: dict[str, Agent] = {
         lambda prompt: ["-p", prompt, "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep"],
         {"DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
     ),
-    # exec: non-interactive; no approvals, no sandbox (the rollout's workdir is its own copy);
+    # exec: non-interactive; no approvals and no sandbox of its own (the rollout's bwrap sandbox
+    # is the boundary, around a copy of the workdir);
     # outside a git repository it refuses to start without --skip-git-repo-check.
     "codex": Agent(
         "codex",

@@ -124,9 +124,22 @@ def openapi_spec(server: str) -> dict[str, Any]:
                             "metadata": {"type": "object"},
                             "verifier": {
                                 "type": "object",
+                                "required": ["command"],
                                 "properties": {
-                                    "command": {"type": "array", "items": {"type": "string"}}
+                                    "command": {"type": "array", "items": {"type": "string"}},
+                                    "restore": {
+                                        "type": "array",
+                                        "items": {"type": "string"},
+                                        "description": "relative paths put back from the "
+                                        "workdir into the agent's copy before scoring",
+                                    },
                                 },
+                            },
+                            "sandbox": {
+                                "type": "string",
+                                "enum": ["bwrap", "none"],
+                                "description": "how the agent and verifier run; default: "
+                                "agenttap_sandbox (bwrap)",
                             },
                             "id": {"type": "string"},
                             "timeout_s": {"type": "number"},

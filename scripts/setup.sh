@@ -56,6 +56,17 @@ if [ "${AGENTTAP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 
     echo "[setup] chromium is missing: install it (apt-get install chromium) for the viewer's browser tests" >&2
   fi
 fi
+# Rollouts (POST /rollouts) run each agent and verifier in a bubblewrap sandbox
+# (agenttap_sandbox=bwrap, the default; capture/sandbox.py).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (apt): rollouts run their agents in its sandbox"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    echo "[setup] bwrap is missing: rollouts run their agents in a bubblewrap sandbox; install it as root (apt-get install bubblewrap, or your distribution's bubblewrap package), or run rollouts unsandboxed with --set agenttap_sandbox=none" >&2
+  fi
+fi
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from capture.launcher import AgentTap, AgentTapError, AsyncAgentTap
-from tests.conftest import QWEN3
+from tests.conftest import QWEN3, processes_with
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_gemini_cli import answer_router
 from tests.stub_vllm import StubPolicy
@@ -92,6 +94,7 @@ def test_a_rollout_of_each_cli_is_scored_into_its_rows(
         metadata={"task_id": "hello", "split": "train"},
     )  # fmt: skip
     assert result["status"] == "done" and result["n"] == 2
+    assert result["sandbox"] == "bwrap"  # the default: each CLI runs in its sandbox
     for run in result["rollouts"]:
         assert run["status"] == "ok", run
         assert run["finish_reason"] == "stop" and run["reward"] == 1.0
@@ -209,3 +212,219 @@ def test_stopping_the_proxy_ends_every_agent_and_keeps_the_rows(
         tap.close()
     assert tap.proc.returncode == 0
     assert not agent_processes(root)
+
+
+# -- the sandbox ---------------------------------------------------------------------------------
+# An agent that tries what an agent under RL might once cheating pays: it reports what it could
+# read, write and see into report.json in its workdir, leaves a daemon behind, and tampers with
+# what the verifier reads. Its task (the prompt, its last argument) names the paths to try.
+PROBE = r"""
+import json, os, pathlib, subprocess, sys, tempfile, time
+
+task = json.loads(sys.argv[-1])
+out, conf = pathlib.Path(task["out"]), pathlib.Path(task["confdir"])
+work = pathlib.Path.cwd()
+mine = work.parent
+sibling = mine.parent / str(1 - int(mine.name))
+
+
+def read(path):
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def write(path):
+    try:
+        pathlib.Path(path).write_text("pwned")
+        return "written"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def cmdline(pid):
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+report = {
+    "out_listing": sorted(os.listdir(out)),
+    "rollouts_listing": sorted(os.listdir(out / "rollouts")),
+    "other_rollout": read(task["other_rollout_file"]),
+    "conf_listing": sorted(os.listdir(conf)),
+    "ca_key": read(conf / "mitmproxy-ca.pem"),
+    "ca_cert": read(conf / "mitmproxy-ca-cert.pem"),
+    "sibling_visible": sibling.exists(),
+    "writes": {
+        "work": write(work / "mine.txt"),
+        "home": write(pathlib.Path(os.environ["HOME"]) / "h.txt"),
+        "tmp": write(pathlib.Path(tempfile.gettempdir()) / "t.txt"),
+        "sibling": write(sibling / "work" / "pwned.txt"),
+        "outside": write(task["outside"]),
+        "etc": write("/etc/agenttap-pwned"),
+        "out": write(out / "pwned.txt"),
+        "seed": write(pathlib.Path(task["seed"]) / "pwned.txt"),
+    },
+    "pids": len(pids),
+    "cmdlines": [cmdline(p) for p in pids],
+    "proxy_pid_visible": os.path.exists(f"/proc/{task['proxy_pid']}/cmdline")
+    and "mitmdump" in cmdline(task["proxy_pid"]),
+    "env_keys": sorted(os.environ),
+    "tmpdir": tempfile.gettempdir(),
+}
+# A daemon in a session of its own, as a tool's server would be, that keeps rewriting the tests:
+# it must be gone before they are restored and scored.
+daemon = (
+    "import pathlib, time\n"
+    "for _ in range(6000):\n"
+    "    pathlib.Path('tests/check.txt').write_text('100\\n'); time.sleep(0.01)\n"
+    f"# {task['marker']}"
+)
+subprocess.Popen(
+    ["setsid", sys.executable, "-c", daemon],
+    start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+# What the verifier reads: a json module to shadow the standard library, tests rewritten.
+(work / "json.py").write_text("print(1000.0)\nraise SystemExit(0)\n")
+(work / "tests" / "check.txt").write_text("100\n")
+(work / "report.json").write_text(json.dumps(report))
+time.sleep(0.3)  # the daemon has started
+print("probe done")
+"""
+# The reward is the seed's tests/check.txt, read with the json module: 0.25 if the seed's tests
+# were restored and the standard library's json was imported.
+CHECK = [
+    sys.executable,
+    "-c",
+    "import json, pathlib; print(json.dumps(float(pathlib.Path('tests/check.txt').read_text())))",
+]
+
+
+def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
+    stub_tap: AgentTap, confdir: Path, tmp_path: Path
+) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    seed = tmp_path / "seed"
+    (seed / "tests").mkdir(parents=True)
+    (seed / "tests" / "check.txt").write_text("0.25\n")
+    # Another rollout's folder with a file in it, on the host.
+    other = stub_tap.out / "rollouts" / "someone-else" / "0" / "work" / "answer.txt"
+    other.parent.mkdir(parents=True)
+    other.write_text("the answer")
+    marker = f"agenttap-daemon-{uuid.uuid4().hex}"
+    task = {
+        "out": str(stub_tap.out), "confdir": str(confdir), "other_rollout_file": str(other),
+        "outside": str(tmp_path / "outside.txt"), "seed": str(seed), "marker": marker,
+        "proxy_pid": stub_tap.proc.pid,
+    }  # fmt: skip
+    body = {
+        "agent": {"command": [sys.executable, str(probe)]}, "prompt": json.dumps(task), "n": 2,
+        "workdir": str(seed), "verifier": {"command": CHECK, "restore": ["tests/"]},
+        "id": f"probe-{uuid.uuid4().hex[:8]}",
+    }  # fmt: skip
+    result = stub_tap.client.request("POST", "/rollouts", body, timeout=None)[0]
+    assert result["sandbox"] == "bwrap"
+    runs = result["rollouts"]
+    # Every process of each agent, its setsid daemon included, is gone once the rollout is.
+    assert not processes_with(marker.encode())
+    assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
+    # The verifier scored the seed's tests with the standard library's json (not 100, not 1000).
+    assert [r["reward"] for r in runs] == [0.25, 0.25], runs
+    assert all(r["status"] == "ok" and r["verifier_output"].strip() == "0.25" for r in runs)
+    for run in runs:
+        folder = Path(run["workdir"]).parent
+        report = json.loads((folder / "work" / "report.json").read_text())
+        # OUT: only the mount points of its own folders; no other rollout's.
+        assert report["out_listing"] == ["rollouts"] and report["rollouts_listing"] == [
+            result["id"]
+        ]
+        assert report["other_rollout"] == "FileNotFoundError" and not report["sibling_visible"]
+        # The CA key is hidden, the certificate readable.
+        assert report["conf_listing"] == ["agenttap-ca-bundle.pem", "mitmproxy-ca-cert.pem"]
+        assert report["ca_key"] == "FileNotFoundError"
+        assert report["ca_cert"] == (confdir / "mitmproxy-ca-cert.pem").read_text()
+        # Writable: its copy, its HOME, its TMPDIR; nothing else.
+        writes = report["writes"]
+        assert {k: writes.pop(k) for k in ("work", "home", "tmp")} == dict.fromkeys(
+            ("work", "home", "tmp"), "written"
+        )
+        assert set(writes.values()) <= {"OSError", "FileNotFoundError"}, writes
+        assert report["tmpdir"] == str(folder / "tmp")
+        # Its own PID namespace: bwrap's init and itself (and `setsid` not started yet).
+        assert report["pids"] <= 3 and not report["proxy_pid_visible"]
+        assert not any("mitmdump" in c for c in report["cmdlines"])
+        assert "AGENTTAP_TOKEN" not in report["env_keys"] and "TMPDIR" in report["env_keys"]
+        assert (folder / "home" / "h.txt").exists() and not (folder / "tmp").exists()
+        assert not (folder / "work" / "pwned.txt").exists()
+        assert (folder / "work" / "tests" / "check.txt").read_text() == "0.25\n"
+    assert not (tmp_path / "outside.txt").exists() and not Path("/etc/agenttap-pwned").exists()
+    assert not (stub_tap.out / "pwned.txt").exists() and not (seed / "pwned.txt").exists()
+
+
+def test_a_seed_link_out_of_the_workdir_is_refused_and_one_inside_copied(
+    stub_tap: AgentTap, tmp_path: Path
+) -> None:
+    seed = tmp_path / "seed"
+    (seed / "src").mkdir(parents=True)
+    (seed / "src" / "main.py").write_text("print('hi')\n")
+    (seed / "main.py").symlink_to("src/main.py")
+    (seed / "lib").symlink_to("src")
+    result = stub_tap.rollout(
+        {"command": ["sh", "-c", "test -L main.py || test -L lib || echo copied > ok.txt"]},
+        "go", workdir=seed, verifier=["sh", "-c", "cat ok.txt >/dev/null && echo 1"],
+    )  # fmt: skip
+    (run,) = result["rollouts"]
+    assert run["reward"] == 1.0, run
+    work = Path(run["workdir"])
+    assert not (work / "main.py").is_symlink() and (work / "main.py").read_text() == "print('hi')\n"
+    assert (work / "lib" / "main.py").is_file() and not (work / "lib").is_symlink()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s")
+    (seed / "leak").symlink_to(secret)
+    with pytest.raises(AgentTapError, match="symlink .*leak.* points outside") as err:
+        stub_tap.rollout({"command": ["true"]}, "go", workdir=seed, id="leaky")
+    assert err.value.status == 400
+    # Refused before anything started: no rollout, no session.
+    with pytest.raises(AgentTapError) as unknown:
+        stub_tap.get_rollout("leaky")
+    assert unknown.value.status == 404
+
+
+def test_sandbox_none_runs_the_agent_unsandboxed_with_a_warning(
+    stub_tap: AgentTap, tmp_path: Path
+) -> None:
+    body = {
+        "agent": {"command": ["sh", "-c", f"ls {stub_tap.out} > seen.txt; echo 'print(9)' > json.py"]},
+        "prompt": "x", "sandbox": "none", "id": f"plain-{uuid.uuid4().hex[:8]}",
+        "verifier": {"command": [sys.executable, "-c", "import json; print(json.dumps(1))"]},
+    }  # fmt: skip
+    result = stub_tap.client.request("POST", "/rollouts", body, timeout=None)[0]
+    (run,) = result["rollouts"]
+    assert result["sandbox"] == "none" and run["reward"] == 1.0, run
+    # It saw OUT as it is (journal, every rollout); the verifier's json is still the stdlib's.
+    seen = (Path(run["workdir"]) / "seen.txt").read_text().split()
+    assert seen == sorted(os.listdir(stub_tap.out)) and len(seen) > 1
+    log = stub_tap.log.read_text()
+    assert f"rollout {result['id']} runs its agents and verifier unsandboxed" in log
+    assert "can read and write everything this user can" in log
+
+
+def test_without_bwrap_a_rollout_is_refused_with_the_install_command(
+    stub: StubPolicy, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"  # a PATH with sh, no bwrap
+    bin_dir.mkdir()
+    (bin_dir / "sh").symlink_to("/bin/sh")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with AgentTap.start(stub.url, QWEN3, tmp_path / "out", confdir=confdir) as tap:
+        with pytest.raises(AgentTapError, match="apt-get install bubblewrap") as err:
+            tap.rollout({"command": ["true"]}, "x")
+        assert err.value.status == 400 and "scripts/setup.sh" in str(err.value)
+        body = {"agent": {"command": ["sh", "-c", "echo ran"]}, "prompt": "x", "sandbox": "none"}
+        (run,) = tap.client.request("POST", "/rollouts", body, timeout=None)[0]["rollouts"]
+        assert run["status"] == "ok" and "ran" in run["agent_output"]
