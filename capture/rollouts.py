@@ -42,6 +42,7 @@ from capture.sandbox import (
     check_restore,
     copy_seed,
     find_bwrap,
+    host_sockets,
     read_info,
     restore,
 )
@@ -417,7 +418,7 @@ class Rollouts:
     def _hidden(self) -> tuple[Path, ...]:
         config = self.api.gateway.config
         confdir = (Path(config.confdir),) if config.confdir else ()
-        return (Path(self.api.out_dir), *confdir, *config.sandbox_hide)
+        return (Path(self.api.out_dir), *confdir, *config.sandbox_hide, *host_sockets())
 
     async def _spawn(
         self,

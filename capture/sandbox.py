@@ -6,8 +6,14 @@ on the host run), a fresh ``/dev`` and a ``/proc`` of the sandbox's own PID name
 proxy and every other agent are out of sight and out of reach of signals), no capabilities
 (``--cap-drop ALL``: we may run as root, and root keeps its capabilities in bwrap otherwise, so
 it could unmount what hides a folder), a session of its own, and ``--die-with-parent``. The
-network is shared: the agent reaches the proxy on loopback. Then, in this order (a later mount
-goes on top of an earlier one):
+network is shared: the agent reaches the proxy on loopback.
+
+Without capabilities a process of uid 0 is still the owner of root's files: ``/proc/sys`` (a
+write to ``kernel.core_pattern`` would run a program of its choice as the host's root) and
+``/proc/sysrq-trigger`` are bound read-only over the sandbox's ``/proc``, and the sockets of
+root's services, which a read-only mount does not close to ``connect`` (``/run``: D-Bus,
+systemd, Docker; tmux, ssh-agent and X11 sockets in ``/tmp`` and ``/var/tmp``), are hidden
+(``host_sockets``). Then, in this order (a later mount goes on top of an earlier one):
 
 1. each hidden folder (OUT, mitmproxy's confdir, the token file's and log folders, paths of
    ``agenttap_sandbox_hide``) becomes an empty tmpfs and each hidden file ``/dev/null``;
@@ -40,6 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 INSTALL_HINT = "apt-get install bubblewrap, or run scripts/setup.sh"
+# Parts of /proc that uid 0 may write without capabilities (bwrap covers them only for some
+# callers): bound read-only from the host's /proc, where they exist.
+PROC_COVERED = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
+# Where root's services keep their sockets: hidden whole.
+SERVICE_SOCKETS = (Path("/run"), Path("/var/run"))
+# Scanned (and their folders one level down) for sockets of root's sessions.
+TEMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
 # How long a sandbox may take to report its PID namespace (bwrap's setup: milliseconds).
 INFO_TIMEOUT_S = 30.0
 
@@ -62,6 +75,34 @@ def find_bwrap() -> str:
             "agenttap_sandbox=none, to run agents unsandboxed, with every right of this user)"
         )
     return found
+
+
+def host_sockets(temp_dirs: tuple[Path, ...] = TEMP_DIRS) -> tuple[Path, ...]:
+    """What to hide so that no socket of root's services or sessions is in reach: ``/run``,
+    and each socket in ``temp_dirs`` or in a folder right inside one (``tmux-0/default``,
+    ``ssh-XXXX/agent.N``, ``.X11-unix/X0``): that folder whole."""
+    found = list(SERVICE_SOCKETS)
+    for temp in temp_dirs:
+        try:
+            entries = list(os.scandir(temp))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISSOCK(mode) or (stat.S_ISDIR(mode) and _holds_socket(entry.path)):
+                    found.append(Path(entry.path))
+            except OSError:
+                continue
+    return tuple(found)
+
+
+def _holds_socket(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode) for e in entries)
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -87,7 +128,7 @@ def hidden_paths(hide: tuple[Path, ...]) -> list[tuple[Path, bool]]:
         real = Path(os.path.realpath(Path(path).expanduser()))
         if real.is_dir():
             found[real] = True
-        elif real.exists():
+        elif real.exists():  # a file or a socket: /dev/null over it
             found[real] = False
     folders = [p for p, is_dir in found.items() if is_dir]
     kept = [
@@ -114,6 +155,8 @@ def bwrap_argv(
         "--new-session",
         "--cap-drop", "ALL",
     ]  # fmt: skip
+    for covered in PROC_COVERED:
+        argv += ["--ro-bind-try", covered, covered]
     hidden = hidden_paths(spec.hide)
     for path, is_dir in hidden:
         argv += ["--tmpfs", str(path)] if is_dir else ["--ro-bind", "/dev/null", str(path)]

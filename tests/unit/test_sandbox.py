@@ -25,6 +25,7 @@ from capture.sandbox import (
     copy_seed,
     find_bwrap,
     hidden_paths,
+    host_sockets,
     read_info,
     restore,
 )
@@ -78,7 +79,7 @@ def host(tmp_path: Path) -> Host:
 def test_the_command_line_hides_then_binds_back_then_binds_the_run(host: Host) -> None:
     spec = host.spec()
     argv = bwrap_argv(spec, ["python3", "agent.py"], "/usr/bin/bwrap", info_fd=7)
-    assert argv[:16] == [
+    assert argv[:28] == [
         "/usr/bin/bwrap",
         "--ro-bind", "/", "/",
         "--dev", "/dev",
@@ -86,6 +87,11 @@ def test_the_command_line_hides_then_binds_back_then_binds_the_run(host: Host) -
         "--unshare-pid", "--unshare-ipc", "--unshare-uts",
         "--die-with-parent", "--new-session",
         "--cap-drop", "ALL",
+        # What uid 0 could still write in the new /proc: read-only.
+        "--ro-bind-try", "/proc/sys", "/proc/sys",
+        "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+        "--ro-bind-try", "/proc/irq", "/proc/irq",
+        "--ro-bind-try", "/proc/bus", "/proc/bus",
         "--tmpfs",
     ]  # fmt: skip
     assert argv[-3:] == ["--", "python3", "agent.py"]
@@ -183,6 +189,68 @@ print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit())[:3])
     assert (host.runs[0] / "work" / "mine.txt").exists() and (host.runs[0] / "tmp" / "t").exists()
     assert not (host.outside / "x").exists() and not (host.out / "planted").exists()
     assert not (host.runs[1] / "work" / "x").exists()
+
+
+def test_root_cannot_write_the_kernels_settings(host: Host) -> None:
+    # uid 0 owns /proc/sys: without the read-only cover it could set kernel.core_pattern (a
+    # program the host's kernel runs as root). The hostname is the sandbox's own (its UTS
+    # namespace), so trying it here changes nothing outside even without the cover.
+    script = """
+import os
+try:
+    open("/proc/sys/kernel/hostname", "w").write("agenttap-sandboxed")
+    print("written")
+except OSError as exc:
+    print(type(exc).__name__, exc.errno)
+print(os.access("/proc/sys/kernel/core_pattern", os.W_OK), os.uname().nodename)
+"""
+    done = run_in(host, script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["OSError 30", f"False {os.uname().nodename}"]
+
+
+def test_sockets_of_roots_services_and_sessions_are_hidden(tmp_path: Path) -> None:
+    import socket
+
+    temp = tmp_path / "tmp"
+    (temp / "tmux-0").mkdir(parents=True)
+    (temp / "plain").mkdir()
+    (temp / "plain" / "file").write_text("x")
+    listeners = []
+    for path in (temp / "tmux-0" / "default", temp / "agent.sock"):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.listen()
+        listeners.append(sock)
+    try:
+        found = host_sockets((temp, tmp_path / "missing"))
+        assert found[:2] == (Path("/run"), Path("/var/run"))
+        assert set(found[2:]) == {temp / "agent.sock", temp / "tmux-0"}
+        (tmp_path / "host").mkdir()
+        host = Host(tmp_path / "host")
+        spec = host.spec()
+        spec = SandboxSpec(spec.work, spec.home, spec.tmp, hide=(*spec.hide, *found))
+        script = f"""
+import os, socket
+for path in ({str(temp / "tmux-0" / "default")!r}, {str(temp / "agent.sock")!r}):
+    try:
+        socket.socket(socket.AF_UNIX).connect(path)
+        print("connected")
+    except OSError as exc:
+        print(type(exc).__name__)
+print(os.listdir("/run"), os.listdir({str(temp / "plain")!r}))
+"""
+        argv = bwrap_argv(spec, [sys.executable, "-c", script], find_bwrap())
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [
+            "FileNotFoundError",  # its folder is empty
+            "ConnectionRefusedError",  # /dev/null, not the socket
+            "[] ['file']",
+        ]
+    finally:
+        for sock in listeners:
+            sock.close()
 
 
 def test_root_cannot_unmount_what_hides_a_folder(host: Host) -> None:
