@@ -494,10 +494,12 @@ class Rollouts:
             except OSError as exc:
                 run.error = f"the verifier could not start: {exc}"
                 return
+            timed_out = False
             try:
                 if not rollout.cancelled:
                     await asyncio.wait_for(run.child.proc.wait(), VERIFIER_TIMEOUT_S)
             except TimeoutError:
+                timed_out = True
                 run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
             finally:
                 await _stop(run.child, graceful=False)
@@ -505,7 +507,7 @@ class Rollouts:
         output = _tail(log, VERIFIER_TAIL)
         run.verifier_output = output[-OUTPUT_KEPT:]
         returncode = run.child.proc.returncode
-        if run.error is not None:
+        if timed_out or rollout.cancelled:  # stopped: its output is no score
             return
         if returncode != 0:
             run.error = f"the verifier exited with {returncode}"
