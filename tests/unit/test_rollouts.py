@@ -48,7 +48,7 @@ def test_each_cli_runs_headless_with_its_switches() -> None:
         ({"agent": "codex", "prompt": "x", "verifier": {"restore": ["tests"]}}, '"verifier"'),
         (
             {"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "on_error": "x"}},
-            '"verifier"',
+            '"verifier',  # "verifier" or "verifier.on_error"
         ),
         (
             {"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "restore": ["t"]}},
