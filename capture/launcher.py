@@ -275,14 +275,15 @@ class AgentTap:
         workdir: str | os.PathLike[str] | None = None,
         limits: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
-        verifier: list[str] | None = None,
+        verifier: list[str] | dict[str, Any] | None = None,
         timeout_s: float | None = None,
         id: str | None = None,
         wait: bool = True,
     ) -> dict[str, Any]:
         """Run ``n`` agents (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``)
-        on ``prompt``, each in a fresh copy of ``workdir``, scored by ``verifier`` (its last
-        stdout line is the reward); returns, once all have ended (``wait``), each one's status,
+        on ``prompt``, each in a fresh copy of ``workdir``, scored by ``verifier`` (a command,
+        its last stdout line the reward; or the route's whole ``{"command", "restore",
+        "on_error"}``); returns, once all have ended (``wait``), each one's status,
         finish_reason, reward, metrics and rows."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
         optional = {
@@ -290,7 +291,9 @@ class AgentTap:
             "workdir": str(Path(workdir).resolve()) if workdir is not None else None,
             "limits": limits,
             "metadata": metadata,
-            "verifier": {"command": verifier} if verifier else None,
+            "verifier": (
+                {"command": verifier} if isinstance(verifier, list) and verifier else verifier
+            ),
             "timeout_s": timeout_s,
             "id": id,
         }

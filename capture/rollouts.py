@@ -88,6 +88,9 @@ class RolloutSpec:
     verifier: list[str] | None = None
     # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
     restore: tuple[str, ...] = ()
+    # Score a rollout whose agent failed (exited non-zero, made no call) all the same:
+    # "score"; "skip" (the default): its reward stays null.
+    on_error: str = "skip"
     # "bwrap" or "none"; None: the option's (agenttap_sandbox).
     sandbox: str | None = None
     timeout_s: float = 3600.0
@@ -103,7 +106,11 @@ def parse_rollout(body: Any) -> RolloutSpec:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError('"prompt" must be the task, as text')
+    if "\x00" in prompt:
+        raise ValueError('"prompt" holds a NUL character, which no command line can carry')
     command, agent_env = agent_command(body.get("agent"), prompt)
+    if any("\x00" in arg for arg in command):
+        raise ValueError('"agent.command" holds a NUL character, which no command line can carry')
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValueError(f'"n" must be a whole number from 1 to {MAX_N}')
@@ -117,18 +124,28 @@ def parse_rollout(body: Any) -> RolloutSpec:
     limits = parse_limits(body.get("limits"))
     verifier = None
     restore_paths: tuple[str, ...] = ()
+    on_error = "skip"
     if body.get("verifier") is not None:
         spec = body["verifier"]
         command_ok = (
             isinstance(spec, dict)
-            and set(spec) <= {"command", "restore"}
+            and set(spec) <= {"command", "restore", "on_error"}
             and isinstance(spec.get("command"), list)
             and spec["command"]
             and all(isinstance(a, str) for a in spec["command"])
         )
         if not command_ok:
             raise ValueError(
-                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", ...]}'
+                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", '
+                '...], "on_error"?: "skip" | "score"}'
+            )
+        if any("\x00" in arg for arg in spec["command"]):
+            raise ValueError('"verifier.command" holds a NUL character')
+        on_error = spec.get("on_error", "skip")
+        if on_error not in ("skip", "score"):
+            raise ValueError(
+                '"verifier.on_error" must be "skip" (a failed agent gets no reward) or "score" '
+                "(the verifier scores it all the same)"
             )
         verifier = list(spec["command"])
         restore_paths = check_restore(spec.get("restore", []))
@@ -158,6 +175,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
         metadata=check_metadata(body.get("metadata")),
         verifier=verifier,
         restore=restore_paths,
+        on_error=on_error,
         sandbox=sandbox,
         timeout_s=float(timeout),
         id=rollout_id or "r-" + uuid.uuid4().hex[:12],
@@ -343,9 +361,16 @@ class Rollouts:
         run.started_at = time.monotonic()
         try:
             await self._agent(rollout, run)
+            if not rollout.cancelled and run.error is None:
+                run.error = self._agent_failure(run)
+                agent_failed = run.error is not None
+            else:
+                agent_failed = False
             if rollout.cancelled:
                 run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
-            elif run.error is None and spec.verifier is not None:
+            elif spec.verifier is not None and (
+                run.error is None or (agent_failed and spec.on_error == "score")
+            ):
                 run.status = "scoring"
                 await self._verify(rollout, run)
                 if rollout.cancelled:
@@ -356,6 +381,22 @@ class Rollouts:
         finally:
             await self._close(run)
             run.wall_time_s = time.monotonic() - run.started_at
+
+    def _agent_failure(self, run: Run) -> str | None:
+        """Why an agent that ended by itself failed: a non-zero exit (unless its session
+        reached a limit, where the CLIs exit non-zero by design), or no model call at all (a
+        CLI that could not start, a wrong key). None: it did its part."""
+        sess = self.api.gateway.control.get(run.session_id)
+        limit = sess.limit_reached if sess is not None else None
+        calls = sess.metrics.calls if sess is not None else 0
+        if run.exit_code not in (0, None) and limit is None:
+            return f"the agent exited with code {run.exit_code} (its output: agent_output)"
+        if calls == 0 and limit is None:
+            return (
+                "the agent made no model call: it never reached the policy (see agent_output; "
+                "a CLI that could not start, or a client not configured by the session's env)"
+            )
+        return None
 
     async def _agent(self, rollout: Rollout, run: Run) -> None:
         spec = rollout.spec

@@ -158,7 +158,9 @@ def test_a_verifier_that_prints_no_number_is_an_error_with_its_output(
     stub_tap: AgentTap,
 ) -> None:
     result = stub_tap.rollout(
-        {"command": ["true"]}, "nothing to do", verifier=["sh", "-c", "echo looks fine to me"]
+        {"command": ["true"]},
+        "nothing to do",
+        verifier={"command": ["sh", "-c", "echo looks fine to me"], "on_error": "score"},
     )
     (run,) = result["rollouts"]
     assert run["status"] == "error" and run["finish_reason"] == "error"
@@ -173,6 +175,10 @@ def test_bad_requests_are_refused_with_the_reason(stub_tap: AgentTap, tmp_path: 
         ({"agent": "codex", "prompt": "x", "n": 0}, '"n"'),
         ({"agent": "codex", "prompt": "x", "workdir": str(tmp_path / "nope")}, "not a folder"),
         ({"agent": "codex", "prompt": "x", "verifier": "check.sh"}, '"verifier"'),
+        ({"agent": "codex", "prompt": "x\u0000y"}, "NUL"),
+        ({"agent": {"command": ["a\u0000b"]}, "prompt": "x"}, "NUL"),
+        ({"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "on_error": 1}}, "on_"),
+        ({"agent": "codex", "prompt": "x", "id": "nl\n"}, '"id"'),
     ]:
         with pytest.raises(AgentTapError, match=words) as err:
             stub_tap.client.post("/rollouts", body)
@@ -186,13 +192,32 @@ def test_rollouts_from_asyncio(stub: StubPolicy, confdir: Path, tmp_path: Path) 
         ) as tap:
             return await tap.rollout(
                 {"command": ["sh", "-c", "echo hi > hello.txt; echo done"]}, "go", n=2,
-                verifier=VERIFIER,
+                verifier={"command": VERIFIER, "on_error": "score"},
             )  # fmt: skip
 
     result = asyncio.run(main())
+    # An agent that made no model call failed its task, whatever it left: an error with its
+    # output, scored here only because the verifier asked to be run on errors too.
     assert [r["reward"] for r in result["rollouts"]] == [1.0, 1.0]
-    # An agent that made no model call has no rows, and says so.
-    assert all(r["rows"] == [] and r["metrics"]["calls"] == 0 for r in result["rollouts"])
+    for run in result["rollouts"]:
+        assert run["status"] == "error" and run["finish_reason"] == "error", run
+        assert "no model call" in run["error"] and "done" in run["agent_output"]
+        assert run["rows"] == [] and run["metrics"]["calls"] == 0
+
+
+def test_a_failed_agent_is_an_error_with_no_reward(stub_tap: AgentTap) -> None:
+    """Exited non-zero (and no call): status error, its exit code and output, reward null:
+    never the verifier's 0 on an empty run (the verifier does not run unless asked)."""
+    result = stub_tap.rollout(
+        {"command": ["sh", "-c", "echo CODEX_HOME does not exist >&2; exit 3"]},
+        "go",
+        verifier=["sh", "-c", "echo 0"],
+    )
+    (run,) = result["rollouts"]
+    assert run["status"] == "error" and run["finish_reason"] == "error", run
+    assert run["exit_code"] == 3 and "exited with code 3" in run["error"]
+    assert "CODEX_HOME does not exist" in run["agent_output"]
+    assert run["reward"] is None and run["verifier_output"] == ""
 
 
 def test_stopping_the_proxy_ends_every_agent_and_keeps_the_rows(
@@ -324,7 +349,8 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
     }  # fmt: skip
     body = {
         "agent": {"command": [sys.executable, str(probe)]}, "prompt": json.dumps(task), "n": 2,
-        "workdir": str(seed), "verifier": {"command": CHECK, "restore": ["tests/"]},
+        "workdir": str(seed),
+        "verifier": {"command": CHECK, "restore": ["tests/"], "on_error": "score"},
         "id": f"probe-{uuid.uuid4().hex[:8]}",
     }  # fmt: skip
     result = stub_tap.client.request("POST", "/rollouts", body, timeout=None)[0]
@@ -335,7 +361,7 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
     assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
     # The verifier scored the seed's tests with the standard library's json (not 100, not 1000).
     assert [r["reward"] for r in runs] == [0.25, 0.25], runs
-    assert all(r["status"] == "ok" and r["verifier_output"].strip() == "0.25" for r in runs)
+    assert all(r["verifier_output"].strip() == "0.25" for r in runs)
     for run in runs:
         folder = Path(run["workdir"]).parent
         report = json.loads((folder / "work" / "report.json").read_text())
@@ -376,7 +402,8 @@ def test_a_seed_link_out_of_the_workdir_is_refused_and_one_inside_copied(
     (seed / "lib").symlink_to("src")
     result = stub_tap.rollout(
         {"command": ["sh", "-c", "test -L main.py || test -L lib || echo copied > ok.txt"]},
-        "go", workdir=seed, verifier=["sh", "-c", "cat ok.txt >/dev/null && echo 1"],
+        "go", workdir=seed,
+        verifier={"command": ["sh", "-c", "cat ok.txt >/dev/null && echo 1"], "on_error": "score"},
     )  # fmt: skip
     (run,) = result["rollouts"]
     assert run["reward"] == 1.0, run
@@ -401,7 +428,8 @@ def test_sandbox_none_runs_the_agent_unsandboxed_with_a_warning(
     body = {
         "agent": {"command": ["sh", "-c", f"ls {stub_tap.out} > seen.txt; echo 'print(9)' > json.py"]},
         "prompt": "x", "sandbox": "none", "id": f"plain-{uuid.uuid4().hex[:8]}",
-        "verifier": {"command": [sys.executable, "-c", "import json; print(json.dumps(1))"]},
+        "verifier": {"command": [sys.executable, "-c", "import json; print(json.dumps(1))"],
+                     "on_error": "score"},
     }  # fmt: skip
     result = stub_tap.client.request("POST", "/rollouts", body, timeout=None)[0]
     (run,) = result["rollouts"]
@@ -427,4 +455,4 @@ def test_without_bwrap_a_rollout_is_refused_with_the_install_command(
         assert err.value.status == 400 and "scripts/setup.sh" in str(err.value)
         body = {"agent": {"command": ["sh", "-c", "echo ran"]}, "prompt": "x", "sandbox": "none"}
         (run,) = tap.client.request("POST", "/rollouts", body, timeout=None)[0]["rollouts"]
-        assert run["status"] == "ok" and "ran" in run["agent_output"]
+        assert "ran" in run["agent_output"] and "no model call" in run["error"], run
