@@ -407,7 +407,6 @@ class ControlAPI:
         except ValueError as exc:
             return _error(409, f"agenttap: {exc}")
         logger.info("agenttap: session %r opened (%s)", sid, json.dumps(metadata)[:200])
-        self.gateway.metrics.sessions_opened.inc()
         return web.json_response(
             {
                 "id": sess.id,
@@ -439,8 +438,9 @@ class ControlAPI:
     def _unknown(self, sid: str) -> web.Response:
         return _error(
             404,
-            f"agenttap: no session {sid!r}: it was never opened (POST /sessions) nor called, or "
-            f"it was closed long ago. GET /sessions lists the live ones.",
+            f"agenttap: no session {sid!r}: this proxy has seen no call of it since it started, "
+            f"nor was it opened (POST /sessions). GET /sessions lists the live ones; rows of "
+            f"earlier runs are in OUT/threads (capture.reader.load_threads).",
         )
 
     async def _get(self, request: web.Request, sid: str) -> web.StreamResponse:
@@ -453,7 +453,7 @@ class ControlAPI:
         shards = sess.thread_shards if sess.closed else self.gateway.store.written_threads(sid)
         rows = _read_rows(shards, sid) + pending
         rows = join_rewards(rows, load_rewards(self.out_dir))
-        return self._rows_response(request, sess, rows)
+        return self._rows_response(request, sess, rows, shards=shards)
 
     async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
         body = await self.body(request)
@@ -505,7 +505,7 @@ class ControlAPI:
         store = self.gateway.store
         async with self.gateway.pipeline.session_lock(sid):
             written_before = store.written_threads(sid)
-            store.end_session(sid, annotations=annotations, rows_out=new_rows)
+            store.end_session(sid, annotations=annotations, rows_out=new_rows, why="close")
             sess.thread_shards = store.written_threads(sid, forget=True)
         earlier = _read_rows(written_before, sid)
         if earlier and reward is not None:
@@ -559,8 +559,12 @@ class ControlAPI:
         sess: ControlledSession,
         rows: list[dict[str, Any]],
         unmatched: list[str] | None = None,
+        shards: list[Path] | None = None,
     ) -> web.Response:
         summary = sess.summary()
+        if shards is not None:
+            # Where its rows were written (thread shards), for a reader of OUT.
+            summary["shards"] = [str(p) for p in shards]
         if ARROW_STREAM in request.headers.get("Accept", ""):
             table = rows_to_table(rows, THREAD_SCHEMA)
             meta = {b"agenttap_session": json.dumps(summary).encode()}

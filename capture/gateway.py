@@ -188,6 +188,8 @@ class Gateway:
         self.api_port = 0
         self.control = SessionControl()
         self.metrics = Metrics()
+        # Every session counts, opened through the API or first seen on a call (proxy mode).
+        self.control.on_new = lambda _sid: self.metrics.sessions_opened.inc()
         self.metrics.watch(self._live_counts)
         self.store.annotations_for = self._annotations
         self.policies = PolicyPools(
@@ -332,7 +334,7 @@ class Gateway:
         for sid in sessions:
             # Not while a worker thread is placing a call in that session's tree.
             async with self.pipeline.session_lock(sid):
-                written += store.end_session(sid, keep_threads=True)
+                written += store.end_session(sid, keep_threads=True, why="flush")
         return written
 
     async def _sweep(self) -> None:

@@ -64,7 +64,9 @@ class Metrics:
             "prompt_too_long, limit, bad_request).", ["kind"], registry=r,
         )  # fmt: skip
         self.sessions_opened = Counter(
-            "agenttap_sessions_opened", "Sessions opened through the control API.", registry=r
+            "agenttap_sessions_opened",
+            "Sessions started: opened through the control API or first seen on a call.",
+            registry=r,
         )
         self.sessions_closed = Counter(
             "agenttap_sessions_closed", "Sessions closed, by end reason.", ["end_reason"],

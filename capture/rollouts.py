@@ -324,7 +324,6 @@ class Rollouts:
             sid = f"{spec.id}-{i}"
             metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
             self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
-            self.api.gateway.metrics.sessions_opened.inc()
             runs.append(Run(i, sid, self.root / spec.id / str(i)))
         rollout = Rollout(spec, runs, sandbox, bwrap)
         self._rollouts[spec.id] = rollout

@@ -33,6 +33,8 @@ END_CLOSED = "closed"
 SPLITS = ("train", "val")
 # Closed sessions remembered for late rewards and refusals (oldest forgotten first).
 CLOSED_KEPT = 100_000
+# Sessions nobody opened, idle and written, still answered by GET /sessions/{id}.
+PAST_KEPT = 100_000
 # What a session id may hold: it names a URL path segment and a journal file.
 # (It is also a proxy URL's username, where ':' and '@' would end it.)
 # Matched whole (fullmatch): "$" would let a trailing newline through.
@@ -174,6 +176,17 @@ class SessionControl:
         self._clock = clock
         self._live: dict[str, ControlledSession] = {}
         self._closed: OrderedDict[str, ControlledSession] = OrderedDict()
+        # Sessions nobody opened, no longer live (idle, written): their summary and metrics,
+        # until a new call of theirs makes them live again.
+        self._past: OrderedDict[str, ControlledSession] = OrderedDict()
+        # Called once per session this process starts to know (opened, or first called).
+        self.on_new: Any = None
+
+    def _new(self, session_id: str) -> ControlledSession:
+        sess = ControlledSession(session_id, opened_at=time.time(), opened_mono=self._clock())
+        if self.on_new is not None:
+            self.on_new(session_id)
+        return sess
 
     # -- the trainer's side ----------------------------------------------------------------
     def open(
@@ -186,7 +199,7 @@ class SessionControl:
             raise ValueError(f"session {session_id!r} is open already; close it first")
         # Reopening a closed id starts a new session under that name.
         self._closed.pop(session_id, None)
-        sess = existing or ControlledSession(session_id)
+        sess = existing or self._past.pop(session_id, None) or self._new(session_id)
         sess.metadata = dict(metadata or {})
         sess.limits = limits or Limits()
         sess.opened = True
@@ -197,7 +210,11 @@ class SessionControl:
         return sess
 
     def get(self, session_id: str) -> ControlledSession | None:
-        return self._live.get(session_id) or self._closed.get(session_id)
+        return (
+            self._live.get(session_id)
+            or self._closed.get(session_id)
+            or self._past.get(session_id)
+        )
 
     def credential_refusal(
         self, session_id: str, given: list[str], required: bool = False
@@ -242,9 +259,8 @@ class SessionControl:
     def _seen(self, session_id: str) -> ControlledSession:
         sess = self._live.get(session_id)
         if sess is None:
-            sess = self._live[session_id] = ControlledSession(
-                session_id, opened_at=time.time(), opened_mono=self._clock()
-            )
+            sess = self._past.pop(session_id, None) or self._new(session_id)
+            self._live[session_id] = sess
         return sess
 
     def refusal(self, session_id: str) -> str | None:
@@ -290,6 +306,8 @@ class SessionControl:
         if sess is not None:
             sess.in_flight = max(0, sess.in_flight - 1)
             sess.last_active_at = time.time()
+            # So far (a session nobody opened is never closed: this is its wall time).
+            sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
 
     def note_recorded(
         self,
@@ -317,11 +335,15 @@ class SessionControl:
             sess.metrics.errors += 1
 
     def prune(self, keep: set[str]) -> None:
-        """Forget sessions nobody opened that are idle and no longer in ``keep`` (the store's
-        live sessions): a proxy username seen once must not be kept forever."""
+        """Move sessions nobody opened that are idle and no longer in ``keep`` (the store's
+        live sessions) out of the live ones: still answered by ``get`` (the most recent
+        ``PAST_KEPT``), no longer counted live; a new call makes one live again."""
         for sid in [
             s.id
             for s in self._live.values()
             if not s.opened and s.in_flight == 0 and s.id not in keep
         ]:
-            del self._live[sid]
+            self._past[sid] = self._live.pop(sid)
+            self._past.move_to_end(sid)
+        while len(self._past) > PAST_KEPT:
+            self._past.popitem(last=False)

@@ -270,7 +270,9 @@ class SessionStore:
             for s in self._sessions.values()
             if now - s.last_active >= self.idle_timeout_s and s.session_id not in skip
         ]
-        return [p for s in idle for p in self.end_session(s.session_id, keep_threads=True)]
+        return [
+            p for s in idle for p in self.end_session(s.session_id, keep_threads=True, why="idle")
+        ]
 
     def pending_rows(self, session_id: str) -> list[dict[str, Any]]:
         """The thread rows ``session_id`` would write now (calls not written yet), without
@@ -306,11 +308,12 @@ class SessionStore:
         keep_threads: bool = False,
         annotations: RowAnnotations | None = None,
         rows_out: list[dict[str, Any]] | None = None,
+        why: str = "stop",
     ) -> list[Path]:
         """Write the session's shards. ``keep_threads``: the session may go on (idle flush), so
         its threads stay in memory and a later call extends their exact ids. ``annotations``:
         written into its thread rows (else ``annotations_for`` the session's); the rows written
-        are appended to ``rows_out``."""
+        are appended to ``rows_out``. ``why`` (idle, flush, close, stop) is said in the log."""
         sess = self._sessions.pop(session_id, None)
         if sess is None or not (sess.turns or sess.failed):
             return []
@@ -334,8 +337,9 @@ class SessionStore:
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
-            "session %r ended: %d calls in %d thread rows%s written to %s",
+            "agenttap: session %r written (%s): %d calls in %d thread rows%s, in %s",
             session_id,
+            why,
             len(sess.turns),
             len(rows),
             f" ({len(sess.failed)} failed by the policy, in failed/)" if sess.failed else "",

@@ -421,6 +421,48 @@ def test_flushing_a_session_never_seen_is_a_404(tap: AgentTap, stub: StubPolicy)
     sess.close()
 
 
+def test_a_proxy_mode_session_stays_visible_once_written(
+    tap: AgentTap, stub: StubPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session nobody opened (a proxy username): GET /sessions/{id} answers after its rows
+    are written, with where they went and its wall time; it counts as a session started; the
+    log says when and why it was written."""
+    import openai
+
+    def started() -> float:
+        req = urllib.request.Request(
+            f"{tap.api_url}/metrics", headers={"Authorization": f"Bearer {tap.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            text = resp.read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("agenttap_sessions_opened_total"))
+        return float(line.split()[-1])
+
+    before = started()
+    port = tap.proxy_url.rpartition(":")[2]
+    monkeypatch.setenv("HTTPS_PROXY", f"http://proxy-seen:x@127.0.0.1:{port}")
+    monkeypatch.setenv("SSL_CERT_FILE", tap.ca_path)
+    client = openai.OpenAI(api_key="sk-any", max_retries=0, timeout=60)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "seen"}])
+    time.sleep(0.05)
+    client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "seen"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again"},
+        ],
+    )
+    assert started() == before + 1
+    status, written = http(f"{tap.api_url}/flush?session=proxy-seen", "POST", tap.token)
+    assert status == 200 and written["written"]
+    status, body = http(f"{tap.api_url}/sessions/proxy-seen", token=tap.token)
+    assert status == 200 and not body["opened"] and body["rows"], body
+    assert body["metrics"]["calls"] == 2 and body["metrics"]["wall_time_s"] > 0
+    assert body["shards"] and all(Path(p).exists() for p in body["shards"])
+    assert "session 'proxy-seen' written (flush)" in tap.log.read_text(errors="replace")
+
+
 def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:
     sess = tap.open_session()
     chat(sess, "status?")

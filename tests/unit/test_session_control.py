@@ -117,8 +117,10 @@ def test_calls_in_flight_count_against_max_calls() -> None:
     assert started == 2
 
 
-def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_forgotten() -> None:
+def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_kept_visible() -> None:
     control = SessionControl()
+    started: list[str] = []
+    control.on_new = started.append
     control.open("a")
     with pytest.raises(ValueError, match="open already"):
         control.open("a")
@@ -130,10 +132,20 @@ def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_forgotten(
     # ... opening it later keeps its counts and adds metadata ...
     control.open("user-x", {"task_id": "t"})
     assert control.get("user-x").metrics.calls == 1  # type: ignore[union-attr]
-    # ... and one never opened is forgotten once the store no longer has it.
+    # ... and one never opened leaves the live ones once the store no longer has it, still
+    # answered (GET /sessions/{id}) with its metrics and wall time so far.
     control.refusal("user-y")
+    control.call_started("user-y")
+    control.note_recorded("user-y", 3, 4, 0.5)
+    control.call_finished("user-y")
     control.prune(keep=set())
-    assert control.get("user-y") is None and control.get("user-x") is not None
+    past = control.get("user-y")
+    assert past is not None and past.metrics.calls == 1 and past.metrics.wall_time_s >= 0
+    assert "user-y" not in {s.id for s in control.live()}
+    # A new call makes it live again, the same session (counted once).
+    assert control.refusal("user-y") is None and control.get("user-y") is past
+    assert "user-y" in {s.id for s in control.live()}
+    assert started == ["a", "user-x", "user-y"]
     assert control.close("a").end_reason == END_STOP
 
 
