@@ -40,7 +40,7 @@ from mitmproxy.proxy import server_hooks  # noqa: E402
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from addons.control_host import ControlHost  # noqa: E402
 from addons.credentials import proxy_credentials, strip_secrets  # noqa: E402
-from capture.banner import ready_line, start_lines  # noqa: E402
+from capture.banner import export_line, ready_line, start_lines  # noqa: E402
 from capture.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
@@ -365,6 +365,12 @@ class AgentTap:
             endpoints = dataclasses.replace(endpoints, proxy_url="")
         for line in start_lines(banner_lines(gateway.api), endpoints):
             logger.info("%s", line)
+        # The line a shell sources, on stdout without the log's prefix (whoever started
+        # mitmdump holds its stdout: a terminal, the launcher's private log).
+        print(
+            export_line(endpoints.api_url, gateway.api_token, str(config.tokenizer_path)),
+            flush=True,
+        )
 
     async def _announce_ready(self, gateway: Gateway) -> None:
         """The last start-up line, once the proxy's listener (unless mitmdump runs without one,

@@ -6,6 +6,7 @@ module replaces only its generic proxy-mode and API-key lines with one line per 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 
 from capture.control_api import Endpoints
@@ -62,3 +63,11 @@ def ready_line(proxy_url: str, hosts: Iterable[str], policy_urls: Iterable[str])
         f"agenttap ready: proxy {proxy_url} answering {', '.join(sorted(hosts))} "
         f"from {', '.join(policy_urls)}"
     )
+
+
+def export_line(api_url: str, token: str, tokenizer: str) -> str:
+    """One line a shell sources as printed (``eval "$(... | grep '^export AGENTTAP_')"``, or
+    copied): the control API, its token and the policy's tokenizer. Printed to standard output
+    alone, without the log's timestamp, and never into a file of agenttap's."""
+    values = {"AGENTTAP_API": api_url, "AGENTTAP_TOKEN": token, "AGENTTAP_TOKENIZER": tokenizer}
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in values.items())

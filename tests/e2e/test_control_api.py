@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -461,6 +462,23 @@ def test_a_proxy_mode_session_stays_visible_once_written(
     assert body["metrics"]["calls"] == 2 and body["metrics"]["wall_time_s"] > 0
     assert body["shards"] and all(Path(p).exists() for p in body["shards"])
     assert "session 'proxy-seen' written (flush)" in tap.log.read_text(errors="replace")
+
+
+def test_the_banner_prints_one_line_a_shell_sources(tap: AgentTap) -> None:
+    lines = [
+        line
+        for line in tap.log.read_text(errors="replace").splitlines()
+        if line.startswith("export AGENTTAP_")
+    ]
+    assert len(lines) == 1, lines
+    shown = subprocess.run(
+        ["bash", "-c", f'{lines[0]}; echo "$AGENTTAP_API $AGENTTAP_TOKEN $AGENTTAP_TOKENIZER"'],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    ).stdout.split()
+    assert shown == [tap.api_url, tap.token, str(QWEN3.resolve())]
 
 
 def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:
