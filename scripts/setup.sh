@@ -45,27 +45,26 @@ if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ];
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch .venv-vllm/.agenttap-ready
 fi
+# Debian packages: installed as root with apt-get (its lists updated once if the package is not
+# found); anyone else is told what to install and what it is for.
+apt_install() {  # PACKAGE WHY
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing $1 (apt): $2"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null; }
+  else
+    echo "[setup] $1 is missing: install it as root (apt-get install $1): $2" >&2
+  fi
+}
 # The viewer's browser tests drive Debian's chromium with the playwright package (playwright's
 # own browser download cannot reach its servers here).
 if [ "${AGENTTAP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing chromium (apt) for the viewer's browser tests"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
-      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
-  else
-    echo "[setup] chromium is missing: install it (apt-get install chromium) for the viewer's browser tests" >&2
-  fi
+  apt_install chromium "for the viewer's browser tests"
 fi
 # Rollouts (POST /rollouts) run each agent and verifier in a bubblewrap sandbox
 # (agenttap_sandbox=bwrap, the default; capture/sandbox.py).
 if ! command -v bwrap >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing bubblewrap (apt): rollouts run their agents in its sandbox"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null \
-      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
-  else
-    echo "[setup] bwrap is missing: rollouts run their agents in a bubblewrap sandbox; install it as root (apt-get install bubblewrap, or your distribution's bubblewrap package), or run rollouts unsandboxed with --set agenttap_sandbox=none" >&2
-  fi
+  apt_install bubblewrap "rollouts run their agents in its sandbox (or run them unsandboxed with --set agenttap_sandbox=none)"
 fi
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
