@@ -29,10 +29,11 @@ def test_grpo_example_runs_scores_and_groups(stub: StubPolicy, tmp_path: Path) -
     stub.rules.insert(0, rule)
     try:
         done = subprocess.run(
-            [sys.executable, "examples/grpo_rollouts.py", "--policy-url", stub.url,
-             "--tokenizer", str(QWEN3), "--agent", "claude-code", "--n", "2",
-             "--out", str(tmp_path / "run")],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
+            # From another folder, with a relative --out: the same as from the checkout.
+            [sys.executable, str(REPO / "examples" / "grpo_rollouts.py"), "--policy-url",
+             stub.url, "--tokenizer", str(QWEN3), "--agent", "claude-code", "--n", "2",
+             "--out", "run"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:
         stub.rules.remove(rule)

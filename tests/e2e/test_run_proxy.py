@@ -36,17 +36,18 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
 class RunProxy:
     """``scripts/run_proxy.sh`` started as a user would, its output in a log file."""
 
-    def __init__(self, tmp_path: Path, confdir: Path) -> None:
+    def __init__(self, tmp_path: Path, confdir: Path, cwd: Path = REPO, out: str = "") -> None:
         from rewriter import policy_server
 
         self.port = policy_server.free_port()
         self.api_port = policy_server.free_port()
         self.log = tmp_path / "run_proxy.log"
-        with open(self.log, "wb") as out:
+        with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                ["bash", "scripts/run_proxy.sh", "--port", str(self.port), "--api-port", str(self.api_port),
-                 "--out", str(tmp_path / "out"), "--confdir", str(confdir)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                ["bash", str(REPO / "scripts" / "run_proxy.sh"), "--port", str(self.port),
+                 "--api-port", str(self.api_port), "--out", out or str(tmp_path / "out"),
+                 "--confdir", str(confdir)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
             )  # fmt: skip
 
     def output(self) -> str:
@@ -215,10 +216,14 @@ def test_run_proxy_stops_everything_it_started_whatever_ends_first(
     token given in the environment reached no child's environment."""
     token = "env-token-" + os.urandom(12).hex()
     monkeypatch.setenv("AGENTTAP_TOKEN", token)
-    run = RunProxy(tmp_path, confdir)
+    # Started from another folder with a relative --out: OUT is there, as the user meant.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = RunProxy(tmp_path, confdir, cwd=elsewhere, out="rel-out")
     try:
         _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
         assert f"AGENTTAP_TOKEN={token}" in run.output()
+        assert f"shards in {elsewhere / 'rel-out'}" in run.output()
         # The script's own environment was given it; no process it started holds it.
         assert set(environ_holds(token.encode())) <= {run.proc.pid}
         if how == "ctrl-c":
