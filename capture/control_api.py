@@ -470,6 +470,22 @@ class ControlAPI:
             if control.get(sid) is not None:
                 return _error(409, f"agenttap: session {sid!r} is closed already")
             return self._unknown(sid)
+        if isinstance(reward, dict):
+            # Checked before anything is closed: a reward for a thread the session does not
+            # have would be lost without a word (and its rows left unrewarded).
+            async with self.gateway.pipeline.session_lock(sid):
+                pending = self.gateway.store.pending_rows(sid)
+            known = {r["thread_id"] for r in pending}
+            known |= {
+                r["thread_id"] for r in _read_rows(self.gateway.store.written_threads(sid), sid)
+            }
+            unknown = sorted(k for k in reward if k not in known)
+            if unknown:
+                raise ValueError(
+                    f"the reward names thread(s) session {sid!r} has no row of: "
+                    f"{', '.join(unknown[:10])}{' ...' if len(unknown) > 10 else ''}; its rows' "
+                    f"thread_id values are in GET /sessions/{sid} (nothing was closed)"
+                )
         closed = await self.close_session(sid, reward, reward_auxiliary=reward_auxiliary)
         assert closed is not None
         sess, rows, unmatched = closed

@@ -177,15 +177,19 @@ def test_close_answers_json_with_per_thread_rewards(tap: AgentTap, stub: StubPol
     rows = sess.rows().to_pylist()
     assert len(rows) == 2 and all(r["reward"] is None for r in rows)
     rewards = {rows[0]["thread_id"]: 1.0, rows[1]["thread_id"]: 0.0, "t-unknown": 5.0}
-    status, body = http(
-        f"{tap.api_url}/sessions/json-close/close", "POST", tap.token, {"reward": rewards}
-    )
+    url = f"{tap.api_url}/sessions/json-close/close"
+    # A thread it has no row of: a 400 naming it, and nothing is closed.
+    status, body = http(url, "POST", tap.token, {"reward": rewards})
+    assert status == 400 and "t-unknown" in body["error"]["message"], body
+    assert "json-close" in {s["id"] for s in tap.sessions()}
+    del rewards["t-unknown"]
+    status, body = http(url, "POST", tap.token, {"reward": rewards})
     assert status == 200
     assert {r["thread_id"]: r["reward"] for r in body["rows"]} == {
         rows[0]["thread_id"]: 1.0,
         rows[1]["thread_id"]: 0.0,
     }
-    assert body["unmatched_rewards"] == ["t-unknown"]
+    assert "unmatched_rewards" not in body
     assert body["end_reason"] == "stop" and body["metrics"]["calls"] == 2
 
 
