@@ -452,6 +452,22 @@ class Gateway:
                 },
                 status=421,
             )
+        origin = request.headers.get("Origin")
+        if origin is not None and urllib.parse.urlsplit(origin).netloc.lower() != (
+            request.host.lower()
+        ):
+            # A web page elsewhere (a browser sends Origin with every cross-site POST, and a
+            # text/plain one needs no preflight): neither the API nor a base URL is its to use.
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"agenttap: requests from web pages of another origin "
+                        f"({origin[:100]}) are refused",
+                        "status": 403,
+                    }
+                },
+                status=403,
+            )
         if request.path.startswith("/sess/"):
             return await self._base_url(request)
         return await self.api.handle(request)

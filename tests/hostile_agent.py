@@ -93,6 +93,15 @@ attempt(
 attempt("flush_without_token", lambda: http("http://agenttap.local/flush", "POST", {},
                                             via_proxy=True))  # fmt: skip
 attempt("rebinding_host", lambda: http(f"{API}/healthz", headers={"Host": "evil.example:80"}))
+attempt(
+    "cross_site_post",
+    lambda: http(
+        f"{API}/sess/web-page/v1/chat/completions",
+        "POST",
+        {"model": "m", "messages": [{"role": "user", "content": "from a web page"}]},
+        {"Origin": "http://evil.example", "Content-Type": "text/plain"},
+    ),
+)
 
 
 # -- 2. token hunting: every process's command line and environment, everything above us ------

@@ -78,7 +78,7 @@ def test_a_hostile_rollout_gains_nothing(
                      "forged_reward_via_proxy", "forged_close_victim", "forged_rollout",
                      "flush_without_token"):  # fmt: skip
             assert report[name] == 401, (name, report[name])
-        assert report["rebinding_host"] == 421
+        assert report["rebinding_host"] == 421 and report["cross_site_post"] == 403
         # Secrets: not in any process, file or folder it could reach.
         assert tap.token not in loot and "AGENTTAP_TOKEN" not in loot
         assert key_line not in loot and not report["ca_key_readable"]
