@@ -1,7 +1,9 @@
-"""The README is true: every command in its code blocks is one a test runs or this file checks
-(the script, module, option, flag, variable, route or CLI it names exists and takes what the
-README gives it); every Python block compiles and imports what exists; the option table and
-the route table match the code. A command of a kind nobody checks fails here: add its check."""
+"""The README and docs/*.md are true: every command in their code blocks is one a test runs or
+this file checks (the script, module, option, flag, variable, route or CLI it names exists and
+takes what the page gives it); every Python block compiles and imports what exists; docs/OPTIONS.md
+is what scripts/options_doc.py generates from the code now; docs/API.md's route table is every
+route. A command of a kind nobody checks fails here: add its check. The README stays a front page
+(under 250 lines) whose links all lead somewhere."""
 
 from __future__ import annotations
 
@@ -15,16 +17,25 @@ from pathlib import Path
 
 import pytest
 
+from capture.banner import export_line
 from capture.control_api import DUMMY_KEYS, Endpoints
 from capture.openapi import openapi_spec
 from capture.options import all_options
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TEXTS = {str(p.relative_to(REPO)): p.read_text() for p in PAGES}
+# (page, language, body) of every fenced block of every page.
+BLOCKS = [
+    (page, lang, body)
+    for page, text in TEXTS.items()
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S)
+]
 
-# Variables the README exports, beyond a session's env: each is read by a client the tests drive.
+# Variables the pages export, beyond a session's env: each is read by a client the tests drive.
 CLIENT_VARIABLES = {"CODEX_HOME", "GEMINI_CLI_TRUST_WORKSPACE"}
+# The line the banner prints for a shell to source (export AGENTTAP_API=... AGENTTAP_TOKEN=...).
+BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k"))[1:]}
 # Agent CLIs the README runs, and the end-to-end test that runs each the same way.
 CLI_TESTS = {
     "claude": "tests/e2e/test_claude_code.py",
@@ -39,24 +50,23 @@ SCRIPT_RUNNERS = {
 }
 
 
-def commands() -> list[str]:
-    """Every command line of the README's bash blocks (continuations joined, comments cut)."""
+def commands() -> list[tuple[str, str]]:
+    """(page, command line) of every bash block (continuations joined, comments cut)."""
     out = []
-    for lang, body in BLOCKS:
+    for page, lang, body in BLOCKS:
         if lang not in ("bash", "sh"):
             continue
         joined = re.sub(r"\\\n\s*", " ", body)
-        # A quoted JSON body may span lines: join lines inside an open quote.
+        # A quoted JSON body may span lines: join lines inside an open quote. Comments are cut
+        # first: an apostrophe in one ("the proxy's CA") opens no quote.
         lines: list[str] = []
         for line in joined.splitlines():
-            if lines and lines[-1].count("'") % 2 == 1:
-                lines[-1] += " " + line.strip()
-            else:
-                lines.append(line)
-        for line in lines:
             line = re.sub(r"\s+#\s.*$", "", line).strip()
-            if line and not line.startswith("#"):
-                out.append(line)
+            if lines and lines[-1].count("'") % 2 == 1:
+                lines[-1] += " " + line
+            elif line and not line.startswith("#"):
+                lines.append(line)
+        out += [(page, line) for line in lines]
     return out
 
 
@@ -89,11 +99,11 @@ def check_curl(words: list[str]) -> None:
         method = words[words.index("-X") + 1]
     url = next(w for w in words if "$AGENTTAP_API" in w or "agenttap.local" in w)
     path = re.sub(r"^.*(\$AGENTTAP_API|agenttap\.local)", "", url).split("?")[0]
-    assert (method, path) in route_methods(), f"README: curl {method} {path}: no such route"
+    assert (method, path) in route_methods(), f"curl {method} {path}: no such route"
     if "-d" in words:
         import json
 
-        json.loads(words[words.index("-d") + 1])  # the body the README shows is JSON
+        json.loads(words[words.index("-d") + 1])  # the body the page shows is JSON
 
 
 def check(line: str) -> None:
@@ -102,9 +112,12 @@ def check(line: str) -> None:
     if head == "export":
         env_names = set(Endpoints("http://a", "http://p", "/ca", "/bundle").env("S"))
         for assignment in words[1:]:
+            if "=" not in assignment:
+                continue  # the rest of a value with spaces: CODEX_HOME=$(mktemp -d)
             name = assignment.split("=", 1)[0]
-            assert name in env_names | set(DUMMY_KEYS) | CLIENT_VARIABLES, (
-                f"README exports {name}, which no session env holds and no client reads"
+            known = env_names | set(DUMMY_KEYS) | CLIENT_VARIABLES | BANNER_VARIABLES
+            assert name in known, (
+                f"exports {name}, which no session env or banner line holds and no client reads"
             )
         return
     if head in SCRIPT_RUNNERS:
@@ -124,7 +137,7 @@ def check(line: str) -> None:
         for i, w in enumerate(words):
             if w == "--set":
                 name = words[i + 1].split("=", 1)[0]
-                assert name in names, f"README sets {name}, which is no agenttap option"
+                assert name in names, f"sets {name}, which is no agenttap option"
         return
     if head == ".venv/bin/python" and words[1] == "-m":
         module = words[2]
@@ -140,38 +153,54 @@ def check(line: str) -> None:
     if head in CLI_TESTS:
         test = (REPO / CLI_TESTS[head]).read_text()
         for flag in (w for w in words[1:] if w.startswith("-")):
-            assert flag in test, (
-                f"README runs {head} with {flag}, which {CLI_TESTS[head]} never does"
-            )
+            assert flag in test, f"runs {head} with {flag}, which {CLI_TESTS[head]} never does"
         return
     if head == "python" and words[1] == "my_agent.py":
         return  # the user's own program: any client, configured by the exports above
-    pytest.fail(f"README command nobody checks: {line!r} (run it in a test or check it here)")
+    pytest.fail(f"command nobody checks: {line!r} (run it in a test or check it here)")
 
 
-@pytest.mark.parametrize("line", commands())
-def test_every_readme_command_is_checked(line: str) -> None:
-    check(line)
+@pytest.mark.parametrize(("page", "line"), commands(), ids=lambda v: v[:60])
+def test_every_command_is_checked(page: str, line: str) -> None:
+    try:
+        check(line)
+    except AssertionError as e:
+        raise AssertionError(f"{page}: {e}") from e
+
+
+def test_the_readme_and_the_docs_hold_commands() -> None:
+    pages = {page for page, _ in commands()}
+    assert {"README.md", "docs/API.md", "docs/PROVIDERS.md", "docs/RUNNING.md"} <= pages
 
 
 def test_every_python_block_compiles_and_imports_what_exists() -> None:
-    blocks = [body for lang, body in BLOCKS if lang == "python"]
-    assert blocks
-    for body in blocks:
-        compile(body, "README.md", "exec")
+    blocks = [(page, body) for page, lang, body in BLOCKS if lang == "python"]
+    assert {page for page, _ in blocks} >= {"README.md", "docs/API.md", "docs/SHARDS.md"}
+    for page, body in blocks:
+        compile(body, page, "exec")
         for module, names in re.findall(r"^\s*from ([\w.]+) import ([\w, ]+)", body, re.M):
             mod = importlib.import_module(module)
             for name in (n.strip() for n in names.split(",")):
-                assert hasattr(mod, name), f"README imports {name} from {module}: no such name"
+                assert hasattr(mod, name), f"{page} imports {name} from {module}: no such name"
 
 
-def test_the_option_table_is_every_option() -> None:
-    table = set(re.findall(r"^\| `(agenttap_\w+)` \|", README, re.M))
+def test_the_options_doc_is_generated_from_the_code_now() -> None:
+    """docs/OPTIONS.md is exactly what scripts/options_doc.py writes from all_options(): a
+    changed, added or removed option fails here until the doc is regenerated."""
+    done = subprocess.run(
+        [sys.executable, "scripts/options_doc.py"], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == TEXTS["docs/OPTIONS.md"], (
+        "docs/OPTIONS.md is stale: run .venv/bin/python scripts/options_doc.py --write"
+    )
+    table = set(re.findall(r"^\| `(agenttap_\w+)` \|", done.stdout, re.M))
     assert table == {o.name for o in all_options()}
 
 
 def test_the_route_table_is_every_route() -> None:
-    rows = re.findall(r"^\| `((?:GET|POST|DELETE)[^|]*)` \|", README, re.M)
+    rows = re.findall(r"^\| `((?:GET|POST|DELETE)[^|]*)` \|", TEXTS["docs/API.md"], re.M)
     named: set[tuple[str, str]] = set()
     for cell in rows:
         for part in cell.split("`, `"):
@@ -181,11 +210,29 @@ def test_the_route_table_is_every_route() -> None:
     spec = route_methods()
     assert named <= spec, named - spec
     missing = {r for r in spec if r not in named and r[1] != "/openapi.json"}
-    assert not missing, f"routes the README's table leaves out: {sorted(missing)}"
+    assert not missing, f"routes docs/API.md's table leaves out: {sorted(missing)}"
 
 
-def test_every_bench_script_the_readme_names_exists() -> None:
-    for name in set(re.findall(r"`(bench/\w+\.py)`", README)):
-        assert (REPO / name).is_file(), name
-    for name in set(re.findall(r"`(tests/[\w/]+\.py)`", README)):
-        assert (REPO / name).is_file(), name
+def test_every_bench_script_and_test_a_page_names_exists() -> None:
+    for page, text in TEXTS.items():
+        for name in set(
+            re.findall(r"`((?:bench|tests|examples|scripts)/[\w/]+\.(?:py|sh))`", text)
+        ):
+            assert (REPO / name).is_file(), f"{page} names {name}: no such file"
+
+
+def test_the_readme_is_a_front_page() -> None:
+    """Under 250 lines; the reference lives in docs/, and the README links every page there."""
+    readme = TEXTS["README.md"]
+    assert len(readme.splitlines()) < 250, "README.md: move reference material to docs/"
+    for page in TEXTS:
+        if page.startswith("docs/"):
+            assert f"]({page})" in readme, f"README.md does not link {page}"
+
+
+def test_every_relative_link_leads_to_a_file() -> None:
+    for page, text in TEXTS.items():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            assert ((REPO / page).parent / target).exists(), f"{page} links {target}: no such file"
