@@ -30,10 +30,10 @@ def tap(
     instance.close()
 
 
-def generate(url: str, body: Any) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
+def generate(url: str, body: Any, key: str) -> tuple[int, dict[str, Any]]:
+    """POST /sess/ID/generate with the session's secret (its API key)."""
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -46,14 +46,16 @@ def test_generate_records_token_turns_exactly(tap: AgentTap, vllm_url: str, tok:
     url = f"{tap.api_url}/sess/{sess.id}/generate"
     prompt = list(tok.encode("The agent reads the file and", add_special_tokens=False))
     sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 7}
-    status, first = generate(url, {"token_ids": prompt, "sampling_params": sampling})
+    status, first = generate(url, {"token_ids": prompt, "sampling_params": sampling}, sess.api_key)
     assert status == 200, first
     assert len(first["token_ids"]) == len(first["logprobs"]) == first["completion_tokens"] > 0
     assert first["extends"] is None
     # The agent's next call: the whole first sequence, then its own (environment) tokens.
     env_ids = list(tok.encode("\nObservation: ok\n", add_special_tokens=False))
     second_prompt = prompt + first["token_ids"] + env_ids
-    status, second = generate(url, {"token_ids": second_prompt, "sampling_params": sampling})
+    status, second = generate(
+        url, {"token_ids": second_prompt, "sampling_params": sampling}, sess.api_key
+    )
     assert status == 200, second
     assert second["extends"] == first["id"]
 
@@ -87,10 +89,16 @@ def test_generate_refuses_bad_input_and_ended_sessions(tap: AgentTap) -> None:
         ({"token_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
         ({"token_ids": [1], "extra": 1}, "unknown field"),
     ]:
-        status, answer = generate(url, body)
+        status, answer = generate(url, body, sess.api_key)
         assert status == 400 and words in answer["error"]["message"], (body, answer)
-    assert generate(url, {"token_ids": [9707], "sampling_params": {"max_tokens": 2}})[0] == 200
-    status, answer = generate(url, {"token_ids": [9707]})
+    # Without the session's secret: refused, and not counted against its max_calls.
+    status, answer = generate(url, {"token_ids": [9707]}, "sk-guess")
+    assert status == 401 and "wants its secret" in answer["error"]["message"], answer
+    assert (
+        generate(url, {"token_ids": [9707], "sampling_params": {"max_tokens": 2}}, sess.api_key)[0]
+        == 200
+    )
+    status, answer = generate(url, {"token_ids": [9707]}, sess.api_key)
     assert status == 400 and answer["error"]["reason"] == "max_calls"
     sess.close()
     assert sess.metrics["calls"] == 1 and sess.metrics["refused"] == 1
