@@ -373,7 +373,7 @@ class ProxyPool:
         every alive node; ``num_cpus``: Ray CPUs each actor holds (its mitmdump uses about one
         core when busy); ``host``: where each instance listens (``"node"``: the node's IP
         address, for agents on other hosts; no authentication on the proxy port: see
-        README); ``out_root``: local or shared path, ``OUT_ROOT/proxy-<n>/`` per actor;
+        docs/SECURITY.md); ``out_root``: local or shared path, ``OUT_ROOT/proxy-<n>/`` per actor;
         ``upload_to`` (+ ``upload_filesystem``): copy shards there too (module docstring);
         ``load_refresh_s``: how long a poll of the actors' loads is reused for placing."""
         import ray

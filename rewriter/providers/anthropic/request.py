@@ -31,7 +31,7 @@ BLOCK_SEPARATOR = "\n\n"
 
 @dataclass(frozen=True)
 class Normalization:
-    """Scaffold noise removed before rendering (documented in README, "Normalization").
+    """Scaffold noise removed before rendering (documented in docs/PROVIDERS.md, "Normalization").
 
     ``drop_system_blocks``: text blocks of ``system`` (top-level or a ``role: "system"``
     message) matching any of these regexes are dropped. ``cache_control``, ``citations`` and
