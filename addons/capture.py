@@ -48,7 +48,9 @@ from capture.bodies import (  # noqa: E402
     NeedsLoopback,
     shrink_head,
 )
-from capture.control_api import banner_lines, write_ca_bundle  # noqa: E402
+from capture.control_api import ControlAPI, banner_lines  # noqa: E402
+from capture.control_api import build as build_control_api  # noqa: E402
+from capture.endpoints import write_ca_bundle  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -349,7 +351,7 @@ class AgentTap:
             sandbox_hide=settings.sandbox_hide
             + ((settings.token_file,) if settings.token_file is not None else ()),
         )
-        gateway = Gateway(config, self._template)
+        gateway = Gateway(config, self._template, control_plane=build_control_api)
         await gateway.start()
         self.gateway = gateway
         self._warn_if_open()
@@ -359,7 +361,7 @@ class AgentTap:
             ", ".join(config.policy_urls),
             os.path.abspath(config.out_dir),
         )
-        assert gateway.api is not None
+        assert isinstance(gateway.api, ControlAPI)
         endpoints = gateway.api.endpoints
         if not ctx.options.server:  # mitmdump -n: no proxy to point a client at
             endpoints = dataclasses.replace(endpoints, proxy_url="")

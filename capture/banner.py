@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from capture.control_api import Endpoints
+from capture.endpoints import Endpoints
 
 # banner_lines' lines that the per-family lines below say better (and with the CA bundle where
 # a client's CA variable replaces the system's).

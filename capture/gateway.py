@@ -20,7 +20,6 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,11 @@ from capture.bodies import (
     NeedsLoopback,
     oversized_head_message,
 )
-from capture.control_api import ControlAPI, Endpoints
+from capture.gateway_config import GatewayConfig
 from capture.metrics import Metrics
 from capture.pipeline import TurnPipeline
 from capture.policies import PolicyPools
+from capture.ports import ControlPlane
 from capture.session_control import SessionControl
 from capture.session_ids import (
     INTERNAL_PREFIX,
@@ -92,66 +92,6 @@ STATUS_EVERY_S = 10.0
 GATEWAY_BACKLOG = 4096
 
 
-@dataclass
-class GatewayConfig:
-    policy_urls: list[str]
-    tokenizer_path: Path
-    out_dir: Path
-    tool_parser: str = "hermes"
-    reasoning_parser: str = "qwen3"
-    idle_timeout_s: float = 300.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    sweep_interval_s: float = 5.0
-    # Re-score policy tokens whose context a scaffold rewrote, and schema-constrained samples
-    # (vLLM prompt_logprobs); off: such tokens are masked out of the loss instead. Option
-    # agenttap_recompute_mismatch_logprobs.
-    recompute_logprobs: bool = True
-    # Wait for each call's journal fsync before its answer ends (agenttap_journal_fsync=
-    # before_reply); off: the line is written first, fsynced right after, batched.
-    fsync_before_reply: bool = False
-    # (pattern, servers): requested model names -> policy servers; see parse_model_map.
-    model_map: list[tuple[str, list[str]]] = field(default_factory=list)
-    # Extra names GET /v1/models lists (every name is served).
-    model_names: list[str] = field(default_factory=list)
-    # Provider option values by option name (see ProviderOption); missing ones take defaults.
-    provider_options: dict[str, Any] = field(default_factory=dict)
-    # Registry names of the providers to serve, in the order they are asked; empty: all.
-    providers: list[str] = field(default_factory=list)
-    # Longest wait for the policy's next byte; then the client gets its provider's retryable
-    # error (OpenAI 503, Anthropic 529) instead of hanging until its own timeout.
-    policy_timeout_s: float = 300.0
-    # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
-    policy_max_connections: int = 1024
-    # Generations at once per policy server (0: unbounded) and calls that may wait for one
-    # beyond that; then the provider's retryable error (capture/replicas.py).
-    replica_max_inflight: int = 0
-    replica_queue: int = 256
-    # Seconds between health checks of the policy servers (GET /health); 0: none.
-    health_interval_s: float = 5.0
-    # The control API and per-session base URLs listen here (port 0: a free one); None: not
-    # at all (only the proxy's http://agenttap.local serves the control API).
-    api_host: str | None = None
-    api_port: int = 0
-    # The control API's bearer token; empty: a random one.
-    token: str = ""
-    # Host put into the URLs handed out (empty: the listening address, see advertised_host).
-    advertise_host: str = ""
-    # Agents that rollouts (POST /rollouts) may run at once.
-    max_rollouts: int = 8
-    # mitmdump's proxy URL (http://HOST:PORT) and CA certificate, for sessions' environments.
-    proxy_url: str = ""
-    ca_path: str = ""
-    bundle_path: str = ""
-    # Calls must name an opened session and carry its secret (agenttap_require_session_secret).
-    require_session_secret: bool = False
-    # Rollouts' sandbox: "bwrap" or "none" (agenttap_sandbox), and what it hides beyond OUT:
-    # mitmproxy's confdir (the CA key), the token file, agenttap_sandbox_hide.
-    sandbox: str = "bwrap"
-    confdir: str = ""
-    sandbox_hide: tuple[Path, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def advertised_host(listen_host: str, advertise: str = "") -> str:
     """The host a client elsewhere should use for a listener on ``listen_host``."""
     if advertise:
@@ -171,8 +111,17 @@ def url_host(host: str) -> str:
 class Gateway:
     """The loopback server; also the ``TurnRunner`` a provider's WebSocket session drives."""
 
-    def __init__(self, config: GatewayConfig, template: ChatTemplate | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        template: ChatTemplate | None = None,
+        control_plane: Callable[[Gateway, str], ControlPlane] | None = None,
+    ) -> None:
+        """``control_plane``: builds the control API at start, given this gateway and the
+        URL clients reach it at (the addon registers ``capture.control_api.build``); None:
+        calls are answered, and the control routes get a 503."""
         self.config = config
+        self._control_plane = control_plane
         self.template = template or ChatTemplate(config.tokenizer_path)
         self.store = SessionStore(
             config.out_dir,
@@ -214,7 +163,7 @@ class Gateway:
             metrics=self.metrics,
             fsync_before_reply=config.fsync_before_reply,
         )
-        self.api: ControlAPI | None = None
+        self.api: ControlPlane | None = None
         available = registered()
         names = config.providers or list(available)
         unknown = [n for n in names if n not in available]
@@ -238,7 +187,7 @@ class Gateway:
             "agenttap_sessions_live": len(sessions),
             "agenttap_calls_in_flight": sum(s.in_flight for s in live),
             "agenttap_rollout_agents_running": (
-                self.api.rollouts.rollouts.running_agents() if self.api is not None else 0
+                self.api.running_agents() if self.api is not None else 0
             ),
         }
 
@@ -269,12 +218,8 @@ class Gateway:
             api_url = f"http://{url_host(host)}:{self.api_port}"
         else:
             api_url = f"http://{CONTROL_HOST}"
-        self.api = ControlAPI(
-            self,
-            self.api_token,
-            Endpoints(api_url, config.proxy_url, config.ca_path, config.bundle_path),
-            config.max_rollouts,
-        )
+        if self._control_plane is not None:
+            self.api = self._control_plane(self, api_url)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self.port
 
@@ -313,7 +258,7 @@ class Gateway:
             self._sweeper.cancel()
         if self.api is not None:
             # Agents never outlive the proxy: their process groups end, their rows are kept.
-            await self.api.rollouts.rollouts.shutdown()
+            await self.api.shutdown()
         for runner in (self._api_runner, self._runner):
             if runner:
                 await runner.cleanup()
@@ -429,14 +374,16 @@ class Gateway:
             raise NeedsLoopback("a control call or a WebSocket")
         if host == CONTROL_HOST:
             assert isinstance(request, web.Request)
-            assert self.api is not None
+            if self.api is None:
+                return self._no_control_plane()
             return await self.api.handle(request, bearer=request.headers.get(BEARER_HEADER, ""))
         secret = unquote_session(request.headers.get(SESSION_SECRET_HEADER, ""))
         return await self._answer(request, host, [secret])
 
     async def _public(self, request: web.Request) -> web.StreamResponse:
         """The API listener: per-session base URLs (/sess/<id>/...) and the control API."""
-        assert self.api is not None
+        if self.api is None:
+            return self._no_control_plane()
         if not self._host_served(request.host):
             # DNS rebinding: a web page's own name resolved to this machine must not reach the
             # API (a browser sends no token, but a base URL needs none in a session never
@@ -446,7 +393,7 @@ class Gateway:
                     "error": {
                         "message": f"agenttap: this listener does not serve the host name "
                         f"{request.host.rpartition(':')[0] or request.host!r}; use "
-                        f"{self.api.endpoints.api_url} (or set agenttap_advertise_host)",
+                        f"{self.api.api_url} (or set agenttap_advertise_host)",
                         "status": 421,
                     }
                 },
@@ -471,6 +418,13 @@ class Gateway:
         if request.path.startswith("/sess/"):
             return await self._base_url(request)
         return await self.api.handle(request)
+
+    @staticmethod
+    def _no_control_plane() -> web.Response:
+        return web.json_response(
+            {"error": {"message": "agenttap: this gateway serves no control API", "status": 503}},
+            status=503,
+        )
 
     def _host_served(self, host_header: str) -> bool:
         """The API listener's ``Host`` check: an IP literal, ``localhost``, or a name this

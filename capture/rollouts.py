@@ -31,9 +31,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from capture.agents import agent_command
+from capture.ports import RolloutHost
 from capture.sandbox import (
     Jail,
     SandboxSpec,
@@ -53,9 +54,6 @@ from capture.session_control import (
     parse_limits,
     reject_unknown,
 )
-
-if TYPE_CHECKING:
-    from capture.control_api import ControlAPI
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +275,7 @@ class Busy(Exception):
 class Rollouts:
     """Every rollout of this process; runs them as asyncio tasks in the gateway's loop."""
 
-    def __init__(self, api: ControlAPI, max_running: int) -> None:
+    def __init__(self, api: RolloutHost, max_running: int) -> None:
         self.api = api
         self.max_running = max_running
         self._rollouts: dict[str, Rollout] = {}

@@ -16,22 +16,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from capture.ports import RolloutHost
 from capture.rollouts import Busy, Rollouts, parse_rollout
 from capture.sandbox import check_seed
-
-if TYPE_CHECKING:
-    from capture.control_api import ControlAPI
 
 # What a refused rollout is told to wait before trying again.
 RETRY_AFTER_S = 5
 
 
 class RolloutRoutes:
-    def __init__(self, api: ControlAPI, max_running: int) -> None:
+    def __init__(self, api: RolloutHost, max_running: int) -> None:
         self.api = api
         self.rollouts = Rollouts(api, max_running)
 

@@ -211,9 +211,7 @@ class SessionControl:
 
     def get(self, session_id: str) -> ControlledSession | None:
         return (
-            self._live.get(session_id)
-            or self._closed.get(session_id)
-            or self._past.get(session_id)
+            self._live.get(session_id) or self._closed.get(session_id) or self._past.get(session_id)
         )
 
     def credential_refusal(

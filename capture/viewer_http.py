@@ -27,15 +27,13 @@ import zlib
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from capture import viewer
+from capture.ports import GatewayCore
 from capture.viewer import Decode, RowSource, ShardSource
-
-if TYPE_CHECKING:
-    from capture.gateway import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,7 @@ def _error(status: int, message: str) -> web.Response:
 class LiveSource:
     """A running proxy's rows: what its shards hold plus its live sessions' unwritten calls."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
         self.shards = ShardSource(gateway.config.out_dir)
 
@@ -261,7 +259,7 @@ class ViewerRoutes:
         return viewer.diff_calls(first, second, self.decode)
 
 
-def live_viewer(gateway: Gateway) -> ViewerRoutes:
+def live_viewer(gateway: GatewayCore) -> ViewerRoutes:
     """The viewer of a running proxy: its shards, its live sessions, its tokenizer."""
     source = LiveSource(gateway)
     config = gateway.config

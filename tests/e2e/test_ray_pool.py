@@ -114,7 +114,9 @@ def test_sessions_placed_on_both_actors_keep_replica_affinity_and_read_back_as_o
         i["api_url"] for i in infos
     }
     with ThreadPoolExecutor(4) as workers:
-        answers = list(workers.map(lambda s: chat(s.base_urls["openai"], s.id, 2, s.api_key), sessions))
+        answers = list(
+            workers.map(lambda s: chat(s.base_urls["openai"], s.id, 2, s.api_key), sessions)
+        )
     # Each session hit the replica its id's hash names, whichever actor held it.
     for sess, got in zip(sessions, answers, strict=True):
         replica = [stub.url for stub in replicas].index(pool.replica_for(sess.id))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capture.banner import ready_line, start_lines
-from capture.control_api import Endpoints
+from capture.endpoints import Endpoints
 from capture.pipeline import call_line, failed_line, log_field
 from capture.records import FailedCall, TurnRecord
 from rewriter.policy_server import last_log_step

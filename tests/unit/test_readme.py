@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from capture.banner import export_line
-from capture.control_api import DUMMY_KEYS, Endpoints
+from capture.endpoints import DUMMY_KEYS, Endpoints
 from capture.openapi import openapi_spec
 from capture.options import all_options
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from capture.control_api import Endpoints
+from capture.endpoints import Endpoints
 from capture.options import (
     parse_host,
     parse_passthrough,

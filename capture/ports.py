@@ -1,0 +1,75 @@
+"""The narrow interfaces between the gateway and what is built on it.
+
+The gateway (``capture/gateway.py``) answers intercepted calls; the control plane
+(``capture/control_api.py``), rollouts (``capture/rollouts.py``) and the viewer
+(``capture/viewer_http.py``) are built on it. Dependencies run one way: those modules see the
+gateway only as ``GatewayCore``, and the gateway sees the control plane only as
+``ControlPlane``, built at start by the factory the addon registers. Neither imports the other's
+module (``tests/unit/test_import_graph.py`` holds that)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from capture.endpoints import Endpoints
+from capture.gateway_config import GatewayConfig
+from capture.metrics import Metrics
+from capture.pipeline import TurnPipeline
+from capture.policies import PolicyPools
+from capture.session_control import SessionControl
+from capture.sessions import SessionStore
+from rewriter.template import ChatTemplate
+
+
+class GatewayCore(Protocol):
+    """What the control plane, rollouts and the viewer use of the gateway."""
+
+    config: GatewayConfig
+    control: SessionControl
+    metrics: Metrics
+    pipeline: TurnPipeline
+    policies: PolicyPools
+    store: SessionStore
+    template: ChatTemplate
+    api_token: str
+
+    async def flush(self, session_id: str | None = None) -> list[Path]: ...
+
+
+class ControlPlane(Protocol):
+    """What the gateway asks of the control plane it serves."""
+
+    @property
+    def api_url(self) -> str: ...
+
+    async def handle(
+        self, request: web.Request, bearer: str | None = None
+    ) -> web.StreamResponse: ...
+
+    def running_agents(self) -> int: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class RolloutHost(Protocol):
+    """What rollouts use of the control plane: the gateway, the session environments, the
+    output folder, closing a session with its reward, and reading a request's JSON body."""
+
+    gateway: GatewayCore
+    endpoints: Endpoints
+
+    @property
+    def out_dir(self) -> Path: ...
+
+    async def close_session(
+        self,
+        sid: str,
+        reward: float | dict[str, float] | None,
+        end_reason: str | None = None,
+        reward_auxiliary: bool = False,
+    ) -> tuple[Any, list[dict[str, Any]], list[str]] | None: ...
+
+    async def body(self, request: web.Request) -> dict[str, Any]: ...
