@@ -40,17 +40,10 @@ from mitmproxy.proxy import server_hooks  # noqa: E402
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from addons.control_host import ControlHost  # noqa: E402
 from addons.credentials import proxy_credentials, strip_secrets  # noqa: E402
-from capture.banner import export_line, ready_line, start_lines  # noqa: E402
-from capture.bodies import (  # noqa: E402
-    OVERSIZED_HEADER,
-    UNSUPPORTED_ENCODING_HEADER,
-    BufferedRequest,
-    NeedsLoopback,
-    shrink_head,
-)
-from capture.control_api import ControlAPI, banner_lines  # noqa: E402
-from capture.control_api import build as build_control_api  # noqa: E402
-from capture.endpoints import write_ca_bundle  # noqa: E402
+from capture.control.api import ControlAPI, banner_lines  # noqa: E402
+from capture.control.api import build as build_control_api  # noqa: E402
+from capture.control.banner import export_line, ready_line, start_lines  # noqa: E402
+from capture.control.endpoints import write_ca_bundle  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -71,19 +64,26 @@ from capture.options import (  # noqa: E402
     passes_through,
     unknown_names,
 )
-from capture.pipeline import call_logger  # noqa: E402
-from capture.session_ids import (  # noqa: E402
+from capture.pipeline.bodies import (  # noqa: E402
+    OVERSIZED_HEADER,
+    UNSUPPORTED_ENCODING_HEADER,
+    BufferedRequest,
+    NeedsLoopback,
+    shrink_head,
+)
+from capture.pipeline.session_ids import (  # noqa: E402
     SESSION_HEADER,
     SESSION_SECRET_HEADER,
     quote_session,
 )
-from capture.startup import check_startup  # noqa: E402
+from capture.pipeline.turn import call_logger  # noqa: E402
+from capture.policy.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 # Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
-# API (capture/control_api.py), with its token like every control route.
+# API (capture/control/api.py), with its token like every control route.
 # A body that may ask for a stream; answered over the loopback listener (see _answer_buffered).
 MAY_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
@@ -200,7 +200,8 @@ class AgentTap:
         self._load_error: str | None = None
         # Why the configuration cannot be used; while set, every flow is refused.
         self.broken: str | None = None
-        # The startup check of the policy servers (capture/startup.py): done once, its verdict.
+        # The startup check of the policy servers (capture/policy/startup.py): done once; its
+        # verdict.
         self._policy_checked = False
         self._startup_error: str | None = None
         self._template: ChatTemplate | None = None
@@ -657,7 +658,7 @@ class AgentTap:
         req.headers[TOKEN_HEADER] = self.gateway.token
         req.headers[SESSION_HEADER] = quote_session(session_id)
         if secret:
-            # The gateway checks it against the session's (capture/session_control.py).
+            # The gateway checks it against the session's (capture/control/sessions.py).
             req.headers[SESSION_SECRET_HEADER] = quote_session(secret)
         req.headers[HOST_HEADER] = host
         if "Content-Encoding" in req.headers:

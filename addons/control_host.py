@@ -1,4 +1,4 @@
-"""``http://agenttap.local`` through the proxy: the control API (capture/control_api.py).
+"""``http://agenttap.local`` through the proxy: the control API (capture/control/api.py).
 
 Plain-HTTP requests to that name are sent to the gateway, which answers them; nothing leaves
 the machine. A control call's ``Authorization: Bearer`` token is checked here, then stripped
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from addons.credentials import strip_secrets
-from capture.control_api import bearer_state
+from capture.control.api import bearer_state
 from capture.gateway import (
     BEARER_HEADER,
     CONTROL_HOST,

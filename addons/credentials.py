@@ -9,7 +9,7 @@ import urllib.parse
 
 from mitmproxy import http
 
-from capture.session_ids import INTERNAL_PREFIX, SECRET_HEADERS, SECRET_QUERY
+from capture.pipeline.session_ids import INTERNAL_PREFIX, SECRET_HEADERS, SECRET_QUERY
 
 _SECRET_HEADER_BYTES = frozenset(name.encode() for name in SECRET_HEADERS)
 _INTERNAL_PREFIX_BYTES = INTERNAL_PREFIX.encode()

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/control.py [--sessions 400] [--calls 3] [--workers 32]
 
-A real mitmdump started by the launcher (capture/launcher.py) with the scripted stub policy.
+A real mitmdump started by the launcher (capture/client/launcher.py) with the scripted stub policy.
 Opens --sessions sessions at once (all open together), makes --calls chat calls in each through
 its base URL, then closes half of them with a reward (POST /sessions/ID/close, rows returned as
 Arrow) and writes the other half with the plain POST /flush?session=ID (the baseline: the same
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from capture.launcher import AgentTap, Session  # noqa: E402
+from capture.client.launcher import AgentTap, Session  # noqa: E402
 from tests.conftest import QWEN3  # noqa: E402
 from tests.stub_vllm import StubPolicy  # noqa: E402
 

@@ -19,7 +19,7 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
   vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
 - ``agenttap-2``: the same, as a pool of ``--pool`` agenttap processes (default 2), each
-  conversation's session on one of them (by a hash of its name), as ``capture/ray_pool.py``
+  conversation's session on one of them (by a hash of its name), as ``capture/client/ray_pool.py``
   and ``bench/concurrency.py --proxies`` place sessions: one Python process uses one core, and
   the pool is how agenttap uses more. Its CPU is the whole pool's.
 - ``policy``: the stub alone, called as agenttap calls it (the conversation rendered to token
@@ -522,7 +522,7 @@ class Path_:
 
 class PoolPath(Path_):
     """Several agenttap processes (one Python process uses one core), each conversation's
-    session placed on one of them by its name, as ``capture/ray_pool.py`` places sessions."""
+    session placed on one of them by its name, as ``capture/client/ray_pool.py`` places sessions."""
 
     def request(
         self, conv: Conversation, max_tokens: int, stream: bool

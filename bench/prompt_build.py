@@ -23,7 +23,11 @@ from capture.trajectory import ThreadSet  # noqa: E402
 from rewriter.canonical import Message, ToolCall, ToolSpec  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 
-TOOLS = [ToolSpec("bash", "Run a shell command", {"type": "object", "properties": {"cmd": {"type": "string"}}})]
+TOOLS = [
+    ToolSpec(
+        "bash", "Run a shell command", {"type": "object", "properties": {"cmd": {"type": "string"}}}
+    )
+]
 
 
 def main() -> None:
@@ -40,11 +44,18 @@ def main() -> None:
 
 
 def run(
-    template: ChatTemplate, turns: int, repeat: int, trace: bool, naive_at: tuple[int, ...] | None = None
+    template: ChatTemplate,
+    turns: int,
+    repeat: int,
+    trace: bool,
+    naive_at: tuple[int, ...] | None = None,
 ) -> tuple[dict[int, float], dict[int, float], int, int]:
     naive_at = (10, 50, 100, 150, turns) if naive_at is None else naive_at
     threads = ThreadSet("bench", template)
-    msgs = [Message("system", "You are a coding agent. " * 20), Message("user", "Fix the bug in the parser.")]
+    msgs = [
+        Message("system", "You are a coding agent. " * 20),
+        Message("user", "Fix the bug in the parser."),
+    ]
     tool_output = "\n".join(f"line {i}: some file content here with tokens" for i in range(28))
     ours: dict[int, float] = {}
     naive: dict[int, float] = {}
@@ -65,14 +76,22 @@ def run(
             naive[turn] = time.perf_counter() - t0
         text = f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "cat file_{turn}.py"}}}}\n</tool_call>'
         sampled = template.encode(text) + [template.eos_token_id]
-        reply = Message("assistant", "", tool_calls=(ToolCall(f"c{turn}", "bash", f'{{"cmd": "cat file_{turn}.py"}}'),))
+        reply = Message(
+            "assistant",
+            "",
+            tool_calls=(ToolCall(f"c{turn}", "bash", f'{{"cmd": "cat file_{turn}.py"}}'),),
+        )
         call = threads.commit(
             assembly, reply, sampled, [-0.1] * len(sampled), request_id=str(turn), turn_index=turn,
             finish_reason="stop", latency_s=0.0, backend="bench",
         )  # fmt: skip
         tokens = call.seq_len
         # The scaffold re-serializes the arguments and renames the id before sending them back.
-        echoed = Message("assistant", "", tool_calls=(ToolCall(f"toolu_{turn}", "bash", f'{{"cmd":"cat file_{turn}.py"}}'),))
+        echoed = Message(
+            "assistant",
+            "",
+            tool_calls=(ToolCall(f"toolu_{turn}", "bash", f'{{"cmd":"cat file_{turn}.py"}}'),),
+        )
         msgs += [echoed, Message("tool", tool_output, tool_call_id=f"toolu_{turn}")]
     mem = 0
     if trace:
@@ -81,17 +100,25 @@ def run(
     return ours, naive, tokens, mem
 
 
-def report(turns: int, ours: dict[int, float], naive: dict[int, float], tokens: int, mem: int) -> None:
+def report(
+    turns: int, ours: dict[int, float], naive: dict[int, float], tokens: int, mem: int
+) -> None:
     print(f"conversation: {turns} turns, {tokens} tokens in the thread\n")
-    print(f"{'turn':>6} | {'agenttap ms':>12} | {'full re-render ms':>18} | {'ratio naive/ours':>16}")
+    print(
+        f"{'turn':>6} | {'agenttap ms':>12} | {'full re-render ms':>18} | {'ratio naive/ours':>16}"
+    )
     print("-" * 62)
     for turn in sorted(naive):
-        print(f"{turn:>6} | {ours[turn] * 1e3:>12.3f} | {naive[turn] * 1e3:>18.3f} | {naive[turn] / ours[turn]:>16.1f}")
+        print(
+            f"{turn:>6} | {ours[turn] * 1e3:>12.3f} | {naive[turn] * 1e3:>18.3f} | {naive[turn] / ours[turn]:>16.1f}"
+        )
     ratio = ours[turns] / ours[10]
     window = statistics.median(ours[t] for t in range(turns - 9, turns + 1)) / statistics.median(
         ours[t] for t in range(6, 16)
     )
-    print(f"\nturn {turns} / turn 10 (agenttap): {ratio:.2f}x; medians of turns around them: {window:.2f}x (target <= 1.5x)")
+    print(
+        f"\nturn {turns} / turn 10 (agenttap): {ratio:.2f}x; medians of turns around them: {window:.2f}x (target <= 1.5x)"
+    )
     print(f"memory per stored token (thread state, tracemalloc): {mem / max(tokens, 1):.1f} bytes")
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ray_pool.py [--actors 1,2,4] [--sessions 64] [--calls 16] [--replicas 2]
 
-A local Ray cluster; a pool of proxy actors (capture/ray_pool.py: each a real mitmdump started
+A local Ray cluster; a pool of proxy actors (capture/client/ray_pool.py: each a real mitmdump started
 by the launcher) in front of --replicas scripted stub policies, each in its own process (a fast
 policy: a short fixed answer). For each pool size: --sessions sessions opened through the pool
 (least-loaded placement), each sending --calls chat calls one after another through its base
@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from capture.ray_pool import ProxyPool  # noqa: E402
+from capture.client.ray_pool import ProxyPool  # noqa: E402
 from tests.conftest import QWEN3  # noqa: E402
 
 

@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 import pyarrow.dataset as ds  # noqa: E402
 
-import capture.sessions as sessions_mod  # noqa: E402
-import capture.shards as shards_mod  # noqa: E402
-from capture import journal_lines  # noqa: E402
-from capture.sessions import SessionStore  # noqa: E402
+import capture.storage.sessions as sessions_mod  # noqa: E402
+import capture.storage.shards as shards_mod  # noqa: E402
+from capture.storage import journal_lines  # noqa: E402
+from capture.storage.sessions import SessionStore  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 from tests.agent_sessions import Script, build, corpus, record  # noqa: E402
 from tests.conftest import QWEN3  # noqa: E402
@@ -67,7 +67,7 @@ class Sizes:
 
 
 def old_parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    return {"compression": "zstd"}  # what capture/shards.py wrote with before issue 19
+    return {"compression": "zstd"}  # what capture/storage/shards.py wrote with before issue 19
 
 
 @contextmanager

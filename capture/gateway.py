@@ -3,10 +3,11 @@
 mitmproxy cannot stream a body an addon builds itself, so the addon points each intercepted flow
 at this server (running in mitmproxy's own event loop) and lets mitmproxy stream its answer back
 to the client. Here the registry's providers (``capture/providers``) say who answers a call, and
-the call is dispatched: a model call to the turn pipeline (``capture/pipeline.py``), a token
-count, a model list (``capture/policies.py``), a local answer or a WebSocket. This module holds
+the call is dispatched: a model call to the turn pipeline (``capture/pipeline/turn.py``), a token
+count, a model list (``capture/policy/pools.py``), a local answer or a WebSocket. This module holds
 the server's lifecycle (start, the idle sweeper, stop, flush) and that routing; request heads
-and bodies are read by ``capture/bodies.py``, sessions named by ``capture/session_ids.py``.
+and bodies are read by ``capture/pipeline/bodies.py``, sessions named by
+``capture/pipeline/session_ids.py``.
 Nothing here knows about mitmproxy or any one provider.
 """
 
@@ -28,7 +29,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from capture.bodies import (
+from capture.control.metrics import Metrics
+from capture.control.sessions import SessionControl
+from capture.gateway_config import GatewayConfig
+from capture.pipeline.bodies import (
     OVERSIZED_HEADER,
     PARSER_HEAD_BYTES,
     PARSER_HEAD_FIELDS,
@@ -36,13 +40,7 @@ from capture.bodies import (
     NeedsLoopback,
     oversized_head_message,
 )
-from capture.gateway_config import GatewayConfig
-from capture.metrics import Metrics
-from capture.pipeline import TurnPipeline
-from capture.policies import PolicyPools
-from capture.ports import ControlPlane
-from capture.session_control import SessionControl
-from capture.session_ids import (
+from capture.pipeline.session_ids import (
     INTERNAL_PREFIX,
     SECRET_HEADERS,
     SECRET_QUERY,
@@ -53,8 +51,11 @@ from capture.session_ids import (
     request_session_id,
     unquote_session,
 )
-from capture.sessions import RowAnnotations, SessionStore
-from capture.whitebox import serve_generate
+from capture.pipeline.turn import TurnPipeline
+from capture.pipeline.whitebox import serve_generate
+from capture.policy.pools import PolicyPools
+from capture.ports import ControlPlane
+from capture.storage.sessions import RowAnnotations, SessionStore
 from rewriter.providers import registered
 from rewriter.providers.base import (
     Call,
@@ -118,7 +119,7 @@ class Gateway:
         control_plane: Callable[[Gateway, str], ControlPlane] | None = None,
     ) -> None:
         """``control_plane``: builds the control API at start, given this gateway and the
-        URL clients reach it at (the addon registers ``capture.control_api.build``); None:
+        URL clients reach it at (the addon registers ``capture.control.api.build``); None:
         calls are answered, and the control routes get a 503."""
         self.config = config
         self._control_plane = control_plane

@@ -40,7 +40,7 @@ class GatewayConfig:
     # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
     policy_max_connections: int = 1024
     # Generations at once per policy server (0: unbounded) and calls that may wait for one
-    # beyond that; then the provider's retryable error (capture/replicas.py).
+    # beyond that; then the provider's retryable error (capture/policy/replicas.py).
     replica_max_inflight: int = 0
     replica_queue: int = 256
     # Seconds between health checks of the policy servers (GET /health); 0: none.

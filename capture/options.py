@@ -569,7 +569,7 @@ class Settings:
     # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
     recompute_logprobs: bool
     provider_options: dict[str, Any] = field(default_factory=dict)
-    # The control API and base-URL listener (capture/control_api.py).
+    # The control API and base-URL listener (capture/control/api.py).
     api_host: str = "127.0.0.1"
     api_port: int = 0
     token: str = ""

@@ -1,8 +1,8 @@
 """The narrow interfaces between the gateway and what is built on it.
 
 The gateway (``capture/gateway.py``) answers intercepted calls; the control plane
-(``capture/control_api.py``), rollouts (``capture/rollouts.py``) and the viewer
-(``capture/viewer_http.py``) are built on it. Dependencies run one way: those modules see the
+(``capture/control/api.py``), rollouts (``capture/rollouts/runner.py``) and the viewer
+(``capture/viewer/http.py``) are built on it. Dependencies run one way: those modules see the
 gateway only as ``GatewayCore``, and the gateway sees the control plane only as
 ``ControlPlane``, built at start by the factory the addon registers. Neither imports the other's
 module (``tests/unit/test_import_graph.py`` holds that)."""
@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from capture.endpoints import Endpoints
+from capture.control.endpoints import Endpoints
+from capture.control.metrics import Metrics
+from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
-from capture.metrics import Metrics
-from capture.pipeline import TurnPipeline
-from capture.policies import PolicyPools
-from capture.session_control import SessionControl
-from capture.sessions import SessionStore
+from capture.pipeline.turn import TurnPipeline
+from capture.policy.pools import PolicyPools
+from capture.storage.sessions import SessionStore
 from rewriter.template import ChatTemplate
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from capture.launcher import AgentTap  # noqa: E402
-from capture.reader import to_rl_batch  # noqa: E402
+from capture.client.launcher import AgentTap  # noqa: E402
+from capture.storage.reader import to_rl_batch  # noqa: E402
 
 TASK = "Create a file hello.txt containing exactly: hi"
 # Runs in the rollout's copy of the task folder; its last line is the reward.

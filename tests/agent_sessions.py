@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capture.records import TurnRecord
-from capture.sessions import SessionStore
+from capture.storage.records import TurnRecord
+from capture.storage.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
 

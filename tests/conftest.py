@@ -209,7 +209,7 @@ def record_turn(
 ) -> None:
     """Assemble ``chat`` in ``store`` and record call ``r{i}`` answering ``ids`` (text
     ``answer {i}`` unless given), as the gateway would after vLLM answered."""
-    from capture.records import TurnRecord
+    from capture.storage.records import TurnRecord
     from rewriter.canonical import Message
 
     assembly = store.assemble(session, chat)
@@ -308,8 +308,8 @@ def vllm_proxy(
 
 @pytest.fixture(scope="session")
 def stub_tap(stub: StubPolicy, confdir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """agenttap started as a trainer starts it (capture/launcher.py), answered by the stub."""
-    from capture.launcher import AgentTap
+    """agenttap started as a trainer starts it (capture/client/launcher.py), answered by the stub."""
+    from capture.client.launcher import AgentTap
 
     instance = AgentTap.start(
         stub.url, QWEN3, tmp_path_factory.mktemp("tap") / "out", confdir=confdir

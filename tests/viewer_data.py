@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
+from capture.storage.shards import THREAD_SCHEMA, TURN_SCHEMA, write_rows
 
 TOOL_CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/app.py"}}\n</tool_call>'
 REMINDER = "<system-reminder>Keep answers short.</system-reminder>"

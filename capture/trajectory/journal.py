@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from capture.records import TurnRecord
+from capture.storage.records import TurnRecord
 from capture.trajectory.keys import Provenance
 from capture.trajectory.kinds import in_subagent
 from capture.trajectory.tree import CallNode

@@ -1,7 +1,7 @@
 """The provider seam: everything one API provider's wire format needs, behind one class.
 
 The gateway (``capture/gateway.py``) is provider-free: it reads a call, asks the registry which
-provider claims it, and runs the shared turn (``capture/pipeline.py``: assemble the prompt ids,
+provider claims it, and runs the shared turn (``capture/pipeline/turn.py``: assemble the prompt ids,
 generate token-in/token-out, parse the completion, answer, record). A provider is one module in
 this package that subclasses :class:`Provider` and registers itself with :func:`register`;
 nothing else changes to add one.
@@ -68,7 +68,7 @@ from rewriter.wire import sse  # noqa: F401 (providers import it from here)
 
 class IncomingRequest(Protocol):
     """What the gateway reads of a call: an aiohttp ``web.Request`` off the loopback listener,
-    or a call the addon answers in-process from its buffered body (capture/bodies.py
+    or a call the addon answers in-process from its buffered body (capture/pipeline/bodies.py
     ``BufferedRequest``)."""
 
     @property
@@ -201,7 +201,7 @@ class Provider[T: ProviderTurn](ABC):
         """A prompt over the policy's context: a 400 in the provider's words."""
         return self.error(400, self.prompt_too_long_message(prompt_tokens, max_model_len))
 
-    # A session past its limit (capture/session_control.py): an answer its clients take as
+    # A session past its limit (capture/control/sessions.py): an answer its clients take as
     # final. A 400 is never retried by the SDKs, Claude Code, Codex or Gemini CLI, and
     # ``x-should-retry: false`` says so to the Stainless SDKs in any case.
     session_ended_status: ClassVar[int] = 400

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from capture.agents import resolve
-from capture.launcher import AgentTap
-from capture.reader import load_threads
+from capture.client.launcher import AgentTap
+from capture.rollouts.agents import resolve
+from capture.storage.reader import load_threads
 from tests.conftest import QWEN3, processes_with
 from tests.e2e.test_rollouts import FIRST_CALL, VERIFIER, agent_rule
 from tests.stub_vllm import StubPolicy
@@ -126,7 +126,7 @@ def claude_writes_hello(stub: StubPolicy) -> Iterator[None]:
 
 
 def claude_command(*env: str) -> list[str]:
-    """Claude Code as a rollout runs it (capture/agents.py), with extra environment."""
+    """Claude Code as a rollout runs it (capture/rollouts/agents.py), with extra environment."""
     return ["env", *env, resolve("claude"), "--allowedTools", "Bash,Write,Edit,Read", "-p"]
 
 

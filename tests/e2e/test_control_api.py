@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from capture.launcher import AgentTap, AgentTapError, AsyncAgentTap, Session
-from capture.reader import load_threads
+from capture.client.launcher import AgentTap, AgentTapError, AsyncAgentTap, Session
+from capture.storage.reader import load_threads
 from tests.conftest import IM_END, QWEN3
 from tests.stub_vllm import StubPolicy
 

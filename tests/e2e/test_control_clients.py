@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from capture.launcher import AgentTap, Session
+from capture.client.launcher import AgentTap, Session
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_claude_code import CLAUDE
 from tests.e2e.test_codex import CODEX, FIRST, FUNCTION_CALL, LAST

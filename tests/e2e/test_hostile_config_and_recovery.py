@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from capture.sessions import SessionStore
+from capture.storage.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
 from tests.conftest import (

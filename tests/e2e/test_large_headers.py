@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from capture.bodies import MAX_HEAD_BYTES, MAX_HEAD_FIELDS, shrink_head
+from capture.pipeline.bodies import MAX_HEAD_BYTES, MAX_HEAD_FIELDS, shrink_head
 from tests.conftest import Proxy
 from tests.hostile import assert_provider_error, good_body, post
 

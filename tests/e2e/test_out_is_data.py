@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from capture.launcher import AgentTap, Session
+from capture.client.launcher import AgentTap, Session
 from tests.conftest import QWEN3
 from tests.stub_vllm import StubPolicy
 
@@ -101,6 +101,6 @@ def test_a_late_reward_keeps_rewards_a_parquet_folder(
     assert not [p for p in _files(out) if p.suffix == ".log"]
     assert not _not_data(out), _files(out)
     # The rows read with the late reward joined.
-    from capture.reader import load_threads
+    from capture.storage.reader import load_threads
 
     assert {r["reward"] for r in load_threads(out)} == {0.5}

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from capture.endpoints import Endpoints
+from capture.control.endpoints import Endpoints
 from rewriter.policy_server import free_port
 from tests.conftest import Proxy, start_proxy
 from tests.stub_vllm import StubPolicy

@@ -22,8 +22,8 @@ import pyarrow.dataset as ds
 import pytest
 from aiohttp import web
 
-from capture.records import FailedCall
-from capture.sessions import SessionStore
+from capture.storage.records import FailedCall
+from capture.storage.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message, SamplingParams
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError, VLLMClient

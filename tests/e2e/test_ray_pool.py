@@ -1,4 +1,4 @@
-"""Many proxies on Ray (capture/ray_pool.py): a local Ray cluster, a pool of two proxy actors
+"""Many proxies on Ray (capture/client/ray_pool.py): a local Ray cluster, a pool of two proxy actors
 (each a real mitmdump started by the launcher) in front of two scripted policy replicas; real
 openai SDK calls through each session's base URL; rows read back as one dataset."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from capture.ray_pool import ProxyPool, open_dataset
+from capture.client.ray_pool import ProxyPool, open_dataset
 from tests.conftest import QWEN3, processes_with
 from tests.stub_vllm import StubPolicy
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from capture.launcher import AgentTap
-from capture.reader import load_threads
+from capture.client.launcher import AgentTap
+from capture.storage.reader import load_threads
 from tests.conftest import QWEN3
 from tests.e2e.test_control_api import http
 from tests.stub_vllm import StubPolicy

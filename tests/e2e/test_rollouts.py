@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from capture.launcher import AgentTap, AgentTapError, AsyncAgentTap
+from capture.client.launcher import AgentTap, AgentTapError, AsyncAgentTap
 from tests.conftest import QWEN3, processes_with
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_gemini_cli import answer_router

@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from capture.reader import load_threads, to_batch
-from capture.sessions import SessionStore
-from capture.shards import TURN_SCHEMA, rows_to_table, write_rows
+from capture.storage.reader import load_threads, to_batch
+from capture.storage.sessions import SessionStore
+from capture.storage.shards import TURN_SCHEMA, rows_to_table, write_rows
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
 from tests.conftest import Proxy, read_turns, record_turn, start_proxy

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from capture.reader import load_threads
+from capture.storage.reader import load_threads
 from tests.conftest import QWEN3, REPO
 from tests.e2e.test_rollouts import FIRST_CALL, agent_rule
 from tests.stub_vllm import StubPolicy

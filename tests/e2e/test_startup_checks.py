@@ -1,5 +1,5 @@
 """At start, every policy server must answer and tokenize as the tokenizer given does: a wrong
-URL or another model's tokenizer stops mitmdump with what to fix (capture/startup.py)."""
+URL or another model's tokenizer stops mitmdump with what to fix (capture/policy/startup.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from capture.startup import check_policy, vocab_probe_ids
+from capture.policy.startup import check_policy, vocab_probe_ids
 from rewriter.policy_server import free_port
 from rewriter.template import ChatTemplate
 from tests.conftest import CAPTURE, MITMDUMP, QWEN3, QWEN25, REPO, agenttap_options

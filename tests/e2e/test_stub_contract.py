@@ -417,7 +417,7 @@ def test_prompt_logprobs_shape(
 
 def test_tokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
     """POST /tokenize (agenttap's startup check compares its ids with the tokenizer given)."""
-    from capture.startup import PROBE
+    from capture.policy.startup import PROBE
 
     real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]
     answers = []
@@ -436,7 +436,7 @@ def test_detokenize_shape(vllm_url: str, stub: StubPolicy, models: Any) -> None:
     """POST /detokenize (the startup check decodes ids spread over the whole vocabulary, the
     last one included) answers alike; an id past the tokenizer's vocabulary decodes to nothing
     on both (so a served vocabulary that ends sooner shows as other text)."""
-    from capture.startup import vocab_probe_ids
+    from capture.policy.startup import vocab_probe_ids
 
     ids = vocab_probe_ids(len(stub.tok))
     real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from capture.launcher import AgentTap
+from capture.client.launcher import AgentTap
 from tests.conftest import QWEN3, REPO
 from tests.stub_vllm import StubPolicy
 from tests.viewer_data import (
@@ -104,7 +104,7 @@ def offline(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Iterator[tupl
     write_long_prompt_session(out)
     write_hostile_session(out, tok)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "capture.viewer_http", str(out), "--tokenizer", str(QWEN3)]
+        [sys.executable, "-m", "capture.viewer.http", str(out), "--tokenizer", str(QWEN3)]
         + ["--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,

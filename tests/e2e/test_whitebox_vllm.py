@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capture.launcher import AgentTap
+from capture.client.launcher import AgentTap
 from tests.conftest import QWEN3
 from tests.e2e.test_trajectory_vllm import _rescore
 

@@ -108,7 +108,7 @@ def test_call_lines_skip_the_deprecated_add_log_hook_only() -> None:
     from mitmproxy.log import LegacyLogEvents
 
     from addons.capture import skip_legacy_log_events
-    from capture.pipeline import call_logger
+    from capture.pipeline.turn import call_logger
 
     _loaded()
     legacy = [h for h in logging.getLogger().handlers if isinstance(h, LegacyLogEvents)]

@@ -1,4 +1,4 @@
-"""capture/bodies.py: a buffered call as the gateway reads it, and its body under the limits."""
+"""capture/pipeline/bodies.py: a buffered call as the gateway reads it, and its body under the limits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gzip
 
 import pytest
 
-from capture.bodies import UNSUPPORTED_ENCODING_HEADER, BufferedRequest, read_body
+from capture.pipeline.bodies import UNSUPPORTED_ENCODING_HEADER, BufferedRequest, read_body
 from rewriter.canonical import RequestError
 from rewriter.providers.base import Call
 

@@ -575,7 +575,7 @@ def test_a_truncated_history_trains_the_removed_calls_in_a_rewritten_row(
 def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A session with a retry and a rewrite, rebuilt from its journal after a crash, gives the
     rows the live process would have written: same ids, masks, dead flags, links."""
-    from capture.sessions import SessionStore
+    from capture.storage.sessions import SessionStore
     from rewriter.canonical import ChatRequest
     from tests.conftest import read_threads, record_turn
 

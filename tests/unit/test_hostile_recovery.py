@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import capture.shards
-from capture.sessions import SessionStore
+import capture.storage.shards
+from capture.storage.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
 from tests.conftest import read_threads, read_turns, record_turn
@@ -60,9 +60,15 @@ def test_crash_at_each_write_step_recovers_rows_exactly_once(
 
     with monkeypatch.context() as patch:
         if step == "write_table":
-            patch.setattr(capture.shards.pq, "write_table", crashing(capture.shards.pq.write_table))
+            patch.setattr(
+                capture.storage.shards.pq,
+                "write_table",
+                crashing(capture.storage.shards.pq.write_table),
+            )
         elif step == "replace":
-            patch.setattr(capture.shards.os, "replace", crashing(capture.shards.os.replace))
+            patch.setattr(
+                capture.storage.shards.os, "replace", crashing(capture.storage.shards.os.replace)
+            )
         else:
             patch.setattr(Path, "unlink", crashing(Path.unlink))
         with pytest.raises(Killed):

@@ -1,4 +1,4 @@
-"""The journal's fsync: batched in worker threads (capture/sessions.py ``JournalSyncer``), and
+"""The journal's fsync: batched in worker threads (capture/storage/sessions.py ``JournalSyncer``), and
 the option that decides whether an answer waits for it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from capture import sessions
 from capture.options import parse_settings
-from capture.sessions import JournalSyncer
+from capture.storage import sessions
+from capture.storage.sessions import JournalSyncer
 
 
 def test_the_option_reads_both_modes_and_refuses_others() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capture.banner import ready_line, start_lines
-from capture.endpoints import Endpoints
-from capture.pipeline import call_line, failed_line, log_field
-from capture.records import FailedCall, TurnRecord
+from capture.control.banner import ready_line, start_lines
+from capture.control.endpoints import Endpoints
+from capture.pipeline.turn import call_line, failed_line, log_field
+from capture.storage.records import FailedCall, TurnRecord
 from rewriter.policy_server import last_log_step
 
 

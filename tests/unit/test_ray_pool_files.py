@@ -1,4 +1,4 @@
-"""capture/ray_pool.py without Ray: placement, replica affinity (the gateway's own rule), shard
+"""capture/client/ray_pool.py without Ray: placement, replica affinity (the gateway's own rule), shard
 uploads to a pyarrow filesystem and the pool's shards read back as one dataset."""
 
 from __future__ import annotations
@@ -11,9 +11,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from capture.policies import PolicyPools
-from capture.ray_pool import Uploader, least_loaded, open_dataset, replica_for, resolve_filesystem
-from capture.shards import write_table
+from capture.client.ray_pool import (
+    Uploader,
+    least_loaded,
+    open_dataset,
+    replica_for,
+    resolve_filesystem,
+)
+from capture.policy.pools import PolicyPools
+from capture.storage.shards import write_table
 
 
 def test_least_loaded_counts_sessions_then_calls_in_flight() -> None:

@@ -1,4 +1,4 @@
-"""capture.reader: thread shards read back with late rewards joined, verl-style batches, torch."""
+"""capture.storage.reader: thread shards read back with late rewards joined, verl-style batches, torch."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capture.reader import load_threads, to_batch, to_rl_batch, to_torch
-from capture.rewards import write_rewards
-from capture.shards import THREAD_SCHEMA, write_rows
+from capture.storage.reader import load_threads, to_batch, to_rl_batch, to_torch
+from capture.storage.rewards import write_rewards
+from capture.storage.shards import THREAD_SCHEMA, write_rows
 
 PAD = 99
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from capture.banner import export_line
-from capture.endpoints import DUMMY_KEYS, Endpoints
-from capture.openapi import openapi_spec
+from capture.control.banner import export_line
+from capture.control.endpoints import DUMMY_KEYS, Endpoints
+from capture.control.openapi import openapi_spec
 from capture.options import all_options
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
-"""capture/records.py: a record's row is what ``dataclasses.asdict`` gives, and owns its values."""
+"""capture/storage/records.py: a record's row is what ``dataclasses.asdict`` gives, and owns its values."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from capture.records import TurnRecord
+from capture.storage.records import TurnRecord
 
 
 def _record() -> TurnRecord:

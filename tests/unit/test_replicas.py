@@ -1,4 +1,4 @@
-"""Policy replicas (capture/replicas.py, capture/policies.py): placement, health, bounded slots
+"""Policy replicas (capture/policy/replicas.py, capture/policy/pools.py): placement, health, bounded slots
 and failover mid-generation, against vLLM-shaped stub servers in this process."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from capture.policies import PolicyPools
-from capture.replicas import ReplicasBusy, ReplicaSet
+from capture.policy.pools import PolicyPools
+from capture.policy.replicas import ReplicasBusy, ReplicaSet
 from rewriter.canonical import SamplingParams
 from rewriter.vllm_client import PolicyError, VLLMClient
 from tests.conftest import QWEN3

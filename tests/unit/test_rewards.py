@@ -1,4 +1,4 @@
-"""Late rewards (capture.rewards): validation, the files written, loading, and the join's
+"""Late rewards (capture.storage.rewards): validation, the files written, loading, and the join's
 precedence rules."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from capture.rewards import (
+from capture.storage.rewards import (
     REWARD_SCHEMA,
     join_rewards,
     load_rewards,
@@ -141,7 +141,7 @@ def test_load_rewards_skips_unreadable_and_temp_files(
         pa.table({"session_id": ["s1"], "thread_id": [None], "reward": [7.0], "set_at": [99.0]}),
         folder / ".rewards-2.parquet.tmp",
     )
-    with caplog.at_level(logging.WARNING, logger="capture.rewards"):
+    with caplog.at_level(logging.WARNING, logger="capture.storage.rewards"):
         table = load_rewards(tmp_path)
     assert table.to_pylist() == [
         {"session_id": "s1", "thread_id": None, "reward": 1.0, "set_at": 1.0}
@@ -161,7 +161,7 @@ def test_a_planted_or_changed_rewards_file_is_ignored(
         {"session_id": ["s1"], "thread_id": [None], "reward": [100.0], "set_at": [9e9]}
     )
     pq.write_table(planted, tmp_path / "rewards" / "rewards-99999999999999999999-x.parquet")
-    with caplog.at_level(logging.WARNING, logger="capture.rewards"):
+    with caplog.at_level(logging.WARNING, logger="capture.storage.rewards"):
         assert load_rewards(tmp_path).column("reward").to_pylist() == [0.0]
     assert "rewards-99999999999999999999-x.parquet" in caplog.text
     pq.write_table(planted, real)  # the real file, rewritten
@@ -224,7 +224,7 @@ def test_join_ignores_invalid_entries(caplog: pytest.LogCaptureFixture) -> None:
         _late("s1", None, float("nan"), 9.0),
         {"session_id": "s1", "thread_id": None, "reward": 9.0, "set_at": None},
     ]
-    with caplog.at_level(logging.WARNING, logger="capture.rewards"):
+    with caplog.at_level(logging.WARNING, logger="capture.storage.rewards"):
         joined = join_rewards([_row("s1", "t-a")], late)
     assert joined[0]["reward"] == 5.0
     assert "ignored 3" in caplog.text

@@ -1,4 +1,4 @@
-"""The rollouts' sandbox (capture/sandbox.py): bwrap's command line and the order of its mounts,
+"""The rollouts' sandbox (capture/rollouts/sandbox.py): bwrap's command line and the order of its mounts,
 what a real bwrap run of it lets a process see and do, its PID namespace ended as a whole, and
 the workdir copies (links, restore). Real bwrap where a process runs (scripts/setup.sh installs
 it); nothing else is started."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from capture.sandbox import (
+from capture.rollouts.sandbox import (
     Jail,
     SandboxSpec,
     SandboxUnavailable,

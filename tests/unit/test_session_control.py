@@ -1,5 +1,5 @@
-"""Sessions a trainer drives (capture/session_control.py), the rows they are written into
-(capture/sessions.py RowAnnotations), token-level placement and the white-box request parser:
+"""Sessions a trainer drives (capture/control/sessions.py), the rows they are written into
+(capture/storage/sessions.py RowAnnotations), token-level placement and the white-box request parser:
 in-process, no sockets."""
 
 from __future__ import annotations
@@ -11,17 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from capture.endpoints import Endpoints
-from capture.options import (
-    parse_host,
-    parse_passthrough,
-    parse_port,
-    parse_settings,
-    parse_token,
-    passes_through,
-)
-from capture.records import TurnRecord
-from capture.session_control import (
+from capture.control.endpoints import Endpoints
+from capture.control.sessions import (
     END_CLOSED,
     END_DEADLINE,
     END_MAX_CALLS,
@@ -33,9 +24,18 @@ from capture.session_control import (
     check_session_id,
     parse_limits,
 )
-from capture.sessions import RowAnnotations, SessionStore
+from capture.options import (
+    parse_host,
+    parse_passthrough,
+    parse_port,
+    parse_settings,
+    parse_token,
+    passes_through,
+)
+from capture.pipeline.whitebox import parse_generate
+from capture.storage.records import TurnRecord
+from capture.storage.sessions import RowAnnotations, SessionStore
 from capture.trajectory import AUXILIARY, MAIN
-from capture.whitebox import parse_generate
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
 
@@ -191,9 +191,9 @@ def test_close_rewards_auxiliary_rows_only_when_asked(
     """A close with one number sets it on the main rows and, only with reward_auxiliary, on the
     auxiliary ones (Claude Code's title call), for the rows written at the close and for those
     an earlier flush wrote (late rewards, which readers join): both say the same."""
-    from capture.control_api import ControlAPI
+    from capture.control.api import ControlAPI
     from capture.gateway import Gateway, GatewayConfig
-    from capture.reader import load_threads
+    from capture.storage.reader import load_threads
     from tests.unit.test_thread_kind import CLAUDE_SYSTEM, CLAUDE_TOOLS, hermes, record
 
     gateway = Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path))

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from capture import journal_lines
-from capture.reader import load_threads
-from capture.records import TurnRecord
-from capture.sessions import SessionStore, _turn_row
-from capture.shards import THREAD_SCHEMA, TURN_SCHEMA, rows_to_table
+from capture.storage import journal_lines
+from capture.storage.reader import load_threads
+from capture.storage.records import TurnRecord
+from capture.storage.sessions import SessionStore, _turn_row
+from capture.storage.shards import THREAD_SCHEMA, TURN_SCHEMA, rows_to_table
 from rewriter.template import ChatTemplate
 from tests.agent_sessions import Script, build, corpus, record
 

@@ -13,9 +13,9 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from capture.records import TurnRecord
-from capture.sessions import RowAnnotations, SessionStore
-from capture.shards import THREAD_SCHEMA
+from capture.storage.records import TurnRecord
+from capture.storage.sessions import RowAnnotations, SessionStore
+from capture.storage.shards import THREAD_SCHEMA
 from capture.trajectory import (
     AUXILIARY,
     MAIN,

@@ -1,4 +1,4 @@
-"""The viewer's data (capture/viewer.py): sessions, the row tree, token pages, call lists and
+"""The viewer's data (capture/viewer/data.py): sessions, the row tree, token pages, call lists and
 diffs, over shards written with the proxy's own writer; where a row opens (its first trained
 token); the page's icon and which of the viewer's paths answer without the token."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from capture import viewer
-from capture.rewards import write_rewards
-from capture.viewer import ShardSource
-from capture.viewer_http import ViewerRoutes, icon, offline_app
+from capture.storage.rewards import write_rewards
+from capture.viewer import data as viewer
+from capture.viewer.data import ShardSource
+from capture.viewer.http import ViewerRoutes, icon, offline_app
 from tests.viewer_data import (
     REMINDER,
     write_agent_session,

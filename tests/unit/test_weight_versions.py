@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from capture.records import TurnRecord
+from capture.storage.records import TurnRecord
 from rewriter.canonical import SamplingParams
 from rewriter.vllm_client import Completion, CompletionDelta, VLLMClient
 

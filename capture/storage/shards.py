@@ -162,13 +162,13 @@ THREAD_SCHEMA = pa.schema(
         ("reward", pa.float64()),
         ("metadata", pa.string()),  # JSON text, null until set
         # Why the session ended (set when a trainer closes it): stop, max_calls, max_tokens,
-        # deadline; its metrics as JSON (capture/session_control.py SessionMetrics).
+        # deadline; its metrics as JSON (capture/control/sessions.py SessionMetrics).
         ("end_reason", pa.string()),
         ("metrics", pa.string()),
     ]
 )
 
-# Calls the policy failed (capture.records.FailedCall): never trained, kept to be counted.
+# Calls the policy failed (capture.storage.records.FailedCall): never trained, kept to be counted.
 FAILED_SCHEMA = pa.schema(
     [
         ("schema_version", pa.int32()),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from capture.sessions import safe_text
+from capture.storage.sessions import safe_text
 from rewriter.providers.base import IncomingRequest, Provider
 
 SESSION_HEADER = "X-Agenttap-Session"

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import zstandard
 
-from capture.records import TurnRecord
+from capture.storage.records import TurnRecord
 
 # False: the JSON lists of before (bench/storage.py writes its baseline so).
 COMPACT = True

@@ -1,7 +1,8 @@
 """Prometheus metrics of one agenttap instance, served at ``GET /metrics`` on the API listener.
 
 Every name starts with ``agenttap_``. Each gateway has a registry of its own (two instances in
-one process never share counters). Counted where the turn pipeline decides (capture/pipeline.py):
+one process never share counters). Counted where the turn pipeline decides
+(capture/pipeline/turn.py):
 calls by provider and outcome, tokens in and out, latency and time to first token, errors by
 kind; sessions and rollouts are read when scraped.
 """

@@ -1,7 +1,7 @@
 """The proxy's start-up lines for a person: what to copy for each client family, and the one
 ``agenttap ready:`` line printed once both listeners accept connections (addons/capture.py).
 
-The ``AGENTTAP_*=`` lines tools parse come from ``capture.control_api.banner_lines``; this
+The ``AGENTTAP_*=`` lines tools parse come from ``capture.control.api.banner_lines``; this
 module replaces only its generic proxy-mode and API-key lines with one line per client family."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from capture.endpoints import Endpoints
+from capture.control.endpoints import Endpoints
 
 # banner_lines' lines that the per-family lines below say better (and with the CA bundle where
 # a client's CA variable replaces the system's).

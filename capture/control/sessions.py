@@ -1,7 +1,7 @@
 """Sessions a trainer drives: opened with metadata and limits, counted, closed with a reward.
 
-Pure bookkeeping, no HTTP: ``capture/control_api.py`` serves it, ``capture/pipeline.py`` asks it
-before each call (``refusal``) and tells it what each call did (``note_call``,
+Pure bookkeeping, no HTTP: ``capture/control/api.py`` serves it, ``capture/pipeline/turn.py``
+asks it before each call (``refusal``) and tells it what each call did (``note_call``,
 ``note_failure``). A session nobody opened (a proxy username, a base URL with a new name) is
 counted too, so ``GET /sessions`` and the metrics at close cover every session; only an opened
 one has metadata and limits.

@@ -1,7 +1,7 @@
 """Many agenttap proxies on Ray: a pool of proxy actors over a host's cores and over hosts.
 
     import ray
-    from capture.ray_pool import ProxyPool
+    from capture.client.ray_pool import ProxyPool
 
     ray.init()                                         # the trainer's own cluster
     pool = ProxyPool.start(["http://gpu0:8000", "http://gpu1:8000"], "/models/qwen3",
@@ -13,13 +13,13 @@
     pool.shutdown()
 
 One mitmdump is one Python process and so one core. ``ProxyActor`` is a Ray actor that starts
-one instance through ``capture.launcher.AgentTap`` on its node and drives it through the control
-API; ``ProxyPool`` (the driver side) starts N of them (``SPREAD`` over the nodes, or
+one instance through ``capture.client.launcher.AgentTap`` on its node and drives it through
+the control API; ``ProxyPool`` (the driver side) starts N of them (``SPREAD`` over the nodes, or
 ``proxies_per_node`` on every node), places each new session on the least-loaded actor (fewest
 live sessions, then fewest calls in flight) and remembers which actor holds it.
 
 Replica affinity across the pool: a session lives on one actor (the pool remembers which) and
-that actor's gateway keeps it on one policy replica (``capture/policies.py``). Every actor is
+that actor's gateway keeps it on one policy replica (``capture/policy/pools.py``). Every actor is
 given the same ordered replica list (and the same ``agenttap_model_map``, if any), so whichever
 actor holds a session, an idle proxy sends its first call to the same replica,
 ``crc32(session id) % len(replicas)`` (``ProxyPool.replica_for``); a gateway that places by
@@ -58,7 +58,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from capture.launcher import AgentTap
+from capture.client.launcher import AgentTap
 
 if TYPE_CHECKING:
     import ray.data
@@ -71,7 +71,7 @@ PROXY_COLUMN = "proxy"
 
 def replica_for(session_id: str, replicas: list[str]) -> str:
     """The policy replica an idle proxy sends a session's calls to, whichever proxy holds it:
-    ``capture.policies.PolicyPools.client_for``'s hash (crc32 of the id, modulo the
+    ``capture.policy.pools.PolicyPools.client_for``'s hash (crc32 of the id, modulo the
     replicas)."""
     return replicas[zlib.crc32(session_id.encode()) % len(replicas)]
 
@@ -141,7 +141,7 @@ class Uploader:
                     continue
                 for path in sorted(folder.glob("*.parquet")):
                     if path.name.startswith("."):
-                        continue  # a shard being written (capture/shards.py)
+                        continue  # a shard being written (capture/storage/shards.py)
                     st = path.stat()
                     rel = f"{kind}/{path.name}"
                     if self._sent.get(rel) == (st.st_size, st.st_mtime_ns):
@@ -521,7 +521,7 @@ class ProxyPool:
     def dataset(self, kind: str = "threads") -> ds.Dataset:
         """Every proxy's ``kind`` shards as one ``pyarrow.dataset``; a ``proxy`` column names
         the proxy folder (``proxy-<n>``) each row comes from. Rewards are those written at
-        close; ``capture.reader.load_threads`` joins late ones (per proxy folder)."""
+        close; ``capture.storage.reader.load_threads`` joins late ones (per proxy folder)."""
         return open_dataset(self.read_fs, self.read_base, kind)
 
     def ray_dataset(self, kind: str = "threads") -> ray.data.Dataset:

@@ -1,15 +1,15 @@
 """Sessions: the calls of one scaffold run, journaled as they complete, sharded when it ends.
 
 Durability: every completed call is appended to the session's journal (one compact JSON line,
-``capture.journal_lines``) before the client's response finishes, so a crash of the proxy loses
-nothing; the fsync that makes it survive a crash of the host runs in a worker thread, batched
-(``JournalSyncer``), right after the response or, with ``agenttap_journal_fsync=before_reply``,
-before it ends. The line
-holds the call's record and how it changed its thread (what was kept, what replaced the rest), so
-threads can be rebuilt from the journal alone. A session becomes Parquet shards (``turns/`` one
-row per call, ``threads/`` one training row per thread) when it has been idle for
-``idle_timeout_s`` or the proxy stops; only then is its journal removed. A proxy killed with
-``kill -9`` leaves journals behind, and the next start turns them into shards.
+``capture.storage.journal_lines``) before the client's response finishes, so a crash of the
+proxy loses nothing; the fsync that makes it survive a crash of the host runs in a worker
+thread, batched (``JournalSyncer``), right after the response or, with
+``agenttap_journal_fsync=before_reply``, before it ends. The line holds the call's record and
+how it changed its thread (what was kept, what replaced the rest), so threads can be rebuilt
+from the journal alone. A session becomes Parquet shards (``turns/`` one row per call,
+``threads/`` one training row per thread) when it has been idle for ``idle_timeout_s`` or the
+proxy stops; only then is its journal removed. A proxy killed with ``kill -9`` leaves journals
+behind, and the next start turns them into shards.
 
 A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
 and written to ``failed/``: counted per session, never part of a thread row.
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capture import journal_lines
-from capture.records import SCHEMA_VERSION, FailedCall, TurnRecord
-from capture.shards import (
+from capture.storage import journal_lines
+from capture.storage.records import SCHEMA_VERSION, FailedCall, TurnRecord
+from capture.storage.shards import (
     FAILED_SCHEMA,
     THREAD_SCHEMA,
     TURN_SCHEMA,
@@ -459,7 +459,7 @@ def _append(
 ) -> None:
     """One journal line, durable (flushed and fsynced) before this returns (``fsync=False``:
     once ``sync_journal`` has run). ``earlier``: the calls this journal holds already
-    (capture.journal_lines: a prompt refers to one of them)."""
+    (capture.storage.journal_lines: a prompt refers to one of them)."""
     line = journal_lines.encode(entry, earlier) + b"\n"
     with open(journal, "ab") as fh:
         fh.write(line)

@@ -1,4 +1,4 @@
-"""The control API (capture/control_api.py) described as OpenAPI 3.1, served at /openapi.json."""
+"""The control API (capture/control/api.py) described as OpenAPI 3.1, served at /openapi.json."""
 
 from __future__ import annotations
 

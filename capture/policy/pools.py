@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from capture.replicas import Replica, ReplicaSet
+from capture.policy.replicas import Replica, ReplicaSet
 from rewriter.vllm_client import PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class PolicyPools:
         return [r.client for r in self.set_for(model).replicas.values()]
 
     def client_for(self, session_id: str, model: str = "") -> VLLMClient:
-        """The session's replica (see capture/replicas.py): sticky while healthy, else the
+        """The session's replica (see capture/policy/replicas.py): sticky while healthy, else the
         least-loaded healthy one."""
         return self.set_for(model).pick(session_id).client
 

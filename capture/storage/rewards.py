@@ -4,7 +4,7 @@ A thread row is never rewritten once written, so a reward that arrives later (a 
 after the session closed) is kept beside the rows, in ``OUT/rewards/``: one small Parquet file per
 call of :func:`write_rewards` (written whole under a temporary name, then renamed), one row per
 thread, or a single row with ``thread_id`` null for a reward of the whole session. Readers join
-them onto the thread rows (:func:`join_rewards`; ``capture.reader.load_threads`` does it by
+them onto the thread rows (:func:`join_rewards`; ``capture.storage.reader.load_threads`` does it by
 default): among the late rewards that apply to a row, the one set last wins and replaces the
 reward the row was written with.
 
@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from capture.shards import rows_to_table, write_table
+from capture.storage.shards import rows_to_table, write_table
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ task's workdir, where the agent runs and the verifier scores), ``home/`` (the ag
 ``HOME``), ``verifier-home/``, ``agent.log`` and ``verifier.log`` (scratch ``tmp/`` and
 ``verifier-tmp/`` folders, each one's ``TMPDIR``, are removed once it has ended).
 
-The agent and the verifier each run in a bubblewrap sandbox (capture/sandbox.py; option
+The agent and the verifier each run in a bubblewrap sandbox (capture/rollouts/sandbox.py; option
 ``agenttap_sandbox``, or ``"sandbox"`` in the request): the host read-only, only ``work``, its
 ``HOME`` and ``TMPDIR`` writable, OUT (every other rollout included), mitmproxy's confdir (but
 the CA certificate) and ``agenttap_sandbox_hide`` hidden, its own PID namespace. A rollout that
@@ -33,9 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from capture.agents import agent_command
+from capture.control.sessions import (
+    END_STOP,
+    check_metadata,
+    check_session_id,
+    parse_limits,
+    reject_unknown,
+)
 from capture.ports import RolloutHost
-from capture.sandbox import (
+from capture.rollouts.agents import agent_command
+from capture.rollouts.sandbox import (
     Jail,
     SandboxSpec,
     UnsafeWorkdir,
@@ -46,13 +53,6 @@ from capture.sandbox import (
     host_sockets,
     read_info,
     restore,
-)
-from capture.session_control import (
-    END_STOP,
-    check_metadata,
-    check_session_id,
-    parse_limits,
-    reject_unknown,
 )
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every
 - ``GET /sessions``, ``GET /sessions/{id}``, ``GET /healthz``, ``GET /ready``,
   ``GET /openapi.json``, ``POST /flush[?session=ID]``
 
-The session bookkeeping is ``capture/session_control.py``; the rows come from the store.
+The session bookkeeping is ``capture/control/sessions.py``; the rows come from the store.
 """
 
 from __future__ import annotations
@@ -33,23 +33,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from aiohttp import web
 
-from capture.endpoints import DUMMY_KEYS, Endpoints
-from capture.metrics import CONTENT_TYPE as METRICS_TYPE
-from capture.openapi import ARROW_STREAM, openapi_spec
-from capture.options import parse_urls
-from capture.ports import GatewayCore
-from capture.rewards import join_rewards, load_rewards, parse_reward, write_rewards
-from capture.rollouts_api import RolloutRoutes
-from capture.session_control import (
+from capture.control.endpoints import DUMMY_KEYS, Endpoints
+from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
+from capture.control.openapi import ARROW_STREAM, openapi_spec
+from capture.control.sessions import (
     ControlledSession,
     check_metadata,
     check_session_id,
     parse_limits,
     reject_unknown,
 )
-from capture.sessions import RowAnnotations
-from capture.shards import THREAD_SCHEMA, rows_to_table
-from capture.viewer_http import UI_PREFIX, ViewerRoutes, live_viewer
+from capture.options import parse_urls
+from capture.ports import GatewayCore
+from capture.rollouts.routes import RolloutRoutes
+from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
+from capture.storage.sessions import RowAnnotations
+from capture.storage.shards import THREAD_SCHEMA, rows_to_table
+from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 from rewriter.vllm_client import PolicyError
 
@@ -234,13 +234,13 @@ class ControlAPI:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """Prometheus exposition (capture/metrics.py); the token as everywhere else (Prometheus:
-        ``authorization: {credentials: TOKEN}`` in the scrape config)."""
+        """Prometheus exposition (capture/control/metrics.py); the token as everywhere else
+        (Prometheus: ``authorization: {credentials: TOKEN}`` in the scrape config)."""
         return web.Response(
             body=self.gateway.metrics.exposition(), headers={"Content-Type": METRICS_TYPE}
         )
 
-    # -- policy replicas (capture/replicas.py): agenttap_policy_url's pool ---------------------
+    # -- policy replicas (capture/policy/replicas.py): agenttap_policy_url's pool -------------
     def _replica_list(self) -> web.Response:
         replicas = self.gateway.policies.default
         assert replicas is not None
@@ -369,7 +369,7 @@ class ControlAPI:
             404,
             f"agenttap: no session {sid!r}: this proxy has seen no call of it since it started, "
             f"nor was it opened (POST /sessions). GET /sessions lists the live ones; rows of "
-            f"earlier runs are in OUT/threads (capture.reader.load_threads).",
+            f"earlier runs are in OUT/threads (capture.storage.reader.load_threads).",
         )
 
     async def _get(self, request: web.Request, sid: str) -> web.StreamResponse:

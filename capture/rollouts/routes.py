@@ -1,4 +1,4 @@
-"""The rollout routes of the control API (capture/rollouts.py runs them):
+"""The rollout routes of the control API (capture/rollouts/runner.py runs them):
 
 - ``POST /rollouts`` ``{"agent": "claude-code" | "codex" | "gemini" | {"command": [...]},
   "prompt", "workdir"?, "n"?, "limits"?, "metadata"?, "verifier"?: {"command": [...],
@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from capture.ports import RolloutHost
-from capture.rollouts import Busy, Rollouts, parse_rollout
-from capture.sandbox import check_seed
+from capture.rollouts.runner import Busy, Rollouts, parse_rollout
+from capture.rollouts.sandbox import check_seed
 
 # What a refused rollout is told to wait before trying again.
 RETRY_AFTER_S = 5

@@ -3,10 +3,10 @@ flags that make it run without asking (permissions, sandbox, trust).
 
 Checked against the versions ``scripts/install_clients.sh`` pins (Claude Code 2.1.330, Codex
 0.169.0, Gemini CLI 0.61.0) by ``tests/e2e/test_rollouts.py``. Each agent runs in proxy mode:
-the session's ``env`` (capture/control_api.py ``Endpoints.env``) carries the proxy, the CA under
+the session's ``env`` (capture/control/api.py ``Endpoints.env``) carries the proxy, the CA under
 every name these CLIs read it from, and its session's secret as the keys; each gets a fresh
 ``HOME`` so no earlier run's configuration or history leaks in, and runs in the rollout's
-bubblewrap sandbox (capture/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR``
+bubblewrap sandbox (capture/rollouts/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR``
 writable), which is why the CLIs' own permission prompts and sandboxes are switched off here.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Where scripts/install_clients.sh puts the pinned CLIs; else they are looked up on PATH.
 PINNED_BIN = REPO / ".cache" / "node" / "node_modules" / ".bin"
 

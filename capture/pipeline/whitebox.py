@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.pipeline import TurnPipeline, failed_line, session_ended_message
-from capture.records import FailedCall, TurnRecord
-from capture.session_control import reject_unknown
+from capture.control.sessions import reject_unknown
+from capture.pipeline.turn import TurnPipeline, failed_line, session_ended_message
+from capture.storage.records import FailedCall, TurnRecord
 from rewriter import jsonbody
 from rewriter.canonical import Message, SamplingParams
 from rewriter.vllm_client import PolicyError

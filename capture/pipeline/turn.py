@@ -21,13 +21,13 @@ from typing import Any
 
 from aiohttp import web
 
-from capture.bodies import NeedsLoopback, read_body
-from capture.metrics import Metrics
-from capture.policies import POLICY_FAILURES, Generation, PolicyPools, policy_failure
-from capture.records import FailedCall, TurnRecord
-from capture.session_control import SessionControl
-from capture.session_ids import request_session_id
-from capture.sessions import JournalSyncer, SessionStore
+from capture.control.metrics import Metrics
+from capture.control.sessions import SessionControl
+from capture.pipeline.bodies import NeedsLoopback, read_body
+from capture.pipeline.session_ids import request_session_id
+from capture.policy.pools import POLICY_FAILURES, Generation, PolicyPools, policy_failure
+from capture.storage.records import FailedCall, TurnRecord
+from capture.storage.sessions import JournalSyncer, SessionStore
 from capture.trajectory import Assembly, NotInline
 from rewriter.canonical import AssistantReply, ChatRequest, RequestError
 from rewriter.ids_json import ids_json
@@ -151,7 +151,7 @@ class TurnPipeline:
         self.metrics = metrics or Metrics()
         # Running totals for the status line (capture/gateway.py).
         self.totals = {"calls": 0, "completion_tokens": 0, "errors": 0, "refused": 0}
-        # Sessions' limits and metrics (capture/session_control.py).
+        # Sessions' limits and metrics (capture/control/sessions.py).
         self.control = control or SessionControl()
         self.store = store
         self.policies = policies
@@ -202,7 +202,7 @@ class TurnPipeline:
         return await self._place(session_id, self.store.assemble, chat, inline)
 
     async def assemble_tokens(self, session_id: str, token_ids: list[int]) -> Assembly:
-        """``assemble`` for a call made of token ids (capture/whitebox.py)."""
+        """``assemble`` for a call made of token ids (capture/pipeline/whitebox.py)."""
         return await self._place(session_id, self.store.assemble_tokens, token_ids)
 
     async def _place(
@@ -488,7 +488,7 @@ class TurnPipeline:
         return None
 
     def _generation(self, turn: _TurnContext) -> Generation:
-        """The call's generation slot on its replica (capture/policies.py ``generation``)."""
+        """The call's generation slot on its replica (capture/policy/pools.py ``generation``)."""
         return self.policies.generation(turn.parsed.session_id, turn.chat.model, turn.client)
 
     def _refused_by_policy(self, turn: _TurnContext, exc: BaseException) -> web.Response:

@@ -1,11 +1,11 @@
-"""What the trajectory viewer shows, as plain data (no HTTP here: see capture/viewer_http.py).
+"""What the trajectory viewer shows, as plain data (no HTTP here: see capture/viewer/http.py).
 
 Sessions -> the tree of their thread rows -> one row's tokens (decoded, with loss mask,
 provenance and logprobs) and its calls -> the diff of two calls of one conversation.
 
 Rows come from a ``RowSource``: ``ShardSource`` reads an output folder's shards (the offline
 viewer, and what a running proxy has written); the proxy adds its live sessions' unwritten rows
-(``capture.viewer_http.LiveSource``).
+(``capture.viewer.http.LiveSource``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from capture.rewards import join_rewards, load_rewards
-from capture.shards import TURN_SCHEMA
+from capture.storage.rewards import join_rewards, load_rewards
+from capture.storage.shards import TURN_SCHEMA
 from rewriter.parsers import OutputParser
 
 # Tokens per page of a row: a 100k-token row is fetched and drawn a page at a time.

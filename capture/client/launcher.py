@@ -1,0 +1,386 @@
+"""Start agenttap from a trainer's own Python process, and drive it.
+
+    from capture.client.launcher import AgentTap
+
+    with AgentTap.start(policy_url="http://127.0.0.1:8000", tokenizer="/models/qwen3",
+                        out="rollouts") as tap:
+        sess = tap.open_session(metadata={"task_id": "t1", "group_id": "g1", "split": "train"},
+                                limits={"max_calls": 30, "deadline_s": 600})
+        subprocess.run(["claude", "-p", task], env={**os.environ, **sess.env})  # proxy mode
+        # or: OpenAI(base_url=sess.base_urls["openai"], api_key=sess.api_key)    # base-URL mode
+        table = sess.close(reward=1.0)          # pyarrow.Table of its thread rows
+
+mitmproxy keeps one master per interpreter, so each instance is a ``mitmdump`` child process
+on free ports (the proxy's and the control API's), read back from its banner lines
+(``AGENTTAP_PROXY=``, ``AGENTTAP_API=``, ``AGENTTAP_TOKEN=``, ``AGENTTAP_CA=``); any number of
+instances run side by side and the trainer's code is the same for each. ``close`` stops the
+child with SIGTERM, which writes every session's shards. ``AsyncAgentTap`` is the same for
+asyncio code. The control API itself is plain HTTP (capture/control/api.py): other processes
+and languages use it directly, ``ControlClient`` is its Python client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from capture.control.openapi import ARROW_STREAM
+
+REPO = Path(__file__).resolve().parents[2]
+ADDON = REPO / "addons" / "capture.py"
+
+BANNER = re.compile(r"AGENTTAP_(PROXY|API|TOKEN|CA)=(\S+)")
+
+
+class AgentTapError(RuntimeError):
+    """The control API refused a request (its status and message), or the proxy did not start."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ControlClient:
+    """The control API over HTTP, with its bearer token."""
+
+    def __init__(self, api_url: str, token: str, timeout: float = 120.0) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        arrow: bool = False,
+        timeout: float | None = -1.0,
+    ) -> tuple[dict[str, Any], pa.Table | None]:
+        """(JSON answer, None), or (summary, table) with ``arrow``."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        if arrow:
+            headers["Accept"] = ARROW_STREAM
+        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
+        try:
+            wait = self.timeout if timeout is not None and timeout < 0 else timeout
+            with urllib.request.urlopen(req, timeout=wait) as resp:
+                raw = resp.read()
+                if arrow and resp.headers.get("Content-Type", "").startswith(ARROW_STREAM):
+                    table = pa.ipc.open_stream(raw).read_all()
+                    meta = (table.schema.metadata or {}).get(b"agenttap_session", b"{}")
+                    return json.loads(meta), table
+                return json.loads(raw), None
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise AgentTapError(f"{method} {path}: {exc.code} {detail}", exc.code) from None
+
+    def get(self, path: str) -> dict[str, Any]:
+        return self.request("GET", path)[0]
+
+    def post(self, path: str, body: Any = None) -> dict[str, Any]:
+        return self.request("POST", path, body if body is not None else {})[0]
+
+
+@dataclass
+class Session:
+    """One rollout: hand ``env`` (proxy mode) or ``base_urls`` (base-URL mode) to the agent."""
+
+    client: ControlClient
+    id: str
+    env: dict[str, str]
+    base_urls: dict[str, str]
+    # The session's secret: the API key base-URL clients send (``env`` has it as every key and
+    # as the proxy password). A call of this session without it gets a 401.
+    api_key: str = ""
+    # Set by close: why it ended (stop, max_calls, max_tokens, deadline) and its metrics.
+    end_reason: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def close(
+        self, reward: float | dict[str, float] | None = None, reward_auxiliary: bool = False
+    ) -> pa.Table:
+        """Close the session and get its thread rows (reward, metadata, end_reason, metrics
+        set) as a table; ``reward``: one number (set on the main and subagent rows, and on the
+        auxiliary ones too with ``reward_auxiliary``), or one per thread id."""
+        body: dict[str, Any] = {"reward": reward} if reward is not None else {}
+        if reward_auxiliary:
+            body["reward_auxiliary"] = True
+        summary, table = self.client.request("POST", f"/sessions/{self.id}/close", body, arrow=True)
+        self.end_reason = summary.get("end_reason")
+        self.metrics = summary.get("metrics", {})
+        assert table is not None
+        return table
+
+    def reward(self, reward: float | dict[str, float]) -> None:
+        """A reward that arrives after close (a verifier that runs after the agent exits):
+        readers see it joined to the rows."""
+        self.client.post(f"/sessions/{self.id}/reward", {"reward": reward})
+
+    def codex_config(self, model: str = "gpt-5") -> str:
+        """A Codex ``config.toml`` that sends Codex to this session's base URL (Codex reads no
+        base-URL variable); its key comes from ``AGENTTAP_KEY``, which must hold the session's
+        ``api_key``."""
+        return (
+            f'model = "{model}"\nmodel_provider = "agenttap"\n\n'
+            f"[model_providers.agenttap]\n"
+            f'name = "agenttap"\nbase_url = "{self.base_urls["openai"]}"\n'
+            f'wire_api = "responses"\nenv_key = "AGENTTAP_KEY"\n'
+        )
+
+    def rows(self) -> pa.Table:
+        """The session's rows so far, late rewards joined."""
+        table = self.client.request("GET", f"/sessions/{self.id}", arrow=True)[1]
+        assert table is not None
+        return table
+
+
+class AgentTap:
+    """A running agenttap instance: a mitmdump child process on free ports."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        log: Path,
+        out: Path,
+        proxy_url: str,
+        api_url: str,
+        token: str,
+        ca_path: str,
+    ) -> None:
+        self.proc = proc
+        self.log = log
+        self.out = out
+        self.proxy_url = proxy_url
+        self.api_url = api_url
+        self.token = token
+        self.ca_path = ca_path
+        self.client = ControlClient(api_url, token)
+
+    @classmethod
+    def start(
+        cls,
+        policy_url: str,
+        tokenizer: str | os.PathLike[str],
+        out: str | os.PathLike[str] = "agenttap-out",
+        *,
+        host: str = "127.0.0.1",
+        proxy_port: int = 0,
+        api_port: int = 0,
+        advertise_host: str = "",
+        token: str = "",
+        confdir: str | os.PathLike[str] | None = None,
+        options: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> AgentTap:
+        """Start an instance; returns once it answers. ``host``: where the proxy and the API
+        listen (loopback, or an address sandboxes elsewhere reach; ``advertise_host``: the
+        name they use for it); ports 0: free ones. ``options``: more ``--set`` options.
+
+        The token never reaches an agent: it is handed to mitmdump in a file only this user may
+        read (``agenttap_token_file``), never on its command line, and mitmdump's log (which
+        prints it) is kept beside it, in a private folder outside ``out`` (``log``) that the
+        rollouts' sandboxes hide."""
+        out_dir = Path(out).resolve()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix="agenttap-"))  # mode 0700
+        token_file = private / "token"
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token or secrets.token_urlsafe(24))
+        log = private / "mitmdump.log"
+        settings = {
+            "agenttap_policy_url": policy_url,
+            "agenttap_tokenizer": str(Path(tokenizer).resolve()),
+            "agenttap_out": str(out_dir),
+            "agenttap_api_host": host,
+            "agenttap_api_port": str(api_port),
+            **({"agenttap_advertise_host": advertise_host} if advertise_host else {}),
+            "agenttap_token_file": str(token_file),
+            "agenttap_sandbox_hide": str(private),
+            **({"confdir": str(Path(confdir).resolve())} if confdir else {}),
+            **(options or {}),
+        }
+        cmd = [
+            str(Path(sys.executable).parent / "mitmdump"),
+            "-s", str(ADDON),
+            "--listen-host", host,
+            "--listen-port", str(proxy_port),
+        ]  # fmt: skip
+        for name, value in settings.items():
+            cmd += ["--set", f"{name}={value}"]
+        with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
+            proc = subprocess.Popen(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO
+            )
+        try:
+            found = _wait_banner(proc, log, timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return cls(proc, log, out_dir, found["PROXY"], found["API"], found["TOKEN"], found["CA"])
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open_session(
+        self,
+        id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+    ) -> Session:
+        body: dict[str, Any] = {"metadata": metadata or {}}
+        if id is not None:
+            body["id"] = id
+        if limits:
+            body["limits"] = limits
+        answer = self.client.post("/sessions", body)
+        return Session(
+            self.client, answer["id"], answer["env"], answer["base_urls"], answer["api_key"]
+        )
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return list(self.client.get("/sessions")["sessions"])
+
+    def flush(self, session: str | None = None) -> list[str]:
+        query = "?" + urllib.parse.urlencode({"session": session}) if session else ""
+        return list(self.client.post(f"/flush{query}")["written"])
+
+    # -- rollouts: agenttap runs the agent too (capture/rollouts/runner.py) -------------------
+    def rollout(
+        self,
+        agent: str | dict[str, list[str]],
+        prompt: str,
+        n: int = 1,
+        *,
+        workdir: str | os.PathLike[str] | None = None,
+        limits: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        verifier: list[str] | dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        id: str | None = None,
+        wait: bool = True,
+    ) -> dict[str, Any]:
+        """Run ``n`` agents (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``)
+        on ``prompt``, each in a fresh copy of ``workdir``, scored by ``verifier`` (a command,
+        its last stdout line the reward; or the route's whole ``{"command", "restore",
+        "on_error"}``); returns, once all have ended (``wait``), each one's status,
+        finish_reason, reward, metrics and rows."""
+        body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
+        optional = {
+            # The proxy's working directory is not the caller's: relative to the caller.
+            "workdir": str(Path(workdir).resolve()) if workdir is not None else None,
+            "limits": limits,
+            "metadata": metadata,
+            "verifier": (
+                {"command": verifier} if isinstance(verifier, list) and verifier else verifier
+            ),
+            "timeout_s": timeout_s,
+            "id": id,
+        }
+        body.update({k: v for k, v in optional.items() if v is not None})
+        return self.client.request("POST", "/rollouts", body, timeout=None if wait else -1.0)[0]
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return self.client.get(f"/rollouts/{rollout_id}")
+
+    def cancel_rollout(self, rollout_id: str) -> dict[str, Any]:
+        """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""
+        return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]
+
+    def ready(self) -> bool:
+        try:
+            return bool(self.client.get("/ready").get("ready"))
+        except AgentTapError:
+            return False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the instance: every session's shards are written, nothing is left running."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> AgentTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncAgentTap:
+    """``AgentTap`` for asyncio code: the same calls, awaited (run in worker threads)."""
+
+    def __init__(self, tap: AgentTap) -> None:
+        self.tap = tap
+
+    @classmethod
+    async def start(cls, *args: Any, **kwargs: Any) -> AsyncAgentTap:
+        return cls(await asyncio.to_thread(AgentTap.start, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tap, name)
+
+    async def open_session(self, *args: Any, **kwargs: Any) -> Session:
+        return await asyncio.to_thread(self.tap.open_session, *args, **kwargs)
+
+    async def close_session(
+        self, session: Session, reward: float | dict[str, float] | None = None
+    ) -> pa.Table:
+        return await asyncio.to_thread(session.close, reward)
+
+    async def rollout(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.tap.rollout, *args, **kwargs)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.tap.close)
+
+    async def __aenter__(self) -> AsyncAgentTap:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def parse_banner(text: str) -> dict[str, str]:
+    """The banner's values (PROXY, API, TOKEN, CA) found in a log's text."""
+    return {m.group(1): m.group(2) for m in BANNER.finditer(text)}
+
+
+def _wait_banner(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        found = parse_banner(text)
+        if len(found) == 4:
+            return found
+        if proc.poll() is not None:
+            raise AgentTapError(f"agenttap exited during startup; its log ({log}):\n{text[-4000:]}")
+        time.sleep(0.1)
+    raise AgentTapError(
+        f"agenttap did not start within {timeout:.0f} s; its log ({log}):\n"
+        f"{log.read_text(errors='replace')[-4000:]}"
+    )

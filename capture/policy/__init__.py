@@ -1,0 +1,5 @@
+"""The policy servers: pools by requested model (``pools``), replicas with affinity, health and
+failover (``replicas``), and the start-up checks (``startup``).
+
+May import: ``rewriter`` (the vLLM client). Nothing of the gateway, the control plane or
+storage."""

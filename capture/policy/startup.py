@@ -1,0 +1,170 @@
+"""Checks at start: every policy server answers, serves a model, and tokenizes as the tokenizer
+agenttap was given does. A mistake here (a wrong port, a server still loading, the tokenizer of
+another model) would otherwise show up only at the first call, or worse, as silently wrong
+token ids; so the proxy refuses to start and says what to fix (``agenttap_check_policy=false``
+starts it anyway).
+
+Plain HTTP with the standard library, run once while mitmproxy configures the addon.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+from rewriter.template import ChatTemplate
+
+if TYPE_CHECKING:
+    from capture.options import Settings
+
+logger = logging.getLogger(__name__)
+
+# Text whose ids tell tokenizers apart: special tokens, accents, CJK, JSON, whitespace runs.
+PROBE = '<|im_start|>user\nnaïve 日本 {"k": [1, 2]}\n\n  tabs\tand <think>x</think><|im_end|>'
+SKIP_HINT = "or --set agenttap_check_policy=false to start anyway"
+
+
+def _get(url: str, timeout: float, body: Any = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    req = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def vocab_probe_ids(size: int, count: int = 64) -> list[int]:
+    """``count`` ids spread evenly over a vocabulary of ``size``, its last id among them (a
+    served vocabulary that ends sooner, or is ordered otherwise, decodes them differently)."""
+    if size <= 0:
+        return []
+    if size <= count:
+        return list(range(size))
+    return sorted({round(i * (size - 1) / (count - 1)) for i in range(count)})
+
+
+def _differs(ours: list[int], served: list[int]) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
+        min(len(served), len(ours)),
+    )
+    return (
+        f"gives {len(ours)} ids here and {len(served)} there, first different at position "
+        f"{at} ({ours[at : at + 3]} here, {served[at : at + 3]} there)"
+    )
+
+
+def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str | None:
+    """Why the policy server at ``url`` cannot be used with ``template``'s tokenizer, or None
+    when it can: it must answer, serve a model, tokenize a probe text holding every special
+    token of ours into the same ids (POST /tokenize), and decode ids spread over our whole
+    vocabulary, its last id included, into the same text (POST /detokenize)."""
+    base = url.rstrip("/")
+    try:
+        models = _get(f"{base}/v1/models", timeout)
+        model = models["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return (
+            f"agenttap: the policy server at {url} does not answer ({reason}). Start it first "
+            f"(it must serve vLLM's OpenAI API), fix --set agenttap_policy_url, {SKIP_HINT}."
+        )
+    except (KeyError, IndexError, TypeError):
+        return (
+            f"agenttap: the policy server at {url} answers GET /v1/models with no model: is "
+            f"it a vLLM server? Fix --set agenttap_policy_url, {SKIP_HINT}."
+        )
+    mismatch = (
+        f"agenttap: the tokenizer given (--set agenttap_tokenizer) does not match the model "
+        f"{model!r} served at {url}:"
+    )
+    fix = f"Give the folder of the served model's tokenizer, {SKIP_HINT}."
+    probe = PROBE + "".join(template.special_tokens())
+    body = {"model": model, "prompt": probe, "add_special_tokens": False}
+    try:
+        served = _get(f"{base}/tokenize", timeout, body)["tokens"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None  # a server without /tokenize: nothing to compare against
+        return f"agenttap: the policy server at {url} refused POST /tokenize ({exc.code})."
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        return f"agenttap: the policy server at {url} did not tokenize a probe text ({exc})."
+    ours = template.encode(probe)
+    if served != ours:
+        return f"{mismatch} a probe text with its special tokens {_differs(ours, served)}. {fix}"
+    ids = vocab_probe_ids(template.vocab_size())
+    try:
+        text = _get(f"{base}/detokenize", timeout, {"model": model, "tokens": ids})["prompt"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None  # a server without /detokenize
+        return (
+            f"{mismatch} it refused to decode ids up to {ids[-1]}, the last of our vocabulary "
+            f"of {template.vocab_size()} ({exc.code}). {fix}"
+        )
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        return f"agenttap: the policy server at {url} did not decode probe ids ({exc})."
+    if text != template.decode(ids):
+        return (
+            f"{mismatch} {len(ids)} ids spread over our vocabulary of {template.vocab_size()} "
+            f"decode to other text there. {fix}"
+        )
+    return None
+
+
+def check_startup(settings: Settings) -> tuple[ChatTemplate | None, str | None]:
+    """The policy's tokenizer, loaded once (the gateway reuses it), and why the configuration
+    cannot serve (None: it can): a tokenizer folder that does not load, or a policy server that
+    does not answer or tokenizes otherwise (unless ``check_policy`` is off)."""
+    if settings.tokenizer is None or not settings.policy_urls:
+        return None, None
+    try:
+        template = ChatTemplate(settings.tokenizer)
+    except Exception as exc:  # a folder that holds no usable tokenizer
+        return None, (
+            f"agenttap: --set agenttap_tokenizer={settings.tokenizer} holds no tokenizer with a "
+            f"chat template that loads ({exc}). Give the policy model's folder."
+        )
+    if not settings.check_policy:
+        return template, None
+    servers = (u for _, urls in settings.model_map for u in urls)
+    urls = list(dict.fromkeys([*settings.policy_urls, *servers]))
+    for url in urls:
+        problem = check_policy(url, template)
+        if problem:
+            return template, problem
+    logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
+    return template, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m capture.startup --policy-url URL[,URL] --tokenizer DIR``: the start-up check
+    alone, before anything listens (scripts/run_proxy.sh runs it before mitmdump). Exits 1 with
+    what to fix, 0 when every server answers and tokenizes as the tokenizer does."""
+    import argparse
+    import sys
+
+    from capture.options import parse_urls
+
+    parser = argparse.ArgumentParser(prog="python -m capture.startup", description=main.__doc__)
+    parser.add_argument("--policy-url", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    args = parser.parse_args(argv)
+    try:
+        urls = parse_urls(args.policy_url)
+        template = ChatTemplate(args.tokenizer)
+    except Exception as exc:  # a bad URL, a folder without a tokenizer
+        print(f"agenttap: {exc}", file=sys.stderr)
+        return 1
+    for url in urls:
+        problem = check_policy(url, template)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
