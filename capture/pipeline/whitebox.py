@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from capture.control.sessions import reject_unknown
-from capture.pipeline.turn import TurnPipeline, failed_line, session_ended_message
+from capture.pipeline.recording import failed_line
+from capture.pipeline.turn import TurnPipeline, session_ended_message
 from capture.storage.records import FailedCall, TurnRecord
 from rewriter import jsonbody
 from rewriter.canonical import Message, SamplingParams

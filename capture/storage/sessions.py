@@ -3,13 +3,13 @@
 Durability: every completed call is appended to the session's journal (one compact JSON line,
 ``capture.storage.journal_lines``) before the client's response finishes, so a crash of the
 proxy loses nothing; the fsync that makes it survive a crash of the host runs in a worker
-thread, batched (``JournalSyncer``), right after the response or, with
+thread, batched (``capture.storage.journal_sync``), right after the response or, with
 ``agenttap_journal_fsync=before_reply``, before it ends. The line holds the call's record and
 how it changed its thread (what was kept, what replaced the rest), so threads can be rebuilt
 from the journal alone. A session becomes Parquet shards (``turns/`` one row per call,
-``threads/`` one training row per thread) when it has been idle for ``idle_timeout_s`` or the
-proxy stops; only then is its journal removed. A proxy killed with ``kill -9`` leaves journals
-behind, and the next start turns them into shards.
+``threads/`` one training row per thread; ``capture.storage.rows``) when it has been idle for
+``idle_timeout_s`` or the proxy stops; only then is its journal removed. A proxy killed with
+``kill -9`` leaves journals behind, and the next start turns them into shards.
 
 A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
 and written to ``failed/``: counted per session, never part of a thread row.
@@ -17,12 +17,10 @@ and written to ``failed/``: counted per session, never part of a thread row.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import re
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Set
@@ -31,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from capture.storage import journal_lines
-from capture.storage.records import SCHEMA_VERSION, FailedCall, TurnRecord
+from capture.storage.records import FailedCall, TurnRecord
+from capture.storage.rows import RowAnnotations, thread_row, turn_row
 from capture.storage.shards import (
     FAILED_SCHEMA,
     THREAD_SCHEMA,
@@ -40,7 +39,6 @@ from capture.storage.shards import (
     written_turn_counts,
 )
 from capture.trajectory import (
-    AUXILIARY,
     Assembly,
     CallNode,
     Provenance,
@@ -63,37 +61,6 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 def _journal_name(session_id: str) -> str:
     # Session ids come from the client (the proxy username): never trust them as a path.
     return _SAFE.sub("_", session_id)[:80] + "-" + os.urandom(4).hex() + ".jsonl"
-
-
-@dataclass
-class RowAnnotations:
-    """What a trainer said about a session, written into its thread rows (``metadata``,
-    ``reward``, ``end_reason``, ``metrics`` columns)."""
-
-    metadata: dict[str, Any] | None = None
-    # One number for every row, or one per thread id; None: not set (yet).
-    reward: float | dict[str, float] | None = None
-    end_reason: str | None = None
-    metrics: dict[str, Any] | None = None
-    # One number is set on main and subagent rows; on auxiliary rows (side calls: a title, a
-    # router) only with this. A per-thread reward is set on the threads it names, whatever kind.
-    reward_auxiliary: bool = False
-
-    def rewards(self, row: dict[str, Any]) -> bool:
-        """Whether one number for the session is the reward of ``row``."""
-        return self.reward_auxiliary or row.get("thread_kind") != AUXILIARY
-
-    def apply(self, row: dict[str, Any]) -> None:
-        if self.metadata is not None:
-            row["metadata"] = json.dumps(self.metadata, ensure_ascii=False)
-        if isinstance(self.reward, dict):
-            row["reward"] = self.reward.get(row["thread_id"])
-        elif self.reward is not None and self.rewards(row):
-            row["reward"] = float(self.reward)
-        if self.end_reason is not None:
-            row["end_reason"] = self.end_reason
-        if self.metrics is not None:
-            row["metrics"] = json.dumps(self.metrics)
 
 
 # Sessions whose written thread shards are remembered (for the rows returned at close).
@@ -293,7 +260,7 @@ class SessionStore:
         """The turns rows of ``session_id``'s calls not written yet, as they would be written
         (the viewer shows a live session's calls before its shards exist)."""
         sess = self._sessions.get(session_id)
-        return [_turn_row(t) for t in sess.turns] if sess is not None else []
+        return [turn_row(t) for t in sess.turns] if sess is not None else []
 
     def written_threads(self, session_id: str, forget: bool = False) -> list[Path]:
         """The thread shards written for ``session_id`` by this process (shards hold rows of
@@ -362,7 +329,7 @@ class SessionStore:
         for turn in turns:
             turn.thread_id = thread_of.get(turn.request_id, turn.thread_id)
         by_request = {t.request_id: t for t in turns}
-        turn_rows = [_turn_row(t) for t in turns]
+        turn_rows = [turn_row(t) for t in turns]
         paths = write_rows(self.turns_dir, turn_rows, TURN_SCHEMA, "turns", stem=stem)
         if turns and rows:
             session_id = turns[0].session_id
@@ -468,59 +435,6 @@ def _append(
             os.fsync(fh.fileno())
 
 
-class JournalSyncer:
-    """fsyncs journals in worker threads, batched: a journal asked for while its fsync waits
-    to start is fsynced once for all the lines written by then; one asked for while its fsync
-    runs gets another. Nothing here blocks the event loop."""
-
-    def __init__(self) -> None:
-        # journal -> its fsync that has not started yet (it covers every line written so far)
-        self._waiting: dict[Path, asyncio.Future[None]] = {}
-        self._lock = threading.Lock()
-        self.fsyncs = 0  # how many ran (tests, benchmarks)
-
-    def request(self, journal: Path) -> asyncio.Future[None]:
-        """fsync ``journal`` soon; the future of the fsync that covers its lines written so
-        far (one already waiting to start, shared, or a new one)."""
-        # Held while the fsync is submitted: its worker takes the lock before it starts, so it
-        # cannot start (and leave the map) before it is in the map.
-        with self._lock:
-            future = self._waiting.get(journal)
-            if future is None:
-                future = asyncio.get_running_loop().run_in_executor(None, self._sync, journal)
-                future.add_done_callback(_log_sync_failure)
-                self._waiting[journal] = future
-        return future
-
-    def _sync(self, journal: Path) -> None:
-        with self._lock:  # lines written from here on need the next fsync
-            del self._waiting[journal]
-            self.fsyncs += 1
-        sync_journal(journal)
-
-
-def _log_sync_failure(future: asyncio.Future[None]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        logger.error(
-            "agenttap: a journal could not be fsynced (%s); its lines are written but may not "
-            "survive a crash of this host: check the disk under the output folder",
-            future.exception(),
-        )
-
-
-def sync_journal(journal: Path) -> None:
-    """fsync a journal whose lines were written with ``durable=False``. Gone already: its
-    session was written to shards (fsynced) and the journal removed; nothing is left to do."""
-    try:
-        fd = os.open(journal, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def safe_text(text: str) -> str:
     """``text`` without lone surrogates (a client's undecodable header bytes, a JSON ``\ud800``):
     they cannot be written to Parquet, so they become U+FFFD before anything is journaled."""
@@ -536,42 +450,3 @@ def _make_text_safe(turn: TurnRecord) -> None:
     for name in ("requested_model", "policy_model", "user_agent", "completion_text"):
         setattr(turn, name, safe_text(getattr(turn, name)))
     turn.metadata = json.loads(safe_text(json.dumps(turn.metadata, ensure_ascii=False)))
-
-
-def thread_row(
-    session_id: str, row: ThreadRow, by_request: dict[str, TurnRecord]
-) -> dict[str, Any]:
-    first = by_request.get(row.turns[0]["request_id"]) if row.turns else None
-    if first is None:
-        first = next((by_request[r] for r in row.trained_request_ids if r in by_request), None)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "session_id": session_id,
-        "thread_id": row.thread_id,
-        "parent_thread_id": row.parent_thread_id,
-        "parent_relation": row.parent_relation,
-        "parent_tool_call_id": row.parent_tool_call_id,
-        "thread_kind": row.thread_kind,
-        "dead": row.dead,
-        "dead_reason": row.dead_reason,
-        "superseded_by": row.superseded_by,
-        "input_ids": row.input_ids,
-        "loss_mask": row.loss_mask,
-        "logprobs": row.logprobs,
-        "provenance": row.provenance,
-        "turns": row.turns,
-        "num_turns": len(row.trained_request_ids),
-        "trained_request_ids": row.trained_request_ids,
-        "protocol": first.protocol if first else None,
-        "user_agent": first.user_agent if first else None,
-        "reward": None,
-        "metadata": None,
-        "end_reason": None,
-        "metrics": None,
-    }
-
-
-def _turn_row(turn: TurnRecord) -> dict[str, Any]:
-    row = turn.to_row()
-    row["metadata"] = json.dumps(row["metadata"])
-    return row

@@ -1,4 +1,4 @@
-"""The journal's fsync: batched in worker threads (capture/storage/sessions.py ``JournalSyncer``), and
+"""The journal's fsync: batched in worker threads (capture/storage/journal_sync.py ``JournalSyncer``), and
 the option that decides whether an answer waits for it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from capture.options import parse_settings
-from capture.storage import sessions
-from capture.storage.sessions import JournalSyncer
+from capture.storage import journal_sync
+from capture.storage.journal_sync import JournalSyncer
 
 
 def test_the_option_reads_both_modes_and_refuses_others() -> None:
@@ -36,7 +36,7 @@ def test_requests_while_one_waits_share_its_fsync(
         assert release.wait(5), "the test never released the fsync"
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
 
-    monkeypatch.setattr(sessions.os, "fsync", slow_fsync)
+    monkeypatch.setattr(journal_sync.os, "fsync", slow_fsync)
 
     async def main() -> None:
         syncer = JournalSyncer()
@@ -71,7 +71,7 @@ def test_a_failed_fsync_is_logged_for_the_user(
     def failing_fsync(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(sessions.os, "fsync", failing_fsync)
+    monkeypatch.setattr(journal_sync.os, "fsync", failing_fsync)
 
     async def main() -> None:
         future = JournalSyncer().request(journal)

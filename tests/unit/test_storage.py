@@ -16,7 +16,8 @@ import pytest
 from capture.storage import journal_lines
 from capture.storage.reader import load_threads
 from capture.storage.records import TurnRecord
-from capture.storage.sessions import SessionStore, _turn_row
+from capture.storage.rows import turn_row
+from capture.storage.sessions import SessionStore
 from capture.storage.shards import THREAD_SCHEMA, TURN_SCHEMA, rows_to_table
 from rewriter.template import ChatTemplate
 from tests.agent_sessions import Script, build, corpus, record
@@ -66,7 +67,7 @@ def test_agent_sessions_are_compact_and_read_back_identically(
     got = _write(template, scripts, tmp_path / "out", tmp_path / "crash" / "journal")
     # Every column, as the process held the rows (logprobs as the float32 the schema says).
     expected = {
-        "turns": rows_to_table([_turn_row(t) for t in got["turns"]], TURN_SCHEMA),
+        "turns": rows_to_table([turn_row(t) for t in got["turns"]], TURN_SCHEMA),
         "threads": rows_to_table(got["rows"], THREAD_SCHEMA),
     }
     for name, keys in KEYS.items():
