@@ -21,8 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from capture.ports import RolloutHost
-from capture.rollouts.runner import Busy, Rollouts, parse_rollout
+from capture.rollouts.runner import Busy, Rollouts
 from capture.rollouts.sandbox import check_seed
+from capture.rollouts.spec import parse_rollout
 
 # What a refused rollout is told to wait before trying again.
 RETRY_AFTER_S = 5

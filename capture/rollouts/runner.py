@@ -16,168 +16,48 @@ process of its agents (unsandboxed: their process groups); the verifier starts o
 process of the agent is gone, after ``restore`` put the seed's copies of its paths back. The
 number of agents running at once is capped (``agenttap_max_rollouts``); past it a new request
 is refused (429, ``Retry-After``).
+
+The request: capture/rollouts/spec.py (``parse_rollout``); ending a child's processes:
+capture/rollouts/processes.py (``stop``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import shutil
-import signal
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from capture.control.sessions import (
-    END_STOP,
-    check_metadata,
-    check_session_id,
-    parse_limits,
-    reject_unknown,
-)
+from capture.control.sessions import END_STOP, parse_limits
 from capture.ports import RolloutHost
-from capture.rollouts.agents import agent_command
+from capture.rollouts.processes import Child, stop
 from capture.rollouts.sandbox import (
     Jail,
     SandboxSpec,
     UnsafeWorkdir,
     bwrap_argv,
-    check_restore,
     copy_seed,
     find_bwrap,
     host_sockets,
     read_info,
     restore,
 )
+from capture.rollouts.spec import RolloutSpec
 
 logger = logging.getLogger(__name__)
 
 # Finish reasons beyond the session's own (stop, max_calls, max_tokens, deadline).
 FINISH_ERROR = "error"
 FINISH_CANCELLED = "cancelled"
-# The most a rollout request may ask for at once (the cap applies on top of it).
-MAX_N = 256
 VERIFIER_TIMEOUT_S = 300.0
-# A grace period between SIGTERM and SIGKILL for an agent's process group.
-KILL_GRACE_S = 3.0
-# The longest wait for a sandbox's last process once it was killed (the kernel's work: quick).
-GONE_TIMEOUT_S = 10.0
 OUTPUT_KEPT = 4000
 # The verifier's output read back for its last line.
 VERIFIER_TAIL = 65536
-SANDBOXES = ("bwrap", "none")
-
-
-@dataclass
-class RolloutSpec:
-    agent: Any
-    prompt: str
-    command: list[str]
-    agent_env: dict[str, str]
-    n: int = 1
-    workdir: Path | None = None
-    limits: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    verifier: list[str] | None = None
-    # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
-    restore: tuple[str, ...] = ()
-    # Score a rollout whose agent failed (exited non-zero, made no call) all the same:
-    # "score"; "skip" (the default): its reward stays null.
-    on_error: str = "skip"
-    # "bwrap" or "none"; None: the option's (agenttap_sandbox).
-    sandbox: str | None = None
-    timeout_s: float = 3600.0
-    id: str = ""
-
-
-def parse_rollout(body: Any) -> RolloutSpec:
-    """A ``POST /rollouts`` body; ValueError worded for the caller otherwise."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    known = ("agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox")
-    reject_unknown(body, (*known, "timeout_s", "wait"))
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError('"prompt" must be the task, as text')
-    if "\x00" in prompt:
-        raise ValueError('"prompt" holds a NUL character, which no command line can carry')
-    command, agent_env = agent_command(body.get("agent"), prompt)
-    if any("\x00" in arg for arg in command):
-        raise ValueError('"agent.command" holds a NUL character, which no command line can carry')
-    n = body.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise ValueError(f'"n" must be a whole number from 1 to {MAX_N}')
-    workdir = None
-    if body.get("workdir") is not None:
-        if not isinstance(body["workdir"], str):
-            raise ValueError('"workdir" must be a folder path on the proxy\'s machine')
-        workdir = Path(body["workdir"]).expanduser().resolve()
-        if not workdir.is_dir():
-            raise ValueError(f'"workdir" {str(workdir)!r} is not a folder on the proxy\'s machine')
-    limits = parse_limits(body.get("limits"))
-    verifier = None
-    restore_paths: tuple[str, ...] = ()
-    on_error = "skip"
-    if body.get("verifier") is not None:
-        spec = body["verifier"]
-        command_ok = (
-            isinstance(spec, dict)
-            and set(spec) <= {"command", "restore", "on_error"}
-            and isinstance(spec.get("command"), list)
-            and spec["command"]
-            and all(isinstance(a, str) for a in spec["command"])
-        )
-        if not command_ok:
-            raise ValueError(
-                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", '
-                '...], "on_error"?: "skip" | "score"}'
-            )
-        if any("\x00" in arg for arg in spec["command"]):
-            raise ValueError('"verifier.command" holds a NUL character')
-        on_error = spec.get("on_error", "skip")
-        if on_error not in ("skip", "score"):
-            raise ValueError(
-                '"verifier.on_error" must be "skip" (a failed agent gets no reward) or "score" '
-                "(the verifier scores it all the same)"
-            )
-        verifier = list(spec["command"])
-        restore_paths = check_restore(spec.get("restore", []))
-        if restore_paths and workdir is None:
-            raise ValueError('"restore" puts paths back from the "workdir": give one')
-    sandbox = body.get("sandbox")
-    if sandbox is not None and sandbox not in SANDBOXES:
-        raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
-    timeout = body.get("timeout_s")
-    if timeout is None:
-        timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ValueError('"timeout_s" must be a number of seconds > 0')
-    if not math.isfinite(timeout):
-        raise ValueError('"timeout_s" must be finite')
-    rollout_id = body.get("id")
-    if rollout_id is not None:
-        check_session_id(rollout_id)
-    return RolloutSpec(
-        agent=body.get("agent"),
-        prompt=prompt,
-        command=command,
-        agent_env=agent_env,
-        n=n,
-        workdir=workdir,
-        limits={k: v for k, v in vars(limits).items() if v is not None},
-        metadata=check_metadata(body.get("metadata")),
-        verifier=verifier,
-        restore=restore_paths,
-        on_error=on_error,
-        sandbox=sandbox,
-        timeout_s=float(timeout),
-        id=rollout_id or "r-" + uuid.uuid4().hex[:12],
-    )
 
 
 @dataclass
@@ -218,15 +98,6 @@ class Run:
         if rows:
             out["rows"] = self.rows
         return out
-
-
-@dataclass
-class Child:
-    """A started agent or verifier: the process we started (bwrap, or the command itself) and,
-    sandboxed, the sandbox's PID namespace."""
-
-    proc: asyncio.subprocess.Process
-    jail: Jail | None = None
 
 
 @dataclass
@@ -334,7 +205,7 @@ class Rollouts:
         rows kept (``end_reason`` ``cancelled``)."""
         rollout.cancelled = True
         await asyncio.gather(
-            *(_stop(run.child, graceful=True) for run in rollout.runs if run.child is not None)
+            *(stop(run.child, graceful=True) for run in rollout.runs if run.child is not None)
         )
         if rollout.task is not None:
             await asyncio.wait([rollout.task])
@@ -441,7 +312,7 @@ class Rollouts:
                 run.error = f"the agent ran past its timeout ({spec.timeout_s:g} s) and was stopped"
             finally:
                 # Whatever it left running (a tool's server, a daemon) ends with it.
-                gone = await _stop(run.child, graceful=timed_out or rollout.cancelled)
+                gone = await stop(run.child, graceful=timed_out or rollout.cancelled)
                 run.exit_code = run.child.proc.returncode
         if not gone and run.error is None:
             run.error = "agenttap: the agent's processes did not end; it is not scored"
@@ -540,7 +411,7 @@ class Rollouts:
                 timed_out = True
                 run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
             finally:
-                await _stop(run.child, graceful=False)
+                await stop(run.child, graceful=False)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         output = _tail(log, VERIFIER_TAIL)
         run.verifier_output = output[-OUTPUT_KEPT:]
@@ -577,54 +448,6 @@ class Rollouts:
             sess, rows, _ = closed
             run.metrics = sess.metrics.as_dict()
             run.rows = rows
-
-
-async def _stop(child: Child, graceful: bool) -> bool:
-    """End every process of an agent or verifier; True once none is left. Sandboxed: with
-    ``graceful``, SIGTERM to each of its processes and a grace for it to exit, then SIGKILL to
-    its sandbox's init (the kernel kills the rest of its PID namespace), and a wait until that
-    init is gone. Unsandboxed: its process group, SIGTERM then SIGKILL."""
-    jail, proc = child.jail, child.proc
-    if jail is None:
-        await _kill_group(proc)
-        return not _group_alive(proc.pid)
-    if graceful and proc.returncode is None:
-        jail.terminate()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
-    jail.kill()
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    await proc.wait()
-    gone = await jail.wait_gone(GONE_TIMEOUT_S)
-    if not gone:
-        logger.error("agenttap: a sandbox's processes did not end in %g s", GONE_TIMEOUT_S)
-    return gone
-
-
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """End a process and every process of its group: SIGTERM, then SIGKILL after a grace."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if proc.returncode is None:
-            try:
-                await asyncio.wait_for(proc.wait(), wait)
-            except TimeoutError:
-                continue
-        if not _group_alive(proc.pid):
-            return
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def _tail(path: Path, size: int = OUTPUT_KEPT) -> str:

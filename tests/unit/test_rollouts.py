@@ -1,4 +1,4 @@
-"""Rollout requests and the agents' command lines (capture/rollouts/runner.py, capture/rollouts/agents.py):
+"""Rollout requests and the agents' command lines (capture/rollouts/spec.py, capture/rollouts/agents.py):
 in-process, no agent started."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from capture.rollouts.agents import AGENTS, PINNED_BIN, agent_command
-from capture.rollouts.runner import MAX_N, parse_rollout
+from capture.rollouts.spec import MAX_N, parse_rollout
 
 
 def test_each_cli_runs_headless_with_its_switches() -> None:

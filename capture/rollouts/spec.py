@@ -1,0 +1,132 @@
+"""A ``POST /rollouts`` request: ``parse_rollout`` checks its body and reads it into a
+``RolloutSpec`` (capture/rollouts/runner.py runs it); a ``ValueError`` worded for the caller
+otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capture.control.sessions import (
+    check_metadata,
+    check_session_id,
+    parse_limits,
+    reject_unknown,
+)
+from capture.rollouts.agents import agent_command
+from capture.rollouts.sandbox import check_restore
+
+# The most a rollout request may ask for at once (the cap applies on top of it).
+MAX_N = 256
+SANDBOXES = ("bwrap", "none")
+
+
+@dataclass
+class RolloutSpec:
+    agent: Any
+    prompt: str
+    command: list[str]
+    agent_env: dict[str, str]
+    n: int = 1
+    workdir: Path | None = None
+    limits: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    verifier: list[str] | None = None
+    # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
+    restore: tuple[str, ...] = ()
+    # Score a rollout whose agent failed (exited non-zero, made no call) all the same:
+    # "score"; "skip" (the default): its reward stays null.
+    on_error: str = "skip"
+    # "bwrap" or "none"; None: the option's (agenttap_sandbox).
+    sandbox: str | None = None
+    timeout_s: float = 3600.0
+    id: str = ""
+
+
+def parse_rollout(body: Any) -> RolloutSpec:
+    """A ``POST /rollouts`` body; ValueError worded for the caller otherwise."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    known = ("agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox")
+    reject_unknown(body, (*known, "timeout_s", "wait"))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError('"prompt" must be the task, as text')
+    if "\x00" in prompt:
+        raise ValueError('"prompt" holds a NUL character, which no command line can carry')
+    command, agent_env = agent_command(body.get("agent"), prompt)
+    if any("\x00" in arg for arg in command):
+        raise ValueError('"agent.command" holds a NUL character, which no command line can carry')
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f'"n" must be a whole number from 1 to {MAX_N}')
+    workdir = None
+    if body.get("workdir") is not None:
+        if not isinstance(body["workdir"], str):
+            raise ValueError('"workdir" must be a folder path on the proxy\'s machine')
+        workdir = Path(body["workdir"]).expanduser().resolve()
+        if not workdir.is_dir():
+            raise ValueError(f'"workdir" {str(workdir)!r} is not a folder on the proxy\'s machine')
+    limits = parse_limits(body.get("limits"))
+    verifier = None
+    restore_paths: tuple[str, ...] = ()
+    on_error = "skip"
+    if body.get("verifier") is not None:
+        spec = body["verifier"]
+        command_ok = (
+            isinstance(spec, dict)
+            and set(spec) <= {"command", "restore", "on_error"}
+            and isinstance(spec.get("command"), list)
+            and spec["command"]
+            and all(isinstance(a, str) for a in spec["command"])
+        )
+        if not command_ok:
+            raise ValueError(
+                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", '
+                '...], "on_error"?: "skip" | "score"}'
+            )
+        if any("\x00" in arg for arg in spec["command"]):
+            raise ValueError('"verifier.command" holds a NUL character')
+        on_error = spec.get("on_error", "skip")
+        if on_error not in ("skip", "score"):
+            raise ValueError(
+                '"verifier.on_error" must be "skip" (a failed agent gets no reward) or "score" '
+                "(the verifier scores it all the same)"
+            )
+        verifier = list(spec["command"])
+        restore_paths = check_restore(spec.get("restore", []))
+        if restore_paths and workdir is None:
+            raise ValueError('"restore" puts paths back from the "workdir": give one')
+    sandbox = body.get("sandbox")
+    if sandbox is not None and sandbox not in SANDBOXES:
+        raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
+    timeout = body.get("timeout_s")
+    if timeout is None:
+        timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError('"timeout_s" must be a number of seconds > 0')
+    if not math.isfinite(timeout):
+        raise ValueError('"timeout_s" must be finite')
+    rollout_id = body.get("id")
+    if rollout_id is not None:
+        check_session_id(rollout_id)
+    return RolloutSpec(
+        agent=body.get("agent"),
+        prompt=prompt,
+        command=command,
+        agent_env=agent_env,
+        n=n,
+        workdir=workdir,
+        limits={k: v for k, v in vars(limits).items() if v is not None},
+        metadata=check_metadata(body.get("metadata")),
+        verifier=verifier,
+        restore=restore_paths,
+        on_error=on_error,
+        sandbox=sandbox,
+        timeout_s=float(timeout),
+        id=rollout_id or "r-" + uuid.uuid4().hex[:12],
+    )
