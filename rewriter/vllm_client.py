@@ -9,6 +9,9 @@ Two vLLM endpoints can do this. ``POST /v1/completions`` (token-id prompt) works
 version sampled which output tokens (``weight_versions``); it is used whenever the server has it
 (asked once per server), with the server's default sampling parameters learned from
 ``POST /v1/completions/render`` so that both endpoints sample alike.
+
+The request a generation sends: ``rewriter/vllm_request.py``; its stream as read (lines, the
+text of a resumed generation): ``rewriter/vllm_stream.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -36,9 +39,18 @@ from rewriter.vllm_answers import (
     generate_delta,
     is_int,
     malformed_answer,
-    sampling_to_vllm,
     typed_field,
 )
+from rewriter.vllm_request import (
+    GENERATE_PATH,
+    JSON_CONTENT,
+    SERVER_DEFAULTS,
+    PolicyInfo,
+    RawJson,
+    dump_body,
+    generation_body,
+)
+from rewriter.vllm_stream import LineSplitter, ResumedText, stream_line_limit
 
 __all__ = ["Completion", "CompletionDelta", "PolicyError", "PolicyInfo", "VLLMClient"]
 
@@ -47,18 +59,6 @@ logger = logging.getLogger(__name__)
 MAX_RESUMES = 16
 # Servers a generation may move to after the one sampling it failed (see stream_resuming).
 MAX_FAILOVERS = 8
-GENERATE_PATH = "/inference/v1/generate"
-# Sampling defaults /v1/completions takes from the model's generation_config.json and the
-# generate endpoint does not: learned once from /v1/completions/render.
-SERVER_DEFAULTS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
 
 
 def _may_fail_over(exc: BaseException) -> bool:
@@ -67,119 +67,7 @@ def _may_fail_over(exc: BaseException) -> bool:
     return not isinstance(exc, PolicyError) or exc.unavailable
 
 
-@dataclass
-class PolicyInfo:
-    model: str
-    max_model_len: int | None
-    # The server answers POST /inference/v1/generate (weight versions per token span).
-    generate: bool = False
-    # Its default sampling parameters (generation_config.json), for the generate endpoint.
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-
-
-class ResumedText:
-    """Incremental text of a completion's ids (the classic prefix/read-offset detokenizer):
-    a piece is emitted once it no longer ends inside a character."""
-
-    def __init__(self, decode: Callable[[list[int]], str], prefix: int, read: int) -> None:
-        self._decode = decode
-        self._prefix = prefix  # ids before this only give context to the next piece
-        self._read = read  # ids before this have had their text emitted
-
-    @classmethod
-    def start(
-        cls, decode: Callable[[list[int]], str], ids: list[int], emitted: str
-    ) -> ResumedText | None:
-        """Pick up after ``emitted``, the text given out for ``ids`` so far (a server holds
-        back a last incomplete character, so it may stand for a few ids less)."""
-        for read in range(len(ids), max(-1, len(ids) - 8), -1):
-            if decode(ids[:read]) == emitted:
-                return cls(decode, max(0, read - 6), read)
-        logger.warning("resumed generation: its text so far does not match its ids")
-        return None
-
-    def step(self, ids: list[int], final: bool = False) -> str:
-        before = self._decode(ids[self._prefix : self._read])
-        text = self._decode(ids[self._prefix :])
-        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
-            return ""
-        self._prefix, self._read = self._read, len(ids)
-        return text[len(before) :]
-
-
 Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"]]
-
-
-# The longest stream line read from a policy server, beside the prompt's ids it echoes: twice
-# aiohttp's 64 KiB read buffer.
-MAX_LINE_BYTES = 2 * 2**16
-# vLLM echoes the prompt's ids in a stream's first chunk (``return_token_ids``): up to this many
-# bytes an id ("2147483647, "), so a 100,000-token prompt's first line is about a megabyte.
-ECHO_BYTES_PER_ID = 12
-
-
-def stream_line_limit(prompt_len: int) -> int:
-    """The longest line a generation's stream may send: bounded (a server sending garbage with
-    no newline cannot fill memory), and room for its prompt's echo, however long the prompt."""
-    return MAX_LINE_BYTES + ECHO_BYTES_PER_ID * prompt_len
-
-
-class _LineSplitter:
-    """Bytes as they are read -> the complete lines among them (stripped), bounded."""
-
-    def __init__(self, limit: int = MAX_LINE_BYTES) -> None:
-        self._partial: list[bytes] = []
-        self._size = 0
-        self._limit = limit
-
-    def feed(self, data: bytes) -> list[bytes]:
-        parts = data.split(b"\n")
-        if len(parts) == 1:
-            self._keep(data)
-            return []
-        if self._partial:
-            parts[0] = b"".join(self._partial) + parts[0]
-            self._partial, self._size = [], 0
-        longest = max(map(len, parts[:-1]))
-        if longest > self._limit:
-            raise malformed_answer("an over-long line", f"{longest} bytes")
-        self._keep(parts.pop())
-        return [p.strip() for p in parts]
-
-    def rest(self) -> list[bytes]:
-        """What is left when the stream ends (a last line without its newline)."""
-        line = b"".join(self._partial).strip()
-        self._partial, self._size = [], 0
-        return [line] if line else []
-
-    def _keep(self, data: bytes) -> None:
-        if data:
-            self._partial.append(data)
-            self._size += len(data)
-            if self._size > self._limit:
-                raise malformed_answer("an over-long line", f"over {self._limit} bytes")
-
-
-JSON_CONTENT = {"Content-Type": "application/json"}
-
-
-@dataclass(frozen=True)
-class RawJson:
-    """A request body value already formatted as JSON text (a prompt's ids)."""
-
-    text: str
-
-
-def dump_body(body: dict[str, Any]) -> bytes:
-    """``body`` as compact JSON, its ``RawJson`` values put in as they are."""
-    raw = {k: v.text for k, v in body.items() if isinstance(v, RawJson)}
-    rest = json.dumps({k: v for k, v in body.items() if k not in raw}, separators=(",", ":"))
-    if not raw:
-        return rest.encode()
-    parts = [f"{json.dumps(k)}:{text}" for k, text in raw.items()]
-    if rest != "{}":
-        parts.append(rest[1:-1])
-    return ("{" + ",".join(parts) + "}").encode()
 
 
 class VLLMClient:
@@ -321,36 +209,7 @@ class VLLMClient:
         prompt_json: str | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """The endpoint and body for one generation (``prompt_json``: the ids' JSON text)."""
-        info = await self.info()
-        prompt: list[int] | RawJson = prompt_ids if prompt_json is None else RawJson(prompt_json)
-        sampling: dict[str, Any] = {
-            "logprobs": 0,
-            # Tags such as <tool_call> and <think> must reach the parsers; the EOS text must not.
-            "skip_special_tokens": True,
-        }
-        sampling.update(sampling_to_vllm(params))
-        if info.max_model_len:
-            # vLLM's default is 16, and it refuses a max_tokens past the context; clients mean
-            # "at most": no limit means until done, a limit over the room left means the room
-            # (Claude Code asks for 128000 whatever the model).
-            room = max(1, info.max_model_len - len(prompt_ids))
-            sampling["max_tokens"] = min(sampling.get("max_tokens", room), room)
-        if info.generate:
-            return GENERATE_PATH, {
-                "model": info.model,
-                "token_ids": prompt,
-                "sampling_params": {**info.sampling_defaults, **sampling},
-                "output_mode": "text",  # the text (stop strings applied) for the parsers
-                "stream": stream,
-            }
-        body = {
-            "model": info.model,
-            "prompt": prompt,
-            "return_token_ids": True,
-            "stream": stream,
-            **sampling,
-        }
-        return "/v1/completions", body
+        return generation_body(await self.info(), prompt_ids, params, stream, prompt_json)
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
@@ -509,7 +368,7 @@ class VLLMClient:
         except TimeoutError as exc:
             raise self._stalled() from exc
         finished = False
-        lines = _LineSplitter(stream_line_limit(len(prompt_ids)))
+        lines = LineSplitter(stream_line_limit(len(prompt_ids)))
         async with resp:
             while True:
                 try:
