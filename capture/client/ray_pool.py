@@ -40,12 +40,15 @@ run on the node of the actor holding their session (``PoolSession.proxy``, ``Pro
 ``host="node"`` listens on the node's IP address instead (base URLs then name it; anyone who
 reaches it can use the policy). A session's ``env`` (proxy mode) names that proxy's CA files,
 kept in a temporary folder of its node.
+
+Here: the driver side (``ProxyPool``, ``PoolSession``, placement). The actor is
+``capture/client/proxy_actor.py``; the shard files, their upload and the dataset are
+``capture/client/pool_shards.py``.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -58,15 +61,12 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from capture.client.launcher import AgentTap
+from capture.client.pool_shards import PROXY_COLUMN, open_dataset, resolve_filesystem, shard_files
+from capture.client.proxy_actor import ProxyActor as ProxyActor  # importable from here too
+from capture.client.proxy_actor import proxy_actor_class
 
 if TYPE_CHECKING:
     import ray.data
-
-# The shard folders of one instance (docs/SHARDS.md) that an upload copies.
-SHARD_KINDS = ("turns", "threads", "failed", "rewards")
-# The column ``dataset()`` adds: the folder of the proxy that wrote the row (``proxy-<n>``).
-PROXY_COLUMN = "proxy"
 
 
 def replica_for(session_id: str, replicas: list[str]) -> str:
@@ -85,217 +85,6 @@ def least_loaded(loads: list[dict[str, int]], placed: list[int]) -> int:
         return (max(loads[i].get("sessions", 0), placed[i]), loads[i].get("in_flight", 0), i)
 
     return min(range(len(loads)), key=score)
-
-
-def resolve_filesystem(
-    target: str, filesystem: pafs.FileSystem | None = None
-) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for ``target``: a path inside ``filesystem`` when one is
-    given, else a ``pyarrow.fs`` URI (``s3://``, ``gs://``, ``file://``, ...) or a local path."""
-    if filesystem is not None:
-        return filesystem, target.rstrip("/")
-    if "://" in target:
-        fs, path = pafs.FileSystem.from_uri(target)
-        return fs, path.rstrip("/")
-    return pafs.LocalFileSystem(), str(Path(target).resolve())
-
-
-def shard_files(fs: pafs.FileSystem, base: str, kind: str = "threads") -> list[str]:
-    """The finished Parquet shards of ``kind`` under every ``base/proxy-*/`` folder (hidden
-    temporary files skipped), sorted."""
-    proxies = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    found: list[str] = []
-    for proxy in proxies:
-        if proxy.type != pafs.FileType.Directory or not proxy.base_name.startswith("proxy-"):
-            continue
-        selector = pafs.FileSelector(f"{proxy.path}/{kind}", allow_not_found=True)
-        found += [
-            info.path
-            for info in fs.get_file_info(selector)
-            if info.type == pafs.FileType.File
-            and info.base_name.endswith(".parquet")
-            and not info.base_name.startswith((".", "_"))
-        ]
-    return sorted(found)
-
-
-class Uploader:
-    """Copies an instance's new or changed shard files to a ``pyarrow.fs`` filesystem."""
-
-    def __init__(self, local_out: Path, fs: pafs.FileSystem, dest: str) -> None:
-        self.local_out = local_out
-        self.fs = fs
-        self.dest = dest.rstrip("/")
-        self._sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns)
-        self._lock = threading.Lock()
-        self.uploaded = 0
-
-    def sync(self) -> list[str]:
-        """Upload what is new since the last sync; returns the destination paths written."""
-        local = pafs.LocalFileSystem()
-        written = []
-        with self._lock:
-            for kind in SHARD_KINDS:
-                folder = self.local_out / kind
-                if not folder.is_dir():
-                    continue
-                for path in sorted(folder.glob("*.parquet")):
-                    if path.name.startswith("."):
-                        continue  # a shard being written (capture/storage/shards.py)
-                    st = path.stat()
-                    rel = f"{kind}/{path.name}"
-                    if self._sent.get(rel) == (st.st_size, st.st_mtime_ns):
-                        continue
-                    final = f"{self.dest}/{rel}"
-                    tmp = f"{self.dest}/{kind}/.{path.name}.tmp"
-                    self.fs.create_dir(f"{self.dest}/{kind}", recursive=True)
-                    pafs.copy_files(
-                        str(path), tmp, source_filesystem=local, destination_filesystem=self.fs
-                    )
-                    self.fs.move(tmp, final)
-                    self._sent[rel] = (st.st_size, st.st_mtime_ns)
-                    written.append(final)
-            self.uploaded += len(written)
-        return written
-
-
-class ProxyActor:
-    """One agenttap instance on this node: the class each Ray actor runs (``proxy_actor_class``;
-    a plain instance works without Ray). Its shards go to ``OUT_ROOT/proxy-<index>/``."""
-
-    def __init__(
-        self,
-        index: int,
-        policy_urls: list[str],
-        tokenizer: str,
-        out_root: str,
-        *,
-        host: str = "127.0.0.1",
-        advertise_host: str = "",
-        confdir: str | None = None,
-        options: dict[str, str] | None = None,
-        upload_to: str | None = None,
-        upload_filesystem: pafs.FileSystem | None = None,
-        start_timeout: float = 120.0,
-    ) -> None:
-        self.index = index
-        self.name = f"proxy-{index}"
-        self.out = Path(out_root) / self.name
-        if host == "node":
-            host = _node_ip()
-        # The proxy's CA (its private key) stays on this node, not in the shared out root.
-        conf = confdir or tempfile.mkdtemp(prefix=f"agenttap-{self.name}-conf-")
-        self.tap = AgentTap.start(
-            ",".join(policy_urls),
-            tokenizer,
-            self.out,
-            host=host,
-            advertise_host=advertise_host,
-            confdir=conf,
-            options=options,
-            timeout=start_timeout,
-        )
-        self.uploader: Uploader | None = None
-        if upload_to is not None:
-            fs, base = resolve_filesystem(upload_to, upload_filesystem)
-            self.uploader = Uploader(self.out, fs, f"{base}/{self.name}")
-        self.opened = 0
-        self.closed = 0
-        self._lock = threading.Lock()
-
-    def info(self) -> dict[str, Any]:
-        """Where it runs: its index, folder, node, pid, and the instance's URLs."""
-        return {
-            "index": self.index,
-            "name": self.name,
-            "out": str(self.out),
-            "node_id": _node_id(),
-            "node_ip": _node_ip(),
-            "pid": os.getpid(),
-            "mitmdump_pid": self.tap.proc.pid,
-            "proxy_url": self.tap.proxy_url,
-            "api_url": self.tap.api_url,
-        }
-
-    def open_session(
-        self,
-        session_id: str,
-        metadata: dict[str, Any] | None = None,
-        limits: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        sess = self.tap.open_session(session_id, metadata, limits)
-        with self._lock:
-            self.opened += 1
-        return {
-            "id": sess.id,
-            "env": dict(sess.env),
-            "base_urls": dict(sess.base_urls),
-            "api_key": sess.api_key,
-        }
-
-    def close_session(
-        self, session_id: str, reward: float | dict[str, float] | None = None
-    ) -> pa.Table:
-        """Close it with its reward: its thread rows (uploaded first, with ``upload_to``)."""
-        body = {"reward": reward} if reward is not None else {}
-        summary, table = self.tap.client.request(
-            "POST", f"/sessions/{session_id}/close", body, arrow=True
-        )
-        assert table is not None
-        with self._lock:
-            self.closed += 1
-        if self.uploader is not None:
-            self.uploader.sync()
-        return table
-
-    def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
-        """A late reward, after close (written to this proxy's ``rewards/``)."""
-        self.tap.client.post(f"/sessions/{session_id}/reward", {"reward": reward})
-        if self.uploader is not None:
-            self.uploader.sync()
-
-    def load(self) -> dict[str, int]:
-        """Live sessions and calls in flight now (the control API's ``GET /sessions``)."""
-        live = self.tap.sessions()
-        return {"sessions": len(live), "in_flight": sum(int(s["in_flight"]) for s in live)}
-
-    def sessions(self) -> list[dict[str, Any]]:
-        return self.tap.sessions()
-
-    def flush(self) -> list[str]:
-        """Write every live session's shards now (and upload them)."""
-        written = self.tap.flush()
-        if self.uploader is not None:
-            self.uploader.sync()
-        return written
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            counts = {"opened": self.opened, "closed": self.closed}
-        return {
-            **self.info(),
-            **counts,
-            **self.load(),
-            "uploaded": self.uploader.uploaded if self.uploader else 0,
-            "alive": self.tap.proc.poll() is None,
-        }
-
-    def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop the instance (every session's shards written; killed past ``timeout``), then
-        upload what is left."""
-        self.tap.close(timeout)
-        if self.uploader is not None:
-            self.uploader.sync()
-
-
-def proxy_actor_class(num_cpus: float = 1.0, max_concurrency: int = 64) -> Any:
-    """``ProxyActor`` as a Ray actor class (Ray is imported here, not when this module is).
-    ``max_concurrency``: its methods run in a thread pool, so ``load`` answers while a close
-    is under way."""
-    import ray
-
-    remote: Any = ray.remote  # its typed overloads name no actor options
-    return remote(num_cpus=num_cpus, max_concurrency=max_concurrency)(ProxyActor)
 
 
 @dataclass
@@ -558,36 +347,3 @@ class ProxyPool:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def open_dataset(fs: pafs.FileSystem | str, base: str = "", kind: str = "threads") -> ds.Dataset:
-    """Every ``base/proxy-*/kind`` shard under a pool's root as one ``pyarrow.dataset``, with a
-    ``proxy`` column; ``fs`` a filesystem, or a URI / local path (``base`` then ignored)."""
-    if isinstance(fs, str):
-        fs, base = resolve_filesystem(fs)
-    files = shard_files(fs, base, kind)
-    if not files:
-        raise FileNotFoundError(f"no {kind} shards under {base}/proxy-*/{kind}")
-    # The first folder under ``base`` (proxy-<n>) becomes the ``proxy`` column.
-    partitioning = ds.DirectoryPartitioning(pa.schema([(PROXY_COLUMN, pa.string())]))
-    return ds.dataset(
-        files, filesystem=fs, format="parquet", partitioning=partitioning, partition_base_dir=base
-    )
-
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
-    except Exception:
-        return ""
-
-
-def _node_ip() -> str:
-    try:
-        import ray.util
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:
-        return "127.0.0.1"

@@ -15,7 +15,9 @@ per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every
 - ``GET /sessions``, ``GET /sessions/{id}``, ``GET /healthz``, ``GET /ready``,
   ``GET /openapi.json``, ``POST /flush[?session=ID]``
 
-The session bookkeeping is ``capture/control/sessions.py``; the rows come from the store.
+The session bookkeeping is ``capture/control/sessions.py``; the rows come from the store and
+are answered by ``capture/control/answers.py``; ``/replicas`` is
+``capture/control/replica_routes.py``.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from aiohttp import web
 
+from capture.control.answers import error, read_rows, rows_response, unmatched_threads
 from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
-from capture.control.openapi import ARROW_STREAM, openapi_spec
+from capture.control.openapi import openapi_spec
+from capture.control.replica_routes import ReplicaRoutes
 from capture.control.sessions import (
     ControlledSession,
     check_metadata,
@@ -43,12 +45,10 @@ from capture.control.sessions import (
     parse_limits,
     reject_unknown,
 )
-from capture.options import parse_urls
 from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.storage.sessions import RowAnnotations
-from capture.storage.shards import THREAD_SCHEMA, rows_to_table
 from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 from rewriter.vllm_client import PolicyError
@@ -92,10 +92,6 @@ def bearer_state(authorization: str, token: str) -> str:
     return "ok" if ok else "wrong"
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "status": status}}, status=status)
-
-
 class ControlAPI:
     def __init__(
         self, gateway: GatewayCore, token: str, endpoints: Endpoints, max_rollouts: int = 8
@@ -105,6 +101,7 @@ class ControlAPI:
         self.endpoints = endpoints
         self.started_at = time.time()
         self.rollouts = RolloutRoutes(self, max_rollouts)
+        self.replicas = ReplicaRoutes(gateway, self.body)
         self.viewer = live_viewer(gateway)
 
     @property
@@ -144,7 +141,7 @@ class ControlAPI:
                 return refused
         handler, args = self._route(method, path)
         if handler is None:
-            return _error(
+            return error(
                 404 if args is None else 405,
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
@@ -156,19 +153,19 @@ class ControlAPI:
         try:
             return await handler(request, *(args or ()))
         except ValueError as exc:
-            return _error(400, f"agenttap: {exc}")
+            return error(400, f"agenttap: {exc}")
 
     def _check_token(self, request: web.Request, bearer: str | None) -> web.Response | None:
         if bearer is None:
             bearer = bearer_state(request.headers.get("Authorization", ""), self.token)
         if not bearer:
-            return _error(
+            return error(
                 401,
                 "agenttap: this route wants 'Authorization: Bearer TOKEN'; the token is printed "
                 "at start as AGENTTAP_TOKEN=... (or set with --set agenttap_token=...)",
             )
         if bearer != "ok":
-            return _error(403, "agenttap: wrong token (see AGENTTAP_TOKEN= in the proxy's log)")
+            return error(403, "agenttap: wrong token (see AGENTTAP_TOKEN= in the proxy's log)")
         return None
 
     Handler = Callable[..., Awaitable[web.StreamResponse]]
@@ -185,9 +182,9 @@ class ControlAPI:
             ("metrics",): {"GET": self._metrics},
             ("sessions",): {"GET": self._list, "POST": self._open},
             ("replicas",): {
-                "GET": self._replicas,
-                "POST": self._add_replica,
-                "DELETE": self._remove_replica,
+                "GET": self.replicas.list,
+                "POST": self.replicas.add,
+                "DELETE": self.replicas.remove,
             },
         }
         args: tuple[str, ...] = ()
@@ -240,60 +237,6 @@ class ControlAPI:
             body=self.gateway.metrics.exposition(), headers={"Content-Type": METRICS_TYPE}
         )
 
-    # -- policy replicas (capture/policy/replicas.py): agenttap_policy_url's pool -------------
-    def _replica_list(self) -> web.Response:
-        replicas = self.gateway.policies.default
-        assert replicas is not None
-        return web.json_response(
-            {
-                "replicas": replicas.summary(),
-                "max_inflight": replicas.max_in_flight,
-                "queue": replicas.max_queue,
-            }
-        )
-
-    async def _replicas(self, request: web.Request) -> web.Response:
-        return self._replica_list()
-
-    async def _add_replica(self, request: web.Request) -> web.Response:
-        """``{"url": "http://HOST:PORT"}``: a vLLM server joins agenttap_policy_url's pool once
-        it answers ``GET /health``; new sessions may go there from then on."""
-        body = await self.body(request)
-        reject_unknown(body, ("url",))
-        urls = parse_urls(str(body.get("url") or ""))
-        if len(urls) != 1:
-            raise ValueError('"url" must be one http(s) URL such as http://127.0.0.1:8000')
-        policies = self.gateway.policies
-        replicas = policies.default
-        assert replicas is not None and policies.http is not None
-        if urls[0].rstrip("/") in replicas.replicas:
-            return self._replica_list()
-        replica = replicas.add(urls[0])
-        if not await replicas.check(replica, policies.http):
-            replicas.remove(replica.url)
-            return _error(
-                400,
-                f"agenttap: the policy server at {replica.url} does not answer GET /health "
-                f"({replica.last_error}); start it first, then add it",
-            )
-        logger.info("agenttap: policy server %s added", replica.url)
-        return self._replica_list()
-
-    async def _remove_replica(self, request: web.Request) -> web.Response:
-        """``?url=URL``: no new call goes there; generations running on it finish; its
-        sessions move to another server on their next call."""
-        url = request.query.get("url", "")
-        if not url:
-            raise ValueError("DELETE /replicas wants ?url=URL (one of GET /replicas)")
-        replicas = self.gateway.policies.default
-        assert replicas is not None
-        try:
-            replicas.remove(url)
-        except KeyError:
-            return _error(404, f"agenttap: no policy server {url!r} (GET /replicas lists them)")
-        logger.info("agenttap: policy server %s removed", url.rstrip("/"))
-        return self._replica_list()
-
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_spec(self.endpoints.api_url))
 
@@ -304,7 +247,7 @@ class ControlAPI:
             and not self.gateway.store.knows(session)
             and self.gateway.control.get(session) is None
         ):
-            return _error(
+            return error(
                 404,
                 f"agenttap: no session {session!r} to flush: this proxy has seen no call of it. "
                 f"GET /sessions lists the live ones; POST /flush without ?session= writes all.",
@@ -334,7 +277,7 @@ class ControlAPI:
         try:
             sess = self.gateway.control.open(sid, metadata, limits)
         except ValueError as exc:
-            return _error(409, f"agenttap: {exc}")
+            return error(409, f"agenttap: {exc}")
         logger.info("agenttap: session %r opened (%s)", sid, json.dumps(metadata)[:200])
         return web.json_response(
             {
@@ -365,7 +308,7 @@ class ControlAPI:
         return sess
 
     def _unknown(self, sid: str) -> web.Response:
-        return _error(
+        return error(
             404,
             f"agenttap: no session {sid!r}: this proxy has seen no call of it since it started, "
             f"nor was it opened (POST /sessions). GET /sessions lists the live ones; rows of "
@@ -380,9 +323,9 @@ class ControlAPI:
         async with self.gateway.pipeline.session_lock(sid):
             pending = self.gateway.store.pending_rows(sid)
         shards = sess.thread_shards if sess.closed else self.gateway.store.written_threads(sid)
-        rows = _read_rows(shards, sid) + pending
+        rows = read_rows(shards, sid) + pending
         rows = join_rewards(rows, load_rewards(self.out_dir))
-        return self._rows_response(request, sess, rows, shards=shards)
+        return rows_response(request, sess, rows, shards=shards)
 
     async def _close(self, request: web.Request, sid: str) -> web.StreamResponse:
         body = await self.body(request)
@@ -397,7 +340,7 @@ class ControlAPI:
         control = self.gateway.control
         if control.get(sid) is None or sid not in {s.id for s in control.live()}:
             if control.get(sid) is not None:
-                return _error(409, f"agenttap: session {sid!r} is closed already")
+                return error(409, f"agenttap: session {sid!r} is closed already")
             return self._unknown(sid)
         if isinstance(reward, dict):
             # Checked before anything is closed: a reward for a thread the session does not
@@ -406,7 +349,7 @@ class ControlAPI:
                 pending = self.gateway.store.pending_rows(sid)
             known = {r["thread_id"] for r in pending}
             known |= {
-                r["thread_id"] for r in _read_rows(self.gateway.store.written_threads(sid), sid)
+                r["thread_id"] for r in read_rows(self.gateway.store.written_threads(sid), sid)
             }
             unknown = sorted(k for k in reward if k not in known)
             if unknown:
@@ -418,7 +361,7 @@ class ControlAPI:
         closed = await self.close_session(sid, reward, reward_auxiliary=reward_auxiliary)
         assert closed is not None
         sess, rows, unmatched = closed
-        return self._rows_response(request, sess, rows, unmatched)
+        return rows_response(request, sess, rows, unmatched)
 
     async def close_session(
         self,
@@ -452,7 +395,7 @@ class ControlAPI:
             written_before = store.written_threads(sid)
             store.end_session(sid, annotations=annotations, rows_out=new_rows, why="close")
             sess.thread_shards = store.written_threads(sid, forget=True)
-        earlier = _read_rows(written_before, sid)
+        earlier = read_rows(written_before, sid)
         if earlier and reward is not None:
             # Rows written before the close (an idle or explicit flush) get the reward too.
             # One number: per thread unless auxiliary rows get it too (a late reward for the
@@ -478,7 +421,7 @@ class ControlAPI:
             reward,
             time.monotonic() - started,
         )
-        return sess, rows, _unmatched(reward, rows)
+        return sess, rows, unmatched_threads(reward, rows)
 
     async def _reward(self, request: web.Request, sid: str) -> web.Response:
         body = await self.body(request)
@@ -489,7 +432,7 @@ class ControlAPI:
         if sess is None:
             return self._unknown(sid)
         if not sess.closed:
-            return _error(
+            return error(
                 409,
                 f"agenttap: session {sid!r} is still open; give its reward at close "
                 f"(POST /sessions/{sid}/close), or close it first",
@@ -497,62 +440,9 @@ class ControlAPI:
         path = write_rewards(self.out_dir, sid, reward)
         return web.json_response({"id": sid, "reward": reward, "written": str(path)})
 
-    # -- rows ----------------------------------------------------------------------------------
-    def _rows_response(
-        self,
-        request: web.Request,
-        sess: ControlledSession,
-        rows: list[dict[str, Any]],
-        unmatched: list[str] | None = None,
-        shards: list[Path] | None = None,
-    ) -> web.Response:
-        summary = sess.summary()
-        if shards is not None:
-            # Where its rows were written (thread shards), for a reader of OUT.
-            summary["shards"] = [str(p) for p in shards]
-        if ARROW_STREAM in request.headers.get("Accept", ""):
-            table = rows_to_table(rows, THREAD_SCHEMA)
-            meta = {b"agenttap_session": json.dumps(summary).encode()}
-            table = table.replace_schema_metadata(meta)
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, table.schema) as writer:
-                writer.write_table(table)
-            return web.Response(
-                body=sink.getvalue().to_pybytes(),
-                content_type=ARROW_STREAM,
-                headers={"X-Agenttap-Session": json.dumps(summary)},
-            )
-        out = dict(summary)
-        out["rows"] = rows
-        if unmatched:
-            out["unmatched_rewards"] = unmatched
-        return web.json_response(out)
-
 
 def _new_id() -> str:
     return "s-" + uuid.uuid4().hex[:16]
-
-
-def _unmatched(reward: Any, rows: list[dict[str, Any]]) -> list[str]:
-    """Thread ids a per-thread reward named that the session has no row for."""
-    if not isinstance(reward, dict):
-        return []
-    ids = {r["thread_id"] for r in rows}
-    return sorted(k for k in reward if k not in ids)
-
-
-def _read_rows(paths: list[Path], session_id: str) -> list[dict[str, Any]]:
-    """The rows of ``session_id`` in thread shards written earlier (a shard holds one session;
-    the filter keeps that true of anything else)."""
-    rows: list[dict[str, Any]] = []
-    for path in paths:
-        try:
-            table = pq.read_table(path, schema=THREAD_SCHEMA)
-        except (OSError, pa.ArrowInvalid) as exc:
-            logger.warning("could not read %s back (%s)", path, exc)
-            continue
-        rows += [r for r in table.to_pylist() if r["session_id"] == session_id]
-    return rows
 
 
 def build(gateway: GatewayCore, api_url: str) -> ControlAPI:

@@ -1,4 +1,4 @@
-"""capture/client/ray_pool.py without Ray: placement, replica affinity (the gateway's own rule), shard
+"""capture/client/ray_pool.py (and its pool_shards.py) without Ray: placement, replica affinity (the gateway's own rule), shard
 uploads to a pyarrow filesystem and the pool's shards read back as one dataset."""
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from capture.client.ray_pool import (
-    Uploader,
-    least_loaded,
-    open_dataset,
-    replica_for,
-    resolve_filesystem,
-)
+from capture.client.pool_shards import Uploader, open_dataset, resolve_filesystem
+from capture.client.ray_pool import least_loaded, replica_for
 from capture.policy.pools import PolicyPools
 from capture.storage.shards import write_table
 
