@@ -8,6 +8,7 @@ once.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,12 @@ class TextEvent:
     around a marker, then each text is JSON-encoded into the gap, byte for byte what rendering
     the whole event gives, for a third of the cost per token."""
 
-    _MARK = "\u0000agenttap text\u0000"
-
     def __init__(self, render: Callable[[str], bytes]) -> None:
-        mark = json.dumps(self._MARK, ensure_ascii=False).encode()
-        head, found, tail = render(self._MARK).partition(mark)
+        # A marker no client can write into the rest of the event (a model name is the
+        # client's): a fixed one, sent back as a model name, made this raise mid-stream.
+        marker = f"\u0000agenttap text {secrets.token_hex(8)}\u0000"
+        mark = json.dumps(marker, ensure_ascii=False).encode()
+        head, found, tail = render(marker).partition(mark)
         if not found or mark in tail:
             raise ValueError("the event must hold its text exactly once")
         self.head, self.tail = head, tail

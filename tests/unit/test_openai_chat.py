@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
@@ -448,6 +448,7 @@ def test_error_body_shape() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(), model=st.text(max_size=20))
+@example(text="", model="\x00agenttap text\x00")  # the old fixed marker, as a model name
 def test_a_text_event_is_the_whole_event_rendered(text: str, model: str) -> None:
     """rewriter/wire.py TextEvent: the chunk built around a marker equals the chunk rendered
     whole, for any text (quotes, backslashes, controls, astral characters, the marker's NUL)."""
