@@ -3,7 +3,9 @@
 Glue only. Calls to the intercepted API hosts are pointed at the gateway (a loopback server in
 this same event loop, see ``capture/gateway.py``) which answers them from the policy and records
 them; every other destination is refused with a 403 and never tunnelled out. Client API keys are
-removed from the flow before anything else sees it.
+removed from the flow before anything else sees it. The gateway is started and announced by
+``addons/gateway_start.py``; calls answered whole are answered in-process by
+``addons/in_process.py``.
 
 Saved flows (``mitmdump -w FILE``) show the client's original request
 (``https://api.openai.com/...``), without the gateway's headers or the client's credentials, and
@@ -14,15 +16,10 @@ offline (see ``tests/flows.py``)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import os
-import re
-import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 # mitmproxy puts this script's folder first on sys.path, where this file would shadow the
 # `capture` package; drop it, and make the repository importable when it is not installed.
@@ -31,28 +28,22 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
     sys.path.append(str(_HERE.parent))
 
-from aiohttp import web  # noqa: E402
 from mitmproxy import connection, ctx, exceptions, http, optmanager, tcp, tls  # noqa: E402
 from mitmproxy.addonmanager import Loader  # noqa: E402
-from mitmproxy.log import LegacyLogEvents  # noqa: E402
 from mitmproxy.proxy import server_hooks  # noqa: E402
 
 from addons.client_timeouts import ClientTimeouts  # noqa: E402
 from addons.control_host import ControlHost  # noqa: E402
 from addons.credentials import proxy_credentials, strip_secrets  # noqa: E402
-from capture.control.api import ControlAPI, banner_lines  # noqa: E402
-from capture.control.api import build as build_control_api  # noqa: E402
-from capture.control.banner import export_line, ready_line, start_lines  # noqa: E402
-from capture.control.endpoints import write_ca_bundle  # noqa: E402
+from addons.gateway_start import announce_ready, announce_start, start_gateway  # noqa: E402
+from addons.in_process import InProcessAnswers  # noqa: E402
+from addons.log_filters import quiet_websocket_messages, skip_legacy_log_events  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
     HOST_HEADER,
     TOKEN_HEADER,
     Gateway,
-    GatewayConfig,
-    advertised_host,
-    url_host,
 )
 from capture.options import (  # noqa: E402
     Settings,
@@ -67,8 +58,6 @@ from capture.options import (  # noqa: E402
 from capture.pipeline.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
-    BufferedRequest,
-    NeedsLoopback,
     shrink_head,
 )
 from capture.pipeline.session_ids import (  # noqa: E402
@@ -76,7 +65,6 @@ from capture.pipeline.session_ids import (  # noqa: E402
     SESSION_SECRET_HEADER,
     quote_session,
 )
-from capture.pipeline.turn import call_logger  # noqa: E402
 from capture.policy.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 
@@ -84,102 +72,8 @@ logger = logging.getLogger(__name__)
 
 # Plain-HTTP requests through the proxy to CONTROL_HOST (http://agenttap.local) reach the control
 # API (capture/control/api.py), with its token like every control route.
-# A body that may ask for a stream; answered over the loopback listener (see _answer_buffered).
-MAY_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # How long a request waits for the gateway to come up (a client replay starts sending at once).
 GATEWAY_WAIT_S = 60.0
-# How long the start-up check waits for both listeners to accept a connection.
-READY_WAIT_S = 10.0
-# mitmproxy's dumper prints each WebSocket message from this flow_detail on (below it, the
-# Responses WebSocket's dozens of messages per call would bury the one ``agenttap call:`` line).
-WEBSOCKET_MESSAGES_DETAIL = 3
-
-
-def quiet_websocket_messages(master: Any) -> None:
-    """Make mitmproxy's dumper print WebSocket messages only at flow_detail >= 3. mitmproxy
-    looks an addon's hook up by name on every event, so the instance attribute set here is what
-    it calls; done once per dumper (a reloaded script finds it done)."""
-    dumper = master.addons.get("dumper")
-    if dumper is None or "websocket_message" in vars(dumper):
-        return
-    original = dumper.websocket_message
-
-    def websocket_message(flow: http.HTTPFlow) -> None:
-        if master.options.flow_detail >= WEBSOCKET_MESSAGES_DETAIL:
-            original(flow)
-
-    dumper.websocket_message = websocket_message
-
-
-class _NotCallLines(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name != call_logger.name
-
-
-def skip_legacy_log_events() -> None:
-    """mitmproxy hands every log record to its deprecated ``add_log`` hook as well: a walk over
-    every addon, after a wake-up of the event loop through its self-pipe, per record, when no
-    addon of mitmproxy's own implements it. The per-call lines (``agenttap call:``) skip that
-    hook; the terminal, mitmweb's event log and every other handler still get them."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, LegacyLogEvents) and not any(
-            isinstance(f, _NotCallLines) for f in handler.filters
-        ):
-            handler.addFilter(_NotCallLines())
-
-
-class _ProbeQuiet(logging.Filter):
-    """Drops mitmproxy's ``client connect`` / ``client disconnect`` lines of the start-up
-    check's own connections (known by their local port) and nothing else."""
-
-    MESSAGES = ("client connect", "client disconnect")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ports: set[int] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        client = getattr(record, "client", None)
-        if not client or len(client) < 2 or client[1] not in self.ports:
-            return True
-        message = record.getMessage()
-        if message not in self.MESSAGES:
-            return True
-        if message == "client disconnect":
-            self.ports.discard(client[1])
-        return False
-
-
-_PROBE_QUIET = _ProbeQuiet()
-logging.getLogger("mitmproxy.proxy.server").addFilter(_PROBE_QUIET)
-
-
-def _loopback(host: str) -> str:
-    """Where to reach a listener bound to ``host`` from this machine."""
-    if host in ("", "0.0.0.0", "*"):
-        return "127.0.0.1"
-    return "::1" if host == "::" else host
-
-
-async def accepts(host: str, port: int, timeout: float = 2.0) -> bool:
-    """A TCP connection to ``host:port`` opens (then it is closed at once)."""
-    loop = asyncio.get_running_loop()
-    host = _loopback(host)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setblocking(False)
-        try:
-            sock.bind((host, 0))  # the local port is known before mitmproxy logs the connect
-        except OSError:
-            return False
-        local_port = sock.getsockname()[1]
-        _PROBE_QUIET.ports.add(local_port)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
-        except (OSError, TimeoutError):
-            _PROBE_QUIET.ports.discard(local_port)
-            return False
-    return True
 
 
 class AgentTap:
@@ -187,8 +81,6 @@ class AgentTap:
         self.gateway: Gateway | None = None
         # client connection id -> proxy username and password given on its CONNECT
         self._tunnel_sessions: dict[str, tuple[str, str]] = {}
-        # client connection id -> its calls being answered in-process (cancelled if it leaves)
-        self._buffered_calls: dict[str, set[asyncio.Task[web.Response]]] = {}
         self._options = {o.name: o for o in all_options()}
         # Every option, parsed (capture/options.py); None until configure has read them.
         self.settings: Settings | None = None
@@ -303,7 +195,7 @@ class AgentTap:
         finally:
             self._ready.set()
         if self.gateway is not None:
-            await self._announce_ready(self.gateway)
+            await announce_ready(self.gateway, self.hosts)
 
     async def _start_gateway(self) -> None:
         settings = self.settings
@@ -315,121 +207,9 @@ class AgentTap:
                 "(or start through scripts/run_proxy.sh); API calls get 503 until then"
             )
             return
-        ca = Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"
-        try:
-            bundle = write_ca_bundle(ca)
-        except OSError as exc:
-            logger.warning("agenttap: could not write the CA bundle beside %s (%s)", ca, exc)
-            bundle = ca
-        config = GatewayConfig(
-            policy_urls=settings.policy_urls,
-            tokenizer_path=settings.tokenizer,
-            out_dir=settings.out,
-            tool_parser=settings.tool_parser,
-            reasoning_parser=settings.reasoning_parser,
-            idle_timeout_s=settings.idle_timeout_s,
-            max_body_bytes=settings.max_body_bytes,
-            policy_timeout_s=settings.policy_timeout_s,
-            policy_max_connections=settings.policy_connections,
-            replica_max_inflight=settings.replica_max_inflight,
-            replica_queue=settings.replica_queue,
-            model_map=settings.model_map,
-            model_names=settings.model_names,
-            recompute_logprobs=settings.recompute_logprobs,
-            fsync_before_reply=settings.fsync_before_reply,
-            provider_options=settings.provider_options,
-            api_host=settings.api_host,
-            api_port=settings.api_port,
-            token=settings.token,
-            advertise_host=settings.advertise_host,
-            max_rollouts=settings.max_rollouts,
-            proxy_url=await self._proxy_url(settings.advertise_host),
-            ca_path=str(ca),
-            bundle_path=str(bundle),
-            require_session_secret=settings.require_session_secret,
-            sandbox=settings.sandbox,
-            confdir=str(ca.parent),
-            sandbox_hide=settings.sandbox_hide
-            + ((settings.token_file,) if settings.token_file is not None else ()),
-        )
-        gateway = Gateway(config, self._template, control_plane=build_control_api)
-        await gateway.start()
+        gateway = await start_gateway(settings, self._template)
         self.gateway = gateway
-        self._warn_if_open()
-        logger.info(
-            "agenttap: answering %s from %s; shards in %s",
-            ", ".join(sorted(self.hosts)),
-            ", ".join(config.policy_urls),
-            os.path.abspath(config.out_dir),
-        )
-        assert isinstance(gateway.api, ControlAPI)
-        endpoints = gateway.api.endpoints
-        if not ctx.options.server:  # mitmdump -n: no proxy to point a client at
-            endpoints = dataclasses.replace(endpoints, proxy_url="")
-        for line in start_lines(banner_lines(gateway.api), endpoints):
-            logger.info("%s", line)
-        # The line a shell sources, on stdout without the log's prefix (whoever started
-        # mitmdump holds its stdout: a terminal, the launcher's private log).
-        print(
-            export_line(endpoints.api_url, gateway.api_token, str(config.tokenizer_path)),
-            flush=True,
-        )
-
-    async def _announce_ready(self, gateway: Gateway) -> None:
-        """The last start-up line, once the proxy's listener (unless mitmdump runs without one,
-        -n) and the API listener each accept a connection."""
-        listeners = []
-        if ctx.options.server:
-            listeners = [(h, p) for h, p, *_ in self._listen_addrs()] or [("", 0)]
-        api_host = gateway.config.api_host
-        if api_host is not None:
-            listeners.append((api_host, gateway.api_port))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + READY_WAIT_S
-        waiting = list(listeners)
-        while waiting and loop.time() < deadline:
-            waiting = [(h, p) for h, p in waiting if not (p and await accepts(h, p))]
-            if waiting:
-                await asyncio.sleep(0.1)
-        if waiting:
-            logger.error(
-                "agenttap: not ready: nothing accepts connections at %s after %.0f s",
-                ", ".join(f"{_loopback(h)}:{p}" for h, p in waiting),
-                READY_WAIT_S,
-            )
-            return
-        proxy = gateway.config.proxy_url if ctx.options.server else "(none: mitmdump -n)"
-        logger.info("%s", ready_line(proxy, self.hosts, gateway.config.policy_urls))
-
-    @staticmethod
-    def _listen_addrs() -> list[Any]:
-        server: Any = ctx.master.addons.get("proxyserver")
-        return list(server.listen_addrs()) if server is not None else []
-
-    @staticmethod
-    async def _proxy_url(advertise: str) -> str:
-        """mitmdump's own listener as clients elsewhere reach it (its port may be 0: a free
-        one, known once its server listens)."""
-        addrs: list[Any] = []
-        for _ in range(100):
-            addrs = AgentTap._listen_addrs()
-            if addrs:
-                break
-            await asyncio.sleep(0.05)
-        host = ctx.options.listen_host
-        port = addrs[0][1] if addrs else ctx.options.listen_port or 8080
-        return f"http://{url_host(advertised_host(host, advertise))}:{port}"
-
-    @staticmethod
-    def _warn_if_open() -> None:
-        host = ctx.options.listen_host
-        if host not in ("127.0.0.1", "localhost", "::1") and not ctx.options.proxyauth:
-            logger.warning(
-                "agenttap: listening on %s with no proxy authentication: anyone who can reach "
-                "this port can use the policy and write shards. Pass --listen-host 127.0.0.1 "
-                "(scripts/run_proxy.sh does), or --set proxyauth=USER:PASS.",
-                host or "all interfaces",
-            )
+        announce_start(gateway, self.hosts)
 
     async def done(self) -> None:
         if self.gateway is not None:
@@ -507,10 +287,6 @@ class AgentTap:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
-        # As the loopback listener cancels the handler of a client that left: the policy
-        # stops generating for nobody, and no turn is recorded that the client never saw.
-        for task in self._buffered_calls.pop(client.id, ()):
-            task.cancel()
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route API calls to the gateway as soon as their headers are in: a body over
@@ -537,61 +313,7 @@ class AgentTap:
     async def request(self, flow: http.HTTPFlow) -> None:
         if not flow.metadata.get("agenttap_routed"):
             await self._route(flow)  # not seen in requestheaders: a client replay
-        if flow.metadata.get("agenttap_routed") and not flow.request.stream:
-            await self._answer_buffered(flow)
-
-    async def _answer_buffered(self, flow: http.HTTPFlow) -> None:
-        """Answer a routed call whose body is whole right here, through the gateway's handlers
-        in this event loop, instead of over the loopback connection. Calls that may stream
-        (``"stream": true`` in the body, Gemini's stream route), WebSocket upgrades and the
-        control host still go over the loopback: mitmproxy streams only what a server sends
-        it. A stream this check misses (an escaped key) is handed back, untouched, by the
-        gateway and goes over the loopback too."""
-        req = flow.request
-        body = req.raw_content
-        if (
-            self.gateway is None
-            or flow.response is not None
-            or body is None
-            or MAY_STREAM.search(body)
-            or "streamgeneratecontent" in req.path.lower()
-            or "Upgrade" in req.headers
-        ):
-            return
-        buffered = BufferedRequest.of(
-            req.method, req.path, list(req.headers.items(multi=True)), body
-        )
-        task = asyncio.ensure_future(self.gateway.answer_buffered(buffered))
-        calls = self._buffered_calls.setdefault(flow.client_conn.id, set())
-        calls.add(task)
-        try:
-            answer = await task
-        except NeedsLoopback:
-            return  # e.g. a "stream": true spelled with escapes: the loopback streams it
-        except web.HTTPException as exc:
-            answer = exc
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # mitmproxy is stopping
-            flow.kill()  # the client left
-            return
-        finally:
-            calls.discard(task)
-            if not calls:
-                self._buffered_calls.pop(flow.client_conn.id, None)
-        content = answer.body
-        if not isinstance(content, bytes | bytearray | None):  # handlers answer bytes
-            raise TypeError(f"agenttap: an in-process answer with a {type(content).__name__} body")
-        headers = [
-            (k.encode(), v.encode())
-            for k, v in answer.headers.items()
-            if k.lower() not in ("content-length", "transfer-encoding")
-        ]
-        flow.response = http.Response.make(
-            answer.status, bytes(content or b""), http.Headers(headers)
-        )
-        flow.metadata["agenttap_in_process"] = True
+        # A routed call whose body is whole is answered next, in-process (addons/in_process.py).
 
     async def _route(self, flow: http.HTTPFlow) -> None:
         """Point an API call at the gateway (or refuse it, or let a passthrough host's through),
@@ -725,6 +447,12 @@ def _client_timeout(tap: AgentTap) -> float | None:
 
 _tap = AgentTap()
 # ControlHost first: it reads a control call's bearer token before the tap strips credentials.
-# ClientTimeouts before the tap: its clock stops (``request``) before the tap's ``request`` hook
-# answers a buffered call in-process, which takes as long as the policy does.
-addons = [ControlHost(lambda: _tap.gateway), ClientTimeouts(lambda: _client_timeout(_tap)), _tap]
+# ClientTimeouts before the tap: its clock stops (``request``) before InProcessAnswers's
+# ``request`` hook answers a buffered call in-process, which takes as long as the policy does.
+# InProcessAnswers after the tap: it answers what the tap's ``request`` hook routed.
+addons = [
+    ControlHost(lambda: _tap.gateway),
+    ClientTimeouts(lambda: _client_timeout(_tap)),
+    _tap,
+    InProcessAnswers(lambda: _tap.gateway),
+]

@@ -5,54 +5,43 @@ at this server (running in mitmproxy's own event loop) and lets mitmproxy stream
 to the client. Here the registry's providers (``capture/providers``) say who answers a call, and
 the call is dispatched: a model call to the turn pipeline (``capture/pipeline/turn.py``), a token
 count, a model list (``capture/policy/pools.py``), a local answer or a WebSocket. This module holds
-the server's lifecycle (start, the idle sweeper, stop, flush) and that routing; request heads
-and bodies are read by ``capture/pipeline/bodies.py``, sessions named by
-``capture/pipeline/session_ids.py``.
+the server's lifecycle (start, the idle sweeper, stop, flush) and that routing; its listeners
+are set up by ``capture/listeners.py``, the API listener's base URLs and ``Host`` / ``Origin``
+checks are ``capture/base_url.py``'s, request heads and bodies are read by
+``capture/pipeline/bodies.py``, sessions named by ``capture/pipeline/session_ids.py``.
 Nothing here knows about mitmproxy or any one provider.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import secrets
-import socket
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict
-from yarl import URL
 
+from capture.base_url import refuse_foreign, serve_base_url
 from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
+from capture.listeners import advertised_host, app_runner, listen, url_host
 from capture.pipeline.bodies import (
     OVERSIZED_HEADER,
-    PARSER_HEAD_BYTES,
-    PARSER_HEAD_FIELDS,
     BufferedRequest,
     NeedsLoopback,
     oversized_head_message,
 )
 from capture.pipeline.session_ids import (
-    INTERNAL_PREFIX,
-    SECRET_HEADERS,
-    SECRET_QUERY,
-    SESSION_HEADER,
     SESSION_SECRET_HEADER,
-    api_keys,
-    quote_session,
     request_session_id,
     unquote_session,
 )
 from capture.pipeline.turn import TurnPipeline
-from capture.pipeline.whitebox import serve_generate
 from capture.policy.pools import PolicyPools
 from capture.ports import ControlPlane
 from capture.storage.sessions import RowAnnotations, SessionStore
@@ -77,36 +66,12 @@ HOST_HEADER = "X-Agenttap-Host"
 # header is removed before (addons/credentials.py); only calls with TOKEN_HEADER are read.
 BEARER_HEADER = "X-Agenttap-Bearer"
 CONTROL_HOST = "agenttap.local"
-# Base-URL mode: /sess/<id>/<prefix>/... names the provider's host; no prefix: guessed.
-BASE_URL_PREFIXES = {
-    "openai": "api.openai.com",
-    "anthropic": "api.anthropic.com",
-    "gemini": "generativelanguage.googleapis.com",
-}
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
 
 
 # Seconds between status lines in the log (only while calls come).
 STATUS_EVERY_S = 10.0
-# Pending connections the gateway's listener queues (see start).
-GATEWAY_BACKLOG = 4096
-
-
-def advertised_host(listen_host: str, advertise: str = "") -> str:
-    """The host a client elsewhere should use for a listener on ``listen_host``."""
-    if advertise:
-        return advertise
-    if listen_host in ("", "0.0.0.0", "::"):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
-    return listen_host
-
-
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class Gateway:
@@ -209,12 +174,12 @@ class Gateway:
         self.policies.on_health = self._note_health
         self.policies.start_health_checks()
         # We enforce the body limit ourselves so the client gets its provider's error format.
-        self._runner = await self._app_runner(self._dispatch)
-        self.port = await self._listen(self._runner, "127.0.0.1", 0)
+        self._runner = await app_runner(self._dispatch, self.config.max_body_bytes)
+        self.port = await listen(self._runner, "127.0.0.1", 0)
         config = self.config
         if config.api_host is not None:
-            self._api_runner = await self._app_runner(self._public)
-            self.api_port = await self._listen(self._api_runner, config.api_host, config.api_port)
+            self._api_runner = await app_runner(self._public, config.max_body_bytes)
+            self.api_port = await listen(self._api_runner, config.api_host, config.api_port)
             host = advertised_host(config.api_host, config.advertise_host)
             api_url = f"http://{url_host(host)}:{self.api_port}"
         else:
@@ -223,36 +188,6 @@ class Gateway:
             self.api = self._control_plane(self, api_url)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self.port
-
-    async def _app_runner(
-        self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.AppRunner:
-        # We enforce the body limit ourselves so the client gets its provider's error format.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
-        app.router.add_route("*", "/{tail:.*}", handler)
-        # handler_cancellation: a client that leaves cancels its handler, so the policy request
-        # is dropped (vLLM aborts it) and the turn is not recorded as completed.
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,
-            max_line_size=PARSER_HEAD_BYTES,
-            max_field_size=PARSER_HEAD_BYTES,
-            max_headers=PARSER_HEAD_FIELDS,
-        )
-        await runner.setup()
-        return runner
-
-    @staticmethod
-    async def _listen(runner: web.AppRunner, host: str, port: int) -> int:
-        # Every proxied call is one connection from mitmproxy: with the default backlog (128) a
-        # burst of a thousand new calls overflowed the accept queue, and the kernel's dropped
-        # handshakes reached clients as 502s (bench/concurrency.py). The kernel caps this at
-        # net.core.somaxconn.
-        site = web.TCPSite(runner, host, port, backlog=GATEWAY_BACKLOG)
-        await site.start()
-        server: Any = site._server  # aiohttp exposes the bound port only here
-        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -385,39 +320,17 @@ class Gateway:
         """The API listener: per-session base URLs (/sess/<id>/...) and the control API."""
         if self.api is None:
             return self._no_control_plane()
-        if not self._host_served(request.host):
-            # DNS rebinding: a web page's own name resolved to this machine must not reach the
-            # API (a browser sends no token, but a base URL needs none in a session never
-            # opened). IP literals and the names configured here are served.
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"agenttap: this listener does not serve the host name "
-                        f"{request.host.rpartition(':')[0] or request.host!r}; use "
-                        f"{self.api.api_url} (or set agenttap_advertise_host)",
-                        "status": 421,
-                    }
-                },
-                status=421,
-            )
-        origin = request.headers.get("Origin")
-        if origin is not None and urllib.parse.urlsplit(origin).netloc.lower() != (
-            request.host.lower()
-        ):
-            # A web page elsewhere (a browser sends Origin with every cross-site POST, and a
-            # text/plain one needs no preflight): neither the API nor a base URL is its to use.
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"agenttap: requests from web pages of another origin "
-                        f"({origin[:100]}) are refused",
-                        "status": 403,
-                    }
-                },
-                status=403,
-            )
+        refused = refuse_foreign(request, self.config, self.api.api_url)
+        if refused is not None:
+            return refused
         if request.path.startswith("/sess/"):
-            return await self._base_url(request)
+            return await serve_base_url(
+                request,
+                self.control,
+                self.pipeline,
+                self.config.require_session_secret,
+                self._answer,
+            )
         return await self.api.handle(request)
 
     @staticmethod
@@ -426,69 +339,6 @@ class Gateway:
             {"error": {"message": "agenttap: this gateway serves no control API", "status": 503}},
             status=503,
         )
-
-    def _host_served(self, host_header: str) -> bool:
-        """The API listener's ``Host`` check: an IP literal, ``localhost``, or a name this
-        instance listens on or hands out."""
-        host = host_header.strip().lower()
-        if host.startswith("["):
-            host = host[1 : host.find("]")] if "]" in host else host
-        elif host.count(":") == 1:
-            host = host.partition(":")[0]
-        host = host.rstrip(".")
-        if not host:
-            return False
-        try:
-            ipaddress.ip_address(host)
-            return True
-        except ValueError:
-            pass
-        config = self.config
-        names = {"localhost", (config.api_host or "").lower(), config.advertise_host.lower()}
-        return host in names or host.endswith(".localhost")
-
-    async def _base_url(self, request: web.Request) -> web.StreamResponse:
-        """``/sess/<id>[/openai|/anthropic|/gemini]/<API path>``: the call as if it had been
-        intercepted on its provider's host, in session ``<id>``. No CA, no proxy needed."""
-        _, _, rest = request.raw_path.partition("/sess/")
-        raw_id, _, tail = rest.partition("/")
-        raw_path, _, _ = tail.partition("?")
-        session_id = urllib.parse.unquote(raw_id)
-        given = api_keys(request.headers, request.query)
-        if raw_path.rstrip("/") == "generate":
-            refused = self.control.credential_refusal(
-                session_id, given, required=self.config.require_session_secret
-            )
-            if refused is not None:
-                return web.json_response(
-                    {"error": {"message": refused, "type": "authentication_error"}}, status=401
-                )
-            return await serve_generate(self.pipeline, request, session_id)
-        first, _, after = raw_path.partition("/")
-        host = BASE_URL_PREFIXES.get(first)
-        if host is not None:
-            raw_path = after
-        else:
-            host = self._guess_host(request, "/" + raw_path)
-        # The client's keys and every X-Agenttap-* header it sent go: only we set those.
-        headers = CIMultiDict(
-            (k, v)
-            for k, v in request.headers.items()
-            if (name := k.lower()) not in SECRET_HEADERS and not name.startswith(INTERNAL_PREFIX)
-        )
-        headers[SESSION_HEADER] = quote_session(session_id or "anonymous")
-        query = [(k, v) for k, v in request.query.items() if k.lower() not in SECRET_QUERY]
-        url = URL.build(path="/" + raw_path, encoded=True).with_query(query)
-        return await self._answer(request.clone(rel_url=url, headers=headers), host, given)
-
-    @staticmethod
-    def _guess_host(request: web.Request, path: str) -> str:
-        """The provider of a base-URL call without a prefix, by what its clients send."""
-        if "anthropic-version" in request.headers:
-            return BASE_URL_PREFIXES["anthropic"]
-        if "x-goog-api-key" in request.headers or path.startswith(("/v1beta/", "/v1alpha/")):
-            return BASE_URL_PREFIXES["gemini"]
-        return BASE_URL_PREFIXES["openai"]
 
     async def _answer(
         self, request: IncomingRequest, host: str, secrets_given: list[str]

@@ -107,7 +107,7 @@ def test_call_lines_skip_the_deprecated_add_log_hook_only() -> None:
 
     from mitmproxy.log import LegacyLogEvents
 
-    from addons.capture import skip_legacy_log_events
+    from addons.log_filters import skip_legacy_log_events
     from capture.pipeline.turn import call_logger
 
     _loaded()
