@@ -89,8 +89,9 @@ class ChatTemplate:
             raise ValueError(f"the tokenizer in {path} has no chat_template")
         self.eos_token_id: int = self.tokenizer.eos_token_id
         # The Rust tokenizer itself: its batch encoding releases the GIL and it is safe to share
-        # between threads, so a long prompt is tokenized off the event loop (capture/pipeline/turn.py)
-        # while other sessions' calls go on. None for a slow (Python) tokenizer.
+        # between threads, so a long prompt is tokenized off the event loop
+        # (capture/pipeline/turn.py) while other sessions' calls go on. None for a slow (Python)
+        # tokenizer.
         self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self._max_token_bytes: int | None = None
         self._tail = self._probe_assistant_tail()
