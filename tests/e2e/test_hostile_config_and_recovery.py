@@ -133,7 +133,7 @@ def _store_with_turns(root: Path, template: ChatTemplate, n: int) -> SessionStor
 
 def test_turn_indices_go_on_after_a_crash(qwen3_dir: Path, tmp_path: Path) -> None:
     """A session recovered from its journal and then continued does not reuse turn indices.
-    (Every step of a shard write crashed: tests/unit/test_hostile_recovery.py.)"""
+    (Every step of a shard write crashed: tests/unit/storage/test_hostile_recovery.py.)"""
     template = ChatTemplate(qwen3_dir)
     _store_with_turns(tmp_path, template, 6)  # never closed: as after kill -9
     restarted = SessionStore(tmp_path, template)

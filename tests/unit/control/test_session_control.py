@@ -194,7 +194,7 @@ def test_close_rewards_auxiliary_rows_only_when_asked(
     from capture.control.api import ControlAPI
     from capture.gateway import Gateway, GatewayConfig
     from capture.storage.reader import load_threads
-    from tests.unit.test_thread_kind import CLAUDE_SYSTEM, CLAUDE_TOOLS, hermes, record
+    from tests.unit.trajectory.test_thread_kind import CLAUDE_SYSTEM, CLAUDE_TOOLS, hermes, record
 
     gateway = Gateway(GatewayConfig(["http://127.0.0.1:9"], qwen3_dir, tmp_path))
     api = ControlAPI(gateway, "t" * 32, Endpoints("http://127.0.0.1:1", "", "/ca.pem"))

@@ -31,7 +31,7 @@ from rewriter.canonical import ChatRequest, Message, ToolSpec
 from rewriter.parsers import parse_completion
 from rewriter.template import ChatTemplate
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "SHARDS.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "SHARDS.md"
 
 
 def tool(name: str, description: str, arg: str) -> ToolSpec:
