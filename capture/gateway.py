@@ -2,7 +2,7 @@
 
 mitmproxy cannot stream a body an addon builds itself, so the addon points each intercepted flow
 at this server (running in mitmproxy's own event loop) and lets mitmproxy stream its answer back
-to the client. Here the registry's providers (``capture/providers``) say who answers a call, and
+to the client. Here the registry's providers (``rewriter/providers``) say who answers a call, and
 the call is dispatched: a model call to the turn pipeline (``capture/pipeline/turn.py``), a token
 count, a model list (``capture/policy/pools.py``), a local answer or a WebSocket. This module holds
 the server's lifecycle (start, the idle sweeper, stop, flush) and that routing; its listeners

@@ -1,7 +1,8 @@
 """Token-exact trajectories: every policy call is a node in a tree; training rows are its paths.
 
 Pure core: plain dataclasses and functions over token ids and canonical messages; no HTTP, no
-mitmproxy, no vLLM. The one outside dependency is a renderer (``rewriter.template.ChatTemplate``).
+mitmproxy, no vLLM. Outside it: a renderer (``rewriter.template.ChatTemplate``), and the call
+record a journal line carries (``capture.storage.records.TurnRecord``, in ``journal``).
 
 A *call* (:class:`CallNode`) is one completed policy request: the exact prompt ids vLLM saw and
 the ids it sampled. Calls form a tree per session: a call's parent is the earlier call whose
