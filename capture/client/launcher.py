@@ -323,6 +323,9 @@ class AgentTap:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # mitmdump read it at start; a stopped instance leaves no token file behind (its log,
+        # beside it in the private folder, stays for the user to read).
+        (self.log.parent / "token").unlink(missing_ok=True)
 
     def __enter__(self) -> AgentTap:
         return self

@@ -221,7 +221,7 @@ class SessionControl:
         or None. A session opened through the API (live or closed) wants its own secret; one
         never opened is open to any caller unless ``required`` (agenttap_require_session_secret).
         Touches nothing: a refused caller cannot count against the session's limits."""
-        sess = self._live.get(session_id) or self._closed.get(session_id)
+        sess = self.get(session_id)  # a past one was never opened: it has no secret
         if sess is None or not sess.secret:
             if required:
                 return (

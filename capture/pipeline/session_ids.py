@@ -46,7 +46,7 @@ def api_keys(headers: Any, query: Any) -> list[str]:
     for name in SECRET_HEADERS:
         if name == "proxy-authorization":
             continue
-        for value in headers.getall(name, []) if hasattr(headers, "getall") else []:
+        for value in headers.getall(name, []):
             scheme, _, rest = value.partition(" ")
             found.append(rest.strip() if scheme.lower() == "bearer" else value.strip())
     for name, value in query.items():

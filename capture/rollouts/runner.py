@@ -229,15 +229,13 @@ class Rollouts:
         run.started_at = time.monotonic()
         try:
             await self._agent(rollout, run)
+            failure = None
             if not rollout.cancelled and run.error is None:
-                run.error = self._agent_failure(run)
-                agent_failed = run.error is not None
-            else:
-                agent_failed = False
+                failure = run.error = self._agent_failure(run)
             if rollout.cancelled:
                 run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
             elif spec.verifier is not None and (
-                run.error is None or (agent_failed and spec.on_error == "score")
+                run.error is None or (failure is not None and spec.on_error == "score")
             ):
                 run.status = "scoring"
                 await self._verify(rollout, run)

@@ -300,6 +300,10 @@ def test_two_instances_in_one_process_plain_and_asyncio(
         assert first.sessions()[0]["metrics"]["calls"] == 1
     # Stopped cleanly: the process is gone and the open session was written on the way out.
     assert first.proc.poll() is not None
+    # Its token file is gone with it; its log stays, private, outside OUT.
+    assert not (first.log.parent / "token").exists() and first.log.exists()
+    assert first.log.parent.stat().st_mode & 0o077 == 0
+    assert not first.log.is_relative_to(tmp_path / "a")
     rows = load_threads(tmp_path / "a")
     assert [r["session_id"] for r in rows] == ["plain"]
     assert [r["session_id"] for r in load_threads(tmp_path / "b")] == ids
