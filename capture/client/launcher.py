@@ -307,6 +307,21 @@ class AgentTap:
         """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""
         return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]
 
+    # -- weights: a trainer's new weights, served by every policy replica ---------------------
+    def update_weights(self, path: str | os.PathLike[str], version: str) -> dict[str, Any]:
+        """Make every policy replica serve the weights ``path`` holds (a folder
+        ``save_pretrained`` wrote, readable by the policy servers) under the label ``version``;
+        returns ``{"version", "replicas": [...]}`` once all serve them. Calls in flight are
+        paused and go on under the new weights: their rows say which tokens each version
+        sampled (``weight_versions``)."""
+        body = {"path": str(Path(path).resolve()), "version": str(version)}
+        return self.client.request("POST", "/policy/weights", body, timeout=None)[0]
+
+    def set_weight_version(self, version: str) -> dict[str, Any]:
+        """Tell agenttap the trainer pushed weights labelled ``version`` to the policy servers
+        itself: calls from now on are recorded as sampled by them."""
+        return self.client.post("/policy/version", {"version": str(version)})
+
     def ready(self) -> bool:
         try:
             return bool(self.client.get("/ready").get("ready"))
