@@ -120,6 +120,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         ca_path=str(ca),
         bundle_path=str(bundle),
         require_session_secret=settings.require_session_secret,
+        max_staleness=settings.max_staleness,
         sandbox=settings.sandbox,
         confdir=str(ca.parent),
         sandbox_hide=settings.sandbox_hide

@@ -117,6 +117,9 @@ class Gateway:
             max_queue=config.replica_queue,
             health_interval_s=config.health_interval_s,
         )
+        # agenttap_max_staleness counts in the policy's weight updates.
+        self.control.max_staleness = config.max_staleness
+        self.control.version_index = lambda: self.policies.weights.history.index
         self.pipeline = TurnPipeline(
             self.template,
             self.store,

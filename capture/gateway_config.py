@@ -61,6 +61,8 @@ class GatewayConfig:
     bundle_path: str = ""
     # Calls must name an opened session and carry its secret (agenttap_require_session_secret).
     require_session_secret: bool = False
+    # Weight updates a session may fall behind (agenttap_max_staleness); None: any.
+    max_staleness: int | None = None
     # Rollouts' sandbox: "bwrap" or "none" (agenttap_sandbox), and what it hides beyond OUT:
     # mitmproxy's confdir (the CA key), the token file, agenttap_sandbox_hide.
     sandbox: str = "bwrap"

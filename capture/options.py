@@ -266,6 +266,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_passthrough,
     ),
     Option(
+        "agenttap_max_staleness",
+        "",
+        "Weight versions a session may fall behind: a session whose first call was answered "
+        "more than this many updates (POST /policy/weights or /policy/version) ago gets its "
+        "next call answered as final, and ends with end_reason stale. Empty: no limit (a whole "
+        "number, 0 or more).",
+        lambda text: parse_whole(text) if text.strip() else None,
+    ),
+    Option(
         "agenttap_max_rollouts",
         "8",
         "Agents that rollouts (POST /rollouts) may run at once; past it a rollout is refused "
@@ -385,6 +394,7 @@ class Settings:
     check_policy: bool = True
     fsync_before_reply: bool = False
     require_session_secret: bool = False
+    max_staleness: int | None = None
     sandbox: str = "bwrap"
     sandbox_hide: tuple[Path, ...] = ()
     token_file: Path | None = None
@@ -448,6 +458,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         check_policy=values["agenttap_check_policy"],
         fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",
         require_session_secret=values["agenttap_require_session_secret"],
+        max_staleness=values["agenttap_max_staleness"],
         sandbox=values["agenttap_sandbox"],
         sandbox_hide=values["agenttap_sandbox_hide"],
         token_file=(

@@ -31,6 +31,7 @@ from rewriter.vllm_answers import (
     Completion,
     CompletionDelta,
     PolicyError,
+    WeightSpan,
     answer_choices,
     answer_json,
     answer_object,
@@ -57,6 +58,8 @@ __all__ = ["Completion", "CompletionDelta", "PolicyError", "PolicyInfo", "VLLMCl
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 16
+# vLLM's own label of the weights it started with (its GET /weight_info before any update).
+DEFAULT_WEIGHT_VERSION = "default"
 # Servers a generation may move to after the one sampling it failed (see stream_resuming).
 MAX_FAILOVERS = 8
 
@@ -97,8 +100,20 @@ class VLLMClient:
         self._decode = decode
         self.progress_timeout_s = progress_timeout_s
         self._info: PolicyInfo | None = None
+        # Which weights the server samples with, as agenttap knows them (POST /policy/weights
+        # or /policy/version): the label of the tokens a server does not label itself
+        # (/v1/completions reports no version). ``incoming_version``: the weights being loaded
+        # now; a generation started meanwhile runs only once they serve (the server is paused).
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.incoming_version: str | None = None
         # The probe under way: concurrent first calls all wait for this one.
         self._probing: asyncio.Task[PolicyInfo] | None = None
+
+    def sampling_version(self) -> str:
+        """The weights a generation started now samples with: during an update, the incoming
+        ones (the server is paused; a generation that ran before the pause is aborted by it
+        and resumed, and each piece keeps the label of the weights it ran under)."""
+        return self.incoming_version or self.weight_version
 
     async def info(self) -> PolicyInfo:
         """The served model's name and context length (asked once, then remembered).
@@ -272,8 +287,13 @@ class VLLMClient:
         resumed: ResumedText | None = None
         current = self
         aborts = failovers = 0
+        # Spans of this completion's tokens the servers did not label (see sampling_version),
+        # handed on with the next piece yielded.
+        unlabelled: list[WeightSpan] = []
         while True:
             before = len(sampled)
+            label = current.sampling_version()
+            labelled = False
             budget = replace(
                 params,
                 max_tokens=None if params.max_tokens is None else params.max_tokens - len(sampled),
@@ -298,8 +318,17 @@ class VLLMClient:
                     delta.weight_versions = [
                         (v, start + before, end + before) for v, start, end in delta.weight_versions
                     ]
+                    labelled = labelled or bool(delta.weight_versions)
                     delta.backend = current.base_url
                     sampled.extend(delta.token_ids)
+                    if unlabelled:
+                        delta.weight_versions[:0] = unlabelled
+                        unlabelled = []
+                    if aborted or delta.finish_reason is not None:
+                        # The piece's last: where the server labelled none of its tokens, the
+                        # weights it ran under (see sampling_version) label them all.
+                        if not labelled and len(sampled) > before:
+                            delta.weight_versions.append((label, before, len(sampled)))
                     if resumed is not None:
                         delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
                     emitted.append(delta.text)
@@ -310,6 +339,8 @@ class VLLMClient:
                 replacement = await failover(current, exc)
                 if replacement is None:
                     raise
+                if not labelled and len(sampled) > before:
+                    unlabelled.append((label, before, len(sampled)))
                 current, failovers = replacement, failovers + 1
             else:
                 if not aborted:
@@ -319,7 +350,14 @@ class VLLMClient:
                     raise PolicyError(f"generation aborted {aborts} times; giving up")
                 logger.info("generation aborted by the policy server; resuming (%d)", aborts)
             if params.max_tokens is not None and len(sampled) >= params.max_tokens:
-                yield CompletionDelta("", [], [], finish_reason="length", backend=current.base_url)
+                yield CompletionDelta(
+                    "",
+                    [],
+                    [],
+                    finish_reason="length",
+                    weight_versions=unlabelled,
+                    backend=current.base_url,
+                )
                 return
             if self._decode is not None and resumed is None and (aborted or sampled):
                 # vLLM detokenizes a resubmission from its prompt: where the tokens so far end

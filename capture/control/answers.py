@@ -21,8 +21,11 @@ from capture.storage.shards import THREAD_SCHEMA, rows_to_table
 logger = logging.getLogger(__name__)
 
 
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "status": status}}, status=status)
+def error(status: int, message: str, extra: dict[str, Any] | None = None) -> web.Response:
+    """The control API's error body; ``extra``: more fields beside ``error``."""
+    return web.json_response(
+        {"error": {"message": message, "status": status}, **(extra or {})}, status=status
+    )
 
 
 def rows_response(

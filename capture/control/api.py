@@ -17,7 +17,8 @@ per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every
 
 The session bookkeeping is ``capture/control/sessions.py``; the rows come from the store and
 are answered by ``capture/control/answers.py``; ``/replicas`` is
-``capture/control/replica_routes.py``.
+``capture/control/replica_routes.py``; ``/policy/weights`` and ``/policy/version`` are
+``capture/control/policy_routes.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from capture.control.answers import error, read_rows, rows_response, unmatched_t
 from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
 from capture.control.openapi import openapi_spec
+from capture.control.policy_routes import PolicyRoutes
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.sessions import (
     ControlledSession,
@@ -102,6 +104,7 @@ class ControlAPI:
         self.started_at = time.time()
         self.rollouts = RolloutRoutes(self, max_rollouts)
         self.replicas = ReplicaRoutes(gateway, self.body)
+        self.policy = PolicyRoutes(gateway, self.body)
         self.viewer = live_viewer(gateway)
 
     @property
@@ -146,7 +149,8 @@ class ControlAPI:
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
-                f"GET /replicas, POST /replicas, DELETE /replicas?url=URL, "
+                f"GET /replicas, POST /replicas, DELETE /replicas?url=URL, POST /policy/weights, "
+                f"GET /policy/version, POST /policy/version, "
                 f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush, and the "
                 f"viewer at GET /ui/.",
             )
@@ -185,6 +189,11 @@ class ControlAPI:
                 "GET": self.replicas.list,
                 "POST": self.replicas.add,
                 "DELETE": self.replicas.remove,
+            },
+            ("policy", "weights"): {"POST": self.policy.weights},
+            ("policy", "version"): {
+                "GET": self.policy.get_version,
+                "POST": self.policy.set_version,
             },
         }
         args: tuple[str, ...] = ()

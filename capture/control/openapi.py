@@ -202,6 +202,35 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "the replicas now"}},
                 },
             },
+            "/policy/weights": {
+                "post": {
+                    "summary": "every policy replica serves the weights in path (a folder "
+                    "save_pretrained wrote), labelled version; in-flight calls go on under them",
+                    "security": secured,
+                    "requestBody": body(
+                        {"path": {"type": "string"}, "version": {"type": "string"}}
+                    ),
+                    "responses": {
+                        "200": {"description": "{version, replicas: [{url, version, seconds}]}"},
+                        "400": {"description": "no such folder, no safetensors, a bad version"},
+                        "502": {"description": "a replica did not load them (error.replicas)"},
+                    },
+                }
+            },
+            "/policy/version": {
+                "get": {
+                    "summary": "the weights served now: version, index (updates before it)",
+                    "security": secured,
+                    "responses": {"200": {"description": "{version, index, updated_at, versions}"}},
+                },
+                "post": {
+                    "summary": "weights a trainer pushed to vLLM itself: calls from now on are "
+                    "labelled version",
+                    "security": secured,
+                    "requestBody": body({"version": {"type": "string"}}),
+                    "responses": {"200": {"description": "{version, replicas}"}},
+                },
+            },
             "/ui/": {
                 "get": {
                     "summary": "the trajectory viewer (open it as /ui/#token=TOKEN)",

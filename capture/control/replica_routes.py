@@ -60,6 +60,8 @@ class ReplicaRoutes:
         if urls[0].rstrip("/") in replicas.replicas:
             return self.summary()
         replica = replicas.add(urls[0])
+        # It is expected to serve what the others serve (POST /policy/weights pushes to all).
+        replica.client.weight_version = policies.weights.history.current
         if not await replicas.check(replica, policies.http):
             replicas.remove(replica.url)
             return error(

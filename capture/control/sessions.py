@@ -29,6 +29,8 @@ END_MAX_TOKENS = "max_tokens"
 END_DEADLINE = "deadline"
 # A closed session's calls are refused too (its rows are written).
 END_CLOSED = "closed"
+# Its first call was answered more than agenttap_max_staleness weight updates ago.
+END_STALE = "stale"
 
 SPLITS = ("train", "val")
 # Closed sessions remembered for late rewards and refusals (oldest forgotten first).
@@ -152,6 +154,8 @@ class ControlledSession:
     # Minted when opened through the API: every call of the session must carry it (the proxy
     # password, or the API key in base-URL mode). Never in a summary, a log or a row.
     secret: str = field(default="", repr=False)
+    # The weight version index (WeightHistory.index) when its first call came; None: none yet.
+    first_version_index: int | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -181,6 +185,10 @@ class SessionControl:
         self._past: OrderedDict[str, ControlledSession] = OrderedDict()
         # Called once per session this process starts to know (opened, or first called).
         self.on_new: Any = None
+        # Staleness: weight updates a session may fall behind (None: any), and how many
+        # updates the policy has had (capture/policy/weights.py WeightHistory.index).
+        self.max_staleness: int | None = None
+        self.version_index: Any = lambda: 0
 
     def _new(self, session_id: str) -> ControlledSession:
         sess = ControlledSession(session_id, opened_at=time.time(), opened_mono=self._clock())
@@ -269,6 +277,8 @@ class SessionControl:
             closed.metrics.refused += 1
             return END_CLOSED
         sess = self._seen(session_id)
+        if sess.first_version_index is None:
+            sess.first_version_index = self.version_index()
         reason = self._reached(sess)
         if reason is not None:
             sess.limit_reached = sess.limit_reached or reason
@@ -284,6 +294,12 @@ class SessionControl:
             return END_MAX_CALLS
         if limits.max_tokens is not None and metrics.completion_tokens >= limits.max_tokens:
             return END_MAX_TOKENS
+        if (
+            self.max_staleness is not None
+            and sess.first_version_index is not None
+            and self.version_index() - sess.first_version_index > self.max_staleness
+        ):
+            return END_STALE
         return None
 
     def tokens_left(self, session_id: str) -> int | None:

@@ -71,6 +71,8 @@ class TurnContext:
     started: float
     # prompt_ids as JSON text, built from the session's previous prompt's (rewriter/ids_json.py).
     prompt_json: str
+    # The weights that re-scored a schema-constrained completion (None: not re-scored).
+    rescore_version: str | None = None
 
     @property
     def chat(self) -> ChatRequest:
@@ -151,7 +153,10 @@ class TurnRecording:
         positions = assembly.needs_recompute()
         if not positions:
             return
+        # Paused during an update, a re-score runs on the incoming weights: its label.
+        version = client.sampling_version()
         scores = await client.prompt_logprobs(assembly.prompt_ids[: positions[-1] + 1])
+        assembly.recompute_version = version
         for pos in positions:
             value = scores[pos]
             assert value is not None  # position 0 is never a policy token
@@ -166,6 +171,7 @@ class TurnRecording:
         (recompute switched off, or the policy refused), and the tokens are masked."""
         if not self.recompute_logprobs or not completion.token_ids:
             return None
+        turn.rescore_version = turn.client.sampling_version()
         try:
             scores = await turn.client.prompt_logprobs(
                 list(turn.prompt_ids) + list(completion.token_ids)
@@ -218,6 +224,7 @@ class TurnRecording:
                 rescored=rescored,
                 constrained=constrained,
                 durable=False,
+                rescored_version=turn.rescore_version,
                 prompt_json=turn.prompt_json,
             )
         # Written before the client sees the end of its answer (a crash of this process loses

@@ -67,6 +67,7 @@ def session_ended_message(session_id: str, reason: str) -> str:
         "max_tokens": "reached its limit of sampled tokens (max_tokens)",
         "deadline": "passed its deadline (deadline_s)",
         "closed": "was closed by the trainer",
+        "stale": "started under weights too many updates old (agenttap_max_staleness)",
     }.get(reason, reason)
     return (
         f"agenttap: session {session_id!r} {why}; this rollout is over and no more calls are "

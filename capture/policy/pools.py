@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from capture.policy.replicas import Replica, ReplicaSet
+from capture.policy.weights import PolicyWeights
 from rewriter.vllm_client import PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class PolicyPools:
         self._health: asyncio.Task[None] | None = None
         # Told each replica's health after every check (the gateway's policy_up gauge).
         self.on_health: Callable[[str, bool], None] = lambda _url, _ok: None
+        # The weights the servers serve, and their updates (POST /policy/weights).
+        self.weights = PolicyWeights()
         # Model names each session asked for (GET /v1/models lists the asker's own), bounded.
         self._session_models: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
 

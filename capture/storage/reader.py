@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -190,6 +191,35 @@ class RLBatch(TypedDict):
     group_id: list[str]  # metadata "group_id", else the session id
     session_id: list[str | None]
     thread_id: list[str | None]
+    # The oldest and newest weights that gave a trained token's logprob (version labels, in
+    # version_key's order); None: the row says none (written before weight_versions).
+    min_weight_version: list[str | None]
+    max_weight_version: list[str | None]
+
+
+def version_key(version: str) -> tuple[Any, ...]:
+    """The order of weight version labels: their numbers compared as numbers ("step-9" before
+    "step-10", "2" before "10"), the rest as text; "default" (vLLM's label before any update)
+    before every other."""
+    if version == "default":
+        return ((0, ""),)
+    parts = re.split(r"(\d+)", version)
+    return (
+        (1, ""),
+        *((2, int(p)) if p.isdigit() else (3, p) for p in parts if p),
+    )
+
+
+def trained_versions(row: Mapping[str, Any]) -> list[str]:
+    """The versions of a thread row's ``weight_versions`` spans that hold a trained token
+    (``loss_mask`` 1), oldest first (``version_key``)."""
+    mask = row.get("loss_mask") or []
+    found = {
+        span["version"]
+        for span in row.get("weight_versions") or []
+        if any(mask[span["start"] : span["end"]])
+    }
+    return sorted(found, key=version_key)
 
 
 def to_rl_batch(
@@ -220,6 +250,8 @@ def to_rl_batch(
     Returns numpy arrays (see :class:`RLBatch`): ``prompts`` left-padded, ``responses``
     right-padded, ``input_ids`` = ``prompts`` ++ ``responses``, ``attention_mask``,
     ``position_ids`` (``clip(cumsum(attention_mask) - 1, min=0)``, as verl computes them),
+    ``min_weight_version`` / ``max_weight_version`` (the oldest and newest weights that gave a
+    trained token's logprob, from the row's ``weight_versions``: a trainer's staleness check),
     ``response_mask``, ``rollout_log_probs``, ``reward`` (0 for a row without one only with
     ``missing_reward="zero"``), ``token_level_rewards`` (the row's reward on its last
     ``response_mask`` 1 token, 0 elsewhere; all 0 for a row that trains nothing), and the lists
@@ -249,6 +281,7 @@ def to_rl_batch(
     group_ids: list[str] = []
     session_ids: list[str | None] = []
     thread_ids: list[str | None] = []
+    versions: list[list[str]] = []
     for i, row in enumerate(rows):
         label = f"row {i} (session {row.get('session_id')!r}, thread {row.get('thread_id')!r})"
         ids, mask, logprobs = _aligned(row, label)
@@ -275,6 +308,7 @@ def to_rl_batch(
         session_ids.append(row.get("session_id"))
         thread_ids.append(row.get("thread_id"))
         group_ids.append(_group_id(row, label))
+        versions.append(trained_versions(row))
 
     n = len(rows)
     width_p = max_prompt_len if max_prompt_len is not None else max(map(len, prompts), default=0)
@@ -316,6 +350,8 @@ def to_rl_batch(
         group_id=group_ids,
         session_id=session_ids,
         thread_id=thread_ids,
+        min_weight_version=[v[0] if v else None for v in versions],
+        max_weight_version=[v[-1] if v else None for v in versions],
     )
 
 

@@ -74,6 +74,7 @@ def thread_row(
         "metadata": None,
         "end_reason": None,
         "metrics": None,
+        "weight_versions": row.weight_versions,
     }
 
 

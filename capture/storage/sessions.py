@@ -162,6 +162,7 @@ class SessionStore:
         constrained: bool = False,
         durable: bool = True,
         prompt_json: str | None = None,
+        rescored_version: str | None = None,
     ) -> Path:
         """Journal ``turn`` (written and, unless ``durable=False``, fsynced) and apply it to
         its thread; returns the journal written.
@@ -170,7 +171,8 @@ class SessionStore:
         policy's; ``rescored`` are the policy's (prompt_logprobs), trained instead (provenance
         2). Without them the tokens are kept but masked (provenance 3). ``durable=False``: the
         line is written but not fsynced; the caller has it fsynced (``JournalSyncer``).
-        ``prompt_json``: the JSON text the prompt's ids were sent as (``last_prompt``)."""
+        ``prompt_json``: the JSON text the prompt's ids were sent as (``last_prompt``).
+        ``rescored_version``: the weights that gave ``rescored``."""
         _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
@@ -180,12 +182,17 @@ class SessionStore:
                 turn.metadata["constrained"] = "json_schema"
             else:
                 provenance = Provenance.SAMPLED
+            if rescored is not None:
+                versions = [(rescored_version or "", 0, len(turn.completion_ids))]
+            else:
+                versions = [(w["version"], w["start"], w["end"]) for w in turn.weight_versions]
             call = sess.threads.commit(
                 assembly,
                 reply,
                 turn.completion_ids,
                 rescored if rescored is not None else turn.completion_logprobs,
                 sampled_provenance=provenance,
+                sampled_versions=versions,
                 request_id=turn.request_id,
                 turn_index=turn.turn_index,
                 finish_reason=turn.finish_reason,

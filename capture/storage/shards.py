@@ -18,6 +18,12 @@ import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
 
+# {version, start, end}: positions [start, end) of a token list whose logprobs the weights
+# labelled ``version`` gave (POST /policy/weights, vLLM's /update_weight_version).
+WEIGHT_SPANS = pa.list_(
+    pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+)
+
 TURN_SCHEMA = pa.schema(
     [
         ("schema_version", pa.int32()),
@@ -40,12 +46,7 @@ TURN_SCHEMA = pa.schema(
         ("started_at", pa.float64()),
         ("latency_s", pa.float64()),
         ("metadata", pa.string()),  # JSON text
-        (
-            "weight_versions",
-            pa.list_(
-                pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
-            ),
-        ),
+        ("weight_versions", WEIGHT_SPANS),
     ]
 )
 
@@ -165,6 +166,9 @@ THREAD_SCHEMA = pa.schema(
         # deadline; its metrics as JSON (capture/control/sessions.py SessionMetrics).
         ("end_reason", pa.string()),
         ("metrics", pa.string()),
+        # Which weights gave which positions' logprobs (spans over input_ids); null in shards
+        # written before it.
+        ("weight_versions", WEIGHT_SPANS),
     ]
 )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.trajectory.keys import TRAINED, MessageKey
+from capture.trajectory.keys import TRAINED, MessageKey, Provenance
 from capture.trajectory.kinds import MAIN, thread_kinds
 from capture.trajectory.tree import CallNode
 
@@ -34,6 +34,9 @@ class ThreadRow:
     trained_request_ids: list[str] = field(default_factory=list)
     # "main", "subagent" or "auxiliary" (a side call: title, router, summary); see kinds.
     thread_kind: str = MAIN
+    # Which weights gave the policy's tokens their logprobs: {version, start, end} over
+    # positions in input_ids (sampled tokens: the sampler's; re-scored ones: the re-score's).
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def seq_ids(call: CallNode) -> list[int]:
@@ -126,12 +129,15 @@ def _compose(
     path = leaf.ancestors()
     logprobs: list[float] = []
     provenance: list[int] = []
+    # Per position: the weights its logprob came from (None: not the policy's, or not known).
+    versions: list[str | None] = []
     spans: dict[int, tuple[int, int] | None] = {}
     cut_at: dict[int, CallNode] = {}  # uid -> the call after which a rewrite removed it
     for call in path:
         base = call.base
         del logprobs[base:]
         del provenance[base:]
+        del versions[base:]
         if call.kind == "rewrite" or base < (call.parent.seq_len if call.parent else 0):
             moved = {c.uid: (s, e) for c, s, e in call.spliced}
             for uid, span in spans.items():
@@ -144,9 +150,11 @@ def _compose(
         n = call.prompt_len - base
         logprobs += call.suffix_logprobs if call.suffix_logprobs is not None else [0.0] * n
         provenance += call.suffix_provenance if call.suffix_provenance is not None else [0] * n
+        versions += _suffix_versions(call, n)
         start = len(logprobs)
         logprobs += call.sampled_logprobs
         provenance += [int(call.sampled_provenance)] * len(call.sampled_ids)
+        versions += _labels(call.sampled_versions, len(call.sampled_ids))
         spans[call.uid] = (start, len(logprobs))
     ids = seq_ids(leaf)
     assert len(ids) == len(logprobs) == len(provenance), "a call's deltas do not compose"
@@ -197,8 +205,47 @@ def _compose(
         provenance=provenance,
         turns=turns,
         trained_request_ids=trained,
+        weight_versions=_version_spans(versions),
     )
     return row, removed
+
+
+def _labels(spans: list[tuple[str, int, int]], n: int) -> list[str | None]:
+    """Per token of a call's ``n`` sampled tokens, the version its spans give it."""
+    labels: list[str | None] = [None] * n
+    for version, start, end in spans:
+        labels[max(0, start) : min(n, end)] = [version] * (min(n, end) - max(0, start))
+    return labels
+
+
+def _suffix_versions(call: CallNode, n: int) -> list[str | None]:
+    """Per position of a call's new prompt suffix: the sampled tokens a rewrite spliced in keep
+    their sampler's version; the ones it re-scored, the re-score's."""
+    labels: list[str | None] = [None] * n
+    if call.suffix_provenance is None:
+        return labels
+    for spliced, start, end in call.spliced:
+        if start >= call.base:
+            own = _labels(spliced.sampled_versions, len(spliced.sampled_ids))
+            at = start - call.base
+            labels[at : at + (end - start)] = own[: end - start]
+    if call.suffix_version is not None:
+        for i, p in enumerate(call.suffix_provenance):
+            if p == Provenance.RECOMPUTED:
+                labels[i] = call.suffix_version
+    return labels
+
+
+def _version_spans(versions: list[str | None]) -> list[dict[str, Any]]:
+    """Runs of one version (None: no span) as {version, start, end}."""
+    out: list[dict[str, Any]] = []
+    run_start = 0
+    for i in range(1, len(versions) + 1):
+        if i == len(versions) or versions[i] != versions[run_start]:
+            if versions[run_start] is not None:
+                out.append({"version": versions[run_start], "start": run_start, "end": i})
+            run_start = i
+    return out
 
 
 def _supersessions(calls: list[CallNode]) -> dict[int, CallNode]:

@@ -41,6 +41,14 @@ def call_entry(call: CallNode) -> dict[str, Any]:
         "sampled_logprobs": (
             call.sampled_logprobs if call.sampled_provenance != Provenance.SAMPLED else None
         ),
+        # Which weights gave them, where not the turn record's (a re-score's), and the weights
+        # that re-scored its suffix.
+        "sampled_versions": (
+            [list(span) for span in call.sampled_versions]
+            if call.sampled_provenance != Provenance.SAMPLED
+            else None
+        ),
+        "suffix_version": call.suffix_version,
     }
 
 
@@ -77,6 +85,11 @@ def call_from_entry(
         sampled_ids=turn.completion_ids,
         sampled_logprobs=entry.get("sampled_logprobs") or turn.completion_logprobs,
         sampled_provenance=entry.get("sampled_provenance", int(Provenance.SAMPLED)),
+        sampled_versions=[
+            (str(v), int(s), int(e)) for v, s, e in entry.get("sampled_versions") or []
+        ]
+        or [(w["version"], w["start"], w["end"]) for w in turn.weight_versions],
+        suffix_version=entry.get("suffix_version"),
         prompt_ids=turn.prompt_ids,
         base=base,
         suffix_logprobs=suffix_lp,

@@ -369,12 +369,15 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         latency_s: float,
         backend: str,
         sampled_provenance: int = Provenance.SAMPLED,
+        sampled_versions: list[tuple[str, int, int]] | None = None,
     ) -> CallNode:
         """Add a completed call to the tree, where its assembly placed it.
 
         ``sampled_provenance``: RECOMPUTED where ``sampled_logprobs`` are a re-score rather than
         the sampler's (a completion constrained by a JSON schema: the sampler's logprobs are
-        the constrained distribution's), STALE where no re-score could be had (masked)."""
+        the constrained distribution's), STALE where no re-score could be had (masked).
+        ``sampled_versions``: which weights gave ``sampled_logprobs`` ((version, start, end)
+        over ``sampled_ids``)."""
         self.release(assembly)
         # Keys of recorded calls only: a request that never completes keeps no text alive.
         intern = self._intern
@@ -400,6 +403,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             sampled_ids=list(sampled_ids),
             sampled_logprobs=list(sampled_logprobs),
             sampled_provenance=int(sampled_provenance),
+            sampled_versions=list(sampled_versions or ()),
+            suffix_version=None if all_prompt else assembly.recompute_version,
             prompt_ids=prompt,
             base=assembly.base,
             suffix_logprobs=None if all_prompt else list(assembly.suffix_logprobs),

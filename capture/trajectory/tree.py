@@ -35,6 +35,11 @@ class CallNode:
     spliced: list[tuple[CallNode, int, int]] = field(default_factory=list)
     # SAMPLED; RECOMPUTED or STALE for a schema-constrained completion (see ThreadSet.commit).
     sampled_provenance: int = Provenance.SAMPLED
+    # Which weights gave the sampled tokens' logprobs: (version, start, end) over sampled_ids
+    # (the sampler's; a re-score's where sampled_provenance says so); empty: not known.
+    sampled_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    # The weights that re-scored the suffix's RECOMPUTED tokens (None: none were).
+    suffix_version: str | None = None
     # crc32 chains over the header and message keys: of the request, and of the request plus
     # the reply. Calls with one request after calls with one conversation are resends of each
     # other, even where the earlier calls are indistinguishable twins.
@@ -97,6 +102,8 @@ class Assembly:
     client_retry: bool = False
     # A retry: the earlier call with this very request (its prompt is reused as it is).
     sibling_of: CallNode | None = None
+    # The weights the RECOMPUTED positions were re-scored by (set with the re-score).
+    recompute_version: str | None = None
 
     def needs_recompute(self) -> list[int]:
         """Positions (in prompt_ids) whose logprobs must be re-scored."""

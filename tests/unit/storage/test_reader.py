@@ -407,3 +407,17 @@ def test_to_torch_converts_arrays_and_passes_lists(monkeypatch: pytest.MonkeyPat
     assert tensors["prompts"][0] == "tensor" and tensors["prompts"][1] is batch["prompts"]
     assert tensors["session_id"] is batch["session_id"] and tensors["group_id"] == ["s2"]
     assert set(tensors) == set(batch)
+
+
+def test_rl_batch_weight_versions_of_the_trained_tokens() -> None:
+    row = thread_row("s", "t", [1, 2, 3, 4, 5, 6], [0, 1, 1, 0, 1, 1], reward=1.0)
+    # step-9 sampled a context token only (masked here); step-10 sorts after step-9.
+    row["weight_versions"] = [
+        {"version": "step-9", "start": 0, "end": 1},
+        {"version": "step-10", "start": 1, "end": 3},
+        {"version": "step-11", "start": 4, "end": 6},
+    ]
+    old = thread_row("s", "u", [1, 2], [0, 1], reward=1.0)  # written before the column
+    batch = to_rl_batch([row, old], pad_id=0)
+    assert batch["min_weight_version"] == ["step-10", None]
+    assert batch["max_weight_version"] == ["step-11", None]

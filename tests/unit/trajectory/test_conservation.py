@@ -603,3 +603,58 @@ def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, t
     keys = ["thread_id", "input_ids", "loss_mask", "logprobs", "provenance", "turns", "dead",
             "superseded_by", "parent_thread_id", "parent_relation", "trained_request_ids"]  # fmt: skip
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+
+
+def test_rows_say_which_weights_gave_each_policy_token(template: ChatTemplate) -> None:
+    """weight_versions: each call's sampled tokens carry their sampler's spans (a generation
+    across an update: two), shifted to the row's positions; tokens a rewrite re-scored carry
+    the re-score's version; template and tool tokens none. A journal rebuilds the same."""
+    from capture.trajectory.journal import call_entry
+
+    threads = ThreadSet("s", template)
+    msgs = [Message("system", "Agent."), Message("user", "Task")]
+
+    def call(text: str, rid: str, versions: list[tuple[str, int, int]],
+             recompute: str | None = None) -> CallNode:  # fmt: skip
+        a = threads.assemble(msgs, TOOLS, None)
+        if a.needs_recompute():
+            a.recompute_version = recompute
+        ids = template.encode(text) + [template.eos_token_id]
+        return threads.commit(a, parse_completion(text).as_message(), ids, [-0.5] * len(ids),
+                              request_id=rid, turn_index=0, finish_reason="stop", latency_s=0,
+                              backend="b", sampled_versions=versions)  # fmt: skip
+
+    call("Let me check.", "c1", [("v1", 0, 5)])
+    msgs += [Message("assistant", "Let me check."), Message("user", "More")]
+    n2 = len(template.encode("Done.")) + 1
+    c2 = call("Done.", "c2", [("v1", 0, 1), ("v2", 1, n2)])
+    rows, _ = threads.export()
+    (row,) = rows
+    s1, s2 = (next(t for t in row.turns if t["request_id"] == r) for r in ("c1", "c2"))
+    assert row.weight_versions == [
+        {"version": "v1", "start": s1["start"], "end": s1["end"]},
+        {"version": "v1", "start": s2["start"], "end": s2["start"] + 1},
+        {"version": "v2", "start": s2["start"] + 1, "end": s2["end"]},
+    ]
+    assert call_entry(c2)["sampled_versions"] is None  # the turn record holds them
+    # A rewrite (the first user message edited): c1's and c2's replies are spliced in; where
+    # their logprobs were re-scored, the re-score's weights say so.
+    msgs[1] = Message("user", "<system-reminder>x</system-reminder>Task")
+    msgs += [Message("assistant", "Done."), Message("user", "Go on")]
+    c3 = call("ok", "c3", [("v3", 0, 2)], recompute="v3")
+    assert c3.kind == "rewrite"
+    rows, _ = threads.export()
+    row = next(r for r in rows if "c3" in r.trained_request_ids)
+    assert row.provenance.count(2) > 0  # the rewrite re-scored tokens after its edit
+    by_pos = {}
+    for span in row.weight_versions:
+        for p in range(span["start"], span["end"]):
+            by_pos[p] = span["version"]
+    for pos, prov in enumerate(row.provenance):
+        if prov == 2:  # RECOMPUTED
+            assert by_pos[pos] == "v3"
+        elif prov == 0:
+            assert pos not in by_pos
+    assert {by_pos[p] for p in range(*next((t["start"], t["end"]) for t in row.turns
+                                           if t["request_id"] == "c3"))} == {"v3"}  # fmt: skip
+    assert call_entry(c3)["suffix_version"] == ("v3" if 2 in c3.suffix_provenance else None)

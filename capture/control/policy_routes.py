@@ -1,0 +1,55 @@
+"""The policy weight routes of the control API (capture/policy/weights.py does the work):
+
+- ``POST /policy/weights`` ``{"path": DIR, "version": "V"}``: every replica of
+  agenttap_policy_url's pool serves the weights in DIR, labelled V; answers once all do
+- ``POST /policy/version`` ``{"version": "V"}``: the trainer pushed weights to vLLM itself; calls
+  from now on are labelled V
+- ``GET /policy/version``: the current label, how many updates came before it, the last ones
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from capture.control.answers import error
+from capture.control.sessions import reject_unknown
+from capture.policy.weights import WeightUpdateError, check_version, check_weights_dir
+from capture.ports import GatewayCore
+
+
+class PolicyRoutes:
+    """The ``/policy`` routes; ``body`` reads a request's JSON body (the control API's)."""
+
+    def __init__(
+        self, gateway: GatewayCore, body: Callable[[web.Request], Awaitable[dict[str, Any]]]
+    ) -> None:
+        self.gateway = gateway
+        self.body = body
+
+    async def weights(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        reject_unknown(body, ("path", "version"))
+        path = check_weights_dir(body.get("path"))
+        version = check_version(body.get("version"))
+        policies = self.gateway.policies
+        assert policies.default is not None and policies.http is not None
+        try:
+            outcomes = await policies.weights.update(policies.http, policies.default, path, version)
+        except WeightUpdateError as exc:
+            return error(502, f"agenttap: {exc}", extra={"replicas": exc.replicas})
+        return web.json_response({"version": version, "replicas": outcomes})
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        reject_unknown(body, ("version",))
+        version = check_version(body.get("version"))
+        policies = self.gateway.policies
+        assert policies.default is not None and policies.http is not None
+        outcomes = await policies.weights.set_version(policies.http, policies.default, version)
+        return web.json_response({"version": version, "replicas": outcomes})
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        return web.json_response(self.gateway.policies.weights.history.summary())
