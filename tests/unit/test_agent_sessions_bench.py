@@ -1,0 +1,163 @@
+"""bench/agent_sessions.py's pure parts: the session plan (sizes in tokens, growth to the
+context asked for), the wire shapes' histories and the stream readers. No vLLM, no proxy."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "agent_sessions_bench", REPO / "bench" / "agent_sessions.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+@pytest.fixture(scope="module")
+def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
+    return bench.Tokenizer(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> str:
+    return bench.corpus_text(200_000)
+
+
+def test_result_sizes_stay_in_range_and_add_up() -> None:
+    rng = random.Random(3)
+    for mean in (210.0, 257.0, 600.0, 1500.0):
+        sizes = bench.result_sizes(rng, 59, mean)
+        assert len(sizes) == 59
+        assert all(200 <= n <= 2000 for n in sizes)
+        assert abs(sum(sizes) - 59 * mean) <= 59  # rounding, at most one token each
+    # Mostly short, now and then long (a whole file read).
+    sizes = bench.result_sizes(random.Random(1), 59, 257.0)
+    assert statistics_median(sizes) < 257 < max(sizes)
+    # Past what the range allows: clamped.
+    assert bench.result_sizes(rng, 5, 100.0) == [200] * 5
+    assert bench.result_sizes(rng, 5, 5000.0) == [2000] * 5
+    assert bench.result_sizes(rng, 0, 300.0) == []
+
+
+def statistics_median(values: list[int]) -> float:
+    ordered = sorted(values)
+    return float(ordered[len(ordered) // 2])
+
+
+@pytest.mark.parametrize(
+    ("turns", "system_tokens", "context"), [(60, 12000, 30000), (12, 3000, 8000)]
+)
+def test_the_plan_grows_to_the_context_asked(
+    tok, corpus: str, turns: int, system_tokens: int, context: int
+) -> None:  # type: ignore[no-untyped-def]
+    plan = bench.build_plan(
+        tok, sessions=3, turns=turns, system_tokens=system_tokens, context=context, corpus=corpus
+    )
+    assert len(plan.tools) == 20
+    assert len({t["function"]["name"] for t in plan.tools}) == 20
+    # The system text and the tools together: about what was asked.
+    tools_tokens = len(tok.encode(bench.orjson.dumps(plan.tools).decode()))
+    fixed = len(tok.encode(plan.system)) + tools_tokens
+    assert abs(fixed - system_tokens) < 0.05 * system_tokens
+    assert len(plan.texts) == 3
+    for texts, sizes in zip(plan.texts, plan.result_tokens, strict=True):
+        assert len(texts) == turns  # the task, then a tool result per later turn
+        measured = [len(tok.encode(t)) for t in texts[1:]]
+        # Each text is about its planned size (cut by tokens, decoded, encoded again).
+        assert all(abs(m - n) <= 0.1 * n + 5 for m, n in zip(measured, sizes, strict=True))
+        assert all(190 <= m <= 2100 for m in measured)
+        # The last call's prompt: the first, then every turn's reply, framing and result.
+        last = plan.base_tokens + sum(measured) + (turns - 1) * bench.grow_per_turn_extra()
+        assert abs(last - context) < 0.05 * context
+    # Sessions differ; the system prompt and tools are shared (one agent's, as in a fleet).
+    assert plan.texts[0][1] != plan.texts[1][1]
+    again = bench.build_plan(
+        tok, sessions=3, turns=turns, system_tokens=system_tokens, context=context, corpus=corpus
+    )
+    assert again.texts == plan.texts and again.system == plan.system
+
+
+def small_plan() -> object:
+    return bench.Plan(
+        "system", bench.openai_tools(), [["task", "result one", "result two"]], 0, [[200, 200]]
+    )
+
+
+def test_chat_history_takes_the_reply_and_the_next_result() -> None:
+    shape = bench.Shape(small_plan(), 0, "m", 32)
+    body = shape.body()
+    assert body["ignore_eos"] is True and body["max_tokens"] == 32 and body["stream"] is True
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    shape.add(bench.Reply(echo={"role": "assistant", "content": "a"}), 0)
+    assert shape.messages[-2:] == [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "result one"},
+    ]
+    shape.add(bench.Reply(echo={"role": "assistant", "content": ""}, tool_ids=["c1", "c2"]), 1)
+    assert shape.messages[-2:] == [
+        {"role": "tool", "tool_call_id": "c1", "content": "result two"},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+    ]
+
+
+def test_anthropic_and_responses_histories() -> None:
+    anth = bench.AnthropicShape(small_plan(), 0, "m", 32)
+    assert anth.body()["system"][0]["text"] == "system"
+    assert anth.body()["tools"][0]["input_schema"]["type"] == "object"
+    anth.add(bench.Reply(echo=[{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}],
+                         tool_ids=["t1"]), 0)  # fmt: skip
+    assert anth.messages[-1]["content"][0] == {
+        "type": "tool_result", "tool_use_id": "t1", "content": "result one",
+    }  # fmt: skip
+    resp = bench.ResponsesShape(small_plan(), 0, "m", 32)
+    assert resp.body()["instructions"] == "system" and resp.body()["max_output_tokens"] == 32
+    item = {"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}
+    resp.add(bench.Reply(echo=[item]), 0)
+    assert resp.messages[-2] == item
+    assert resp.messages[-1]["content"][0]["text"] == "result one"
+
+
+def test_readers_count_tokens_and_find_the_first_text() -> None:
+    chat = bench.ChatReader()
+    assert not chat.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert chat.feed({"choices": [{"delta": {"content": "hi"}}]})
+    chat.feed({"choices": [{"delta": {"tool_calls": [
+        {"index": 0, "id": "c1", "function": {"name": "Bash", "arguments": '{"a"'}}]}}]})  # fmt: skip
+    chat.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}}]})  # fmt: skip
+    chat.feed({"choices": [], "usage": {"completion_tokens": 32, "prompt_tokens": 900}})
+    reply = chat.finish()
+    assert (reply.tokens, reply.prompt_tokens, reply.text) == (32, 900, "hi")
+    assert reply.tool_ids == ["c1"]
+    assert reply.echo["tool_calls"][0]["function"]["arguments"] == '{"a":1}'
+
+    anth = bench.AnthropicReader()
+    anth.feed({"type": "message_start", "message": {"usage": {"input_tokens": 70}}})
+    anth.feed({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})  # fmt: skip
+    assert anth.feed({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "yo"}})  # fmt: skip
+    anth.feed({"type": "message_delta", "usage": {"output_tokens": 32}})
+    reply = anth.finish()
+    assert (reply.tokens, reply.prompt_tokens) == (32, 70)
+    assert reply.echo == [{"type": "text", "text": "yo"}]
+
+    resp = bench.ResponsesReader()
+    assert resp.feed({"type": "response.output_text.delta", "delta": "x"})
+    item = {"type": "message", "content": [{"type": "output_text", "text": "x"}]}
+    resp.feed({"type": "response.completed", "response": {
+        "output": [item], "usage": {"output_tokens": 32, "input_tokens": 5}}})  # fmt: skip
+    reply = resp.finish()
+    assert (reply.tokens, reply.text, reply.echo) == (32, "x", [item])
