@@ -70,7 +70,13 @@ if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
 fi
+# The peers bench/agent_sessions.py measures agenttap against (rllm-model-gateway, LiteLLM),
+# in .venv-peers: nothing of theirs reaches the proxy's environment.
+if [ "${AGENTTAP_SKIP_PEERS:-0}" != "1" ]; then
+  bash scripts/setup_peers.sh
+fi
 READY=".venv (proxy)"
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
 [ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node)"
+[ "${AGENTTAP_SKIP_PEERS:-0}" = "1" ] || READY="$READY, .venv-peers (benchmark peers)"
 echo "[setup] done: $READY ready"
