@@ -106,6 +106,9 @@ class VLLMClient:
         # now; a generation started meanwhile runs only once they serve (the server is paused).
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.incoming_version: str | None = None
+        # Versions this server failed to load: a generation that started while it tried ran
+        # on the weights it kept.
+        self.failed_versions: set[str] = set()
         # The probe under way: concurrent first calls all wait for this one.
         self._probing: asyncio.Task[PolicyInfo] | None = None
 
@@ -328,6 +331,8 @@ class VLLMClient:
                         # The piece's last: where the server labelled none of its tokens, the
                         # weights it ran under (see sampling_version) label them all.
                         if not labelled and len(sampled) > before:
+                            if label in current.failed_versions:
+                                label = current.weight_version
                             delta.weight_versions.append((label, before, len(sampled)))
                     if resumed is not None:
                         delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
@@ -340,6 +345,8 @@ class VLLMClient:
                 if replacement is None:
                     raise
                 if not labelled and len(sampled) > before:
+                    if label in current.failed_versions:
+                        label = current.weight_version
                     unlabelled.append((label, before, len(sampled)))
                 current, failovers = replacement, failovers + 1
             else:

@@ -145,6 +145,7 @@ async def load_on_replica(
     try:
         await _post(http, f"{url}/pause?mode=abort")
     except RuntimeError as exc:
+        replica.client.failed_versions.add(version)
         outcome.update(ok=False, error=str(exc), seconds=round(time.monotonic() - started, 3))
         return outcome
     try:
@@ -157,8 +158,11 @@ async def load_on_replica(
         await _post(http, f"{url}/reset_prefix_cache")
         await _post(http, f"{url}/update_weight_version", {"new_version": version})
         replica.client.weight_version = version
+        replica.client.failed_versions.discard(version)
         outcome.update(ok=True, version=version)
     except RuntimeError as exc:
+        # Before the resume: what ran meanwhile ran on the weights it kept.
+        replica.client.failed_versions.add(version)
         outcome.update(ok=False, error=str(exc))
     finally:
         try:

@@ -169,11 +169,24 @@ async def test_a_failed_reload_still_resumes_and_says_which_server(tmp_path: Pat
     try:
         async with aiohttp.ClientSession() as http:
             replicas = ReplicaSet([url], lambda u: VLLMClient(u, http, api="completions"))
+            client = replicas.replicas[url].client
             weights = PolicyWeights()
+
+            async def generate() -> Completion:
+                out = Completion()
+                async for delta in client.stream_resuming([1, 2], SamplingParams(max_tokens=7)):
+                    out.extend(delta)
+                return out
+
+            task = asyncio.create_task(generate())
+            await asyncio.wait_for(server.streaming.wait(), 10)
             with pytest.raises(WeightUpdateError) as caught:
                 await weights.update(http, replicas, _weights_dir(tmp_path), "step-1")
+            out = await asyncio.wait_for(task, 10)
     finally:
         await runner.cleanup()
+    # The resumed part ran on the weights the server kept: never labelled step-1.
+    assert out.weight_versions == [("default", 0, 7)]
     assert server.calls[-1] == "resume"  # never left paused
     assert url in str(caught.value) and "500" in str(caught.value)
     assert caught.value.replicas[0]["ok"] is False
