@@ -849,6 +849,7 @@ class Path_:
         self.http: Any = None
         self.sessions: list[Shape] = []
         self.failed: dict[int, str] = {}
+        self.redials = 0  # calls sent again on a new connection (a stale kept-alive one)
 
     def begin(self, plan: Plan, max_tokens: int) -> None:
         self.sessions = [
@@ -879,20 +880,34 @@ class Path_:
     async def post(
         self, session: int, turn: int, url: str, body: bytes, kwargs: dict[str, Any]
     ) -> Call:
-        reader = self.reader()
-        first = 0.0
+        import aiohttp
+
         began = time.perf_counter()
-        async with self.http.post(url, data=body, **kwargs) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:400]!r}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    continue
-                if reader.feed(orjson.loads(data)) and not first:
-                    first = time.perf_counter()
+        for attempt in (1, 2):
+            reader = self.reader()
+            first = 0.0
+            answered = False
+            try:
+                async with self.http.post(url, data=body, **kwargs) as resp:
+                    answered = True
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:400]!r}")
+                    async for line in resp.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        if reader.feed(orjson.loads(data)) and not first:
+                            first = time.perf_counter()
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # A kept-alive connection the server closed while it sat idle (uvicorn closes
+                # them after 5 s; paths are interleaved): dialled again once, as the SDKs do.
+                # The clock keeps running.
+                if answered or attempt == 2:
+                    raise
+                self.redials += 1
         took = time.perf_counter() - began
         reply = reader.finish()
         shape = self.sessions[session]
@@ -1014,6 +1029,9 @@ async def run_turns(
                     path.prepared = {
                         s: path.request(s, f"{run_id}-{name}-{s}") for s in live
                     }  # outside the clock
+                    # What the loop could not see while rendering (connections the server
+                    # closed meanwhile), seen before the calls.
+                    await asyncio.sleep(0.05)
                 cpu0 = path.cpu()
                 vcpu0 = cpu_seconds(vllm_pid) if vllm_pid else 0.0
                 front0 = cpu_seconds(vllm_pid, children=False) if vllm_pid else 0.0
@@ -1161,8 +1179,9 @@ def report(
     if proxied:
         marks = sorted({t for t in (1, 2, 5, 10, 20, 30, 40, 50, 60, turns) if t <= turns})
         print(
-            "\n### Proxy CPU per call over turns, ms (the scheduler's count, schedstat; mean of the "
-            "turn's calls; last / turn 5: means over the last three turns and turns 4-6)\n"
+            "\n### Proxy CPU per call over turns, ms (the scheduler's count, schedstat; mean of "
+            "the turn's calls; last / turn 5: the median of the last five turns' over that of "
+            "turns 3-7)\n"
         )
         print("| path | " + " | ".join(f"turn {t}" for t in marks) + " | last / turn 5 |")
         print("|---|" + "---:|" * (len(marks) + 1))
@@ -1172,10 +1191,10 @@ def report(
                 for t in range(1, turns + 1)
                 if (name, t) in results.proxy_cpu_fine
             }
-            early = [per[t] for t in (4, 5, 6) if t in per]
-            late = [per[t] for t in range(turns - 2, turns + 1) if t in per]
+            early = [per[t] for t in range(3, 8) if t in per]
+            late = [per[t] for t in range(turns - 4, turns + 1) if t in per]
             curve = " | ".join(fmt(per.get(t, math.nan)) for t in marks)
-            r = ratio(statistics.mean(late), statistics.mean(early)) if early and late else "-"
+            r = ratio(statistics.median(late), statistics.median(early)) if early and late else "-"
             print(f"| {name} | {curve} | {r} |")
     for name, whys in results.failures.items():
         print(f"\n{name}: {len(whys)} call(s) not as asked; first: {whys[0]}")
@@ -1370,6 +1389,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.proxies}"
         )
         report(results, names, args.turns, args.sessions, skipped)
+        redials = ", ".join(f"{n} {p.redials}" for n, p in paths.items() if p.redials)
+        if redials:
+            print(f"\ncalls sent again on a new connection (a stale kept-alive one): {redials}")
         for tap in agenttaps:
             tap.stop()  # writes every session's rows
         if agenttaps and not check_threads([t.out for t in agenttaps], run_id, args.turns):
