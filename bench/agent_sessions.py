@@ -1194,7 +1194,9 @@ def report(
             early = [per[t] for t in range(3, 8) if t in per]
             late = [per[t] for t in range(turns - 4, turns + 1) if t in per]
             curve = " | ".join(fmt(per.get(t, math.nan)) for t in marks)
-            r = ratio(statistics.median(late), statistics.median(early)) if early and late else "-"
+            # (Under 12 turns the two windows overlap: no ratio.)
+            enough = turns >= 12 and early and late
+            r = ratio(statistics.median(late), statistics.median(early)) if enough else "-"
             print(f"| {name} | {curve} | {r} |")
     for name, whys in results.failures.items():
         print(f"\n{name}: {len(whys)} call(s) not as asked; first: {whys[0]}")
