@@ -201,6 +201,16 @@ class AgentTap:
         read (``agenttap_token_file``), never on its command line, and mitmdump's log (which
         prints it) is kept beside it, in a private folder outside ``out`` (``log``) that the
         rollouts' sandboxes hide."""
+        # This interpreter's mitmdump (the proxy's .venv), else the checkout's .venv's: a
+        # trainer's environment (.venv-train, scripts/setup_train.sh) has no mitmproxy.
+        mitmdump = Path(sys.executable).parent / "mitmdump"
+        if not mitmdump.exists():
+            mitmdump = REPO / ".venv" / "bin" / "mitmdump"
+        if not mitmdump.exists():
+            raise AgentTapError(
+                f"no mitmdump next to {sys.executable} nor at {mitmdump}: run scripts/setup.sh "
+                "(it builds .venv, the proxy's environment, whose mitmdump AgentTap.start runs)"
+            )
         out_dir = Path(out).resolve()
         out_dir.mkdir(parents=True, exist_ok=True)
         private = Path(tempfile.mkdtemp(prefix="agenttap-"))  # mode 0700
@@ -222,7 +232,7 @@ class AgentTap:
             **(options or {}),
         }
         cmd = [
-            str(Path(sys.executable).parent / "mitmdump"),
+            str(mitmdump),
             "-s", str(ADDON),
             "--listen-host", host,
             "--listen-port", str(proxy_port),

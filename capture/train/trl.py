@@ -1,0 +1,289 @@
+"""TRL: agenttap rollouts as ``GRPOTrainer``'s ``rollout_func``.
+
+    from trl import GRPOConfig, GRPOTrainer
+    from capture.client.launcher import AgentTap
+    from capture.train.trl import agenttap_reward, make_rollout_func
+
+    with AgentTap.start(policy_url, tokenizer, out="rollouts") as tap:
+        trainer = GRPOTrainer(
+            model=model, processing_class=tokenizer, train_dataset=prompts,  # a "prompt" column
+            args=GRPOConfig(num_generations=4, ...),
+            reward_funcs=[agenttap_reward],
+            rollout_func=make_rollout_func(
+                tap, agent="claude-code", workdir="task",
+                verifier=["sh", "-c", "test -f done && echo 1 || echo 0"]),
+        )
+        trainer.train()
+
+TRL calls the function with this process's prompts, each already repeated ``num_generations``
+times. Identical prompts become one agenttap rollout of ``n`` agents (one ``POST /rollouts``
+each, all running at once up to the proxy's ``agenttap_max_rollouts``; a 429 waits for a
+running one to end); each agent works in its own copy of ``workdir``. Per prompt, in order, it
+returns the agent's **main row** (``capture.train.rows.main_row``) cut where the first call's
+prompt ends:
+
+- ``prompt_ids``: the row's tokens before its first trained token (the first call's prompt);
+- ``completion_ids``: everything after, the policy's sampled tokens and, in a multi-turn row,
+  the tool / environment tokens between its calls;
+- ``logprobs``: the sampler's logprob of each completion token (0.0 on tool tokens);
+- ``env_mask``: 1 on the tokens the row trains, 0 on tool / environment tokens (TRL's tool
+  mask: no loss there);
+- ``agenttap_reward``: the verifier's reward, or None; ``agenttap_reward`` (this module's
+  reward function) hands it to TRL, where None means *unscorable*: TRL leaves it out of its
+  group's baseline and gives it advantage 0;
+- ``agenttap_session_id``, ``agenttap_weight_versions`` (the versions that sampled the trained
+  tokens), for reward functions and logs.
+
+**Failures.** A rollout whose agent or verifier failed has reward None (the rollout's
+``on_error`` "skip", the default): its row is still returned (the trainer's batch keeps its
+shape) but, unscorable, it moves nothing. A rollout that made no row at all (the agent never
+reached the policy) returns a one-token stand-in (``filler_id``) with ``env_mask`` 0 and
+reward None. A failed ``POST /rollouts`` (the proxy refused it) raises ``AgentTapError``.
+
+**Verifiers.** ``verifier`` is a command (run by agenttap in the agent's copy of the workdir;
+its last output line is the reward), the route's whole ``{"command", "restore", "on_error"}``,
+or a Python function ``verifier(prompt, run) -> float | None`` called here with the rollout's
+answer (``run``: its ``agent_output``, ``workdir``, ``rows``, ``status``...); its reward is also
+recorded on the session (a late reward), so the shards agree with what was trained.
+``workdir`` may be a function of the prompt (a folder per task).
+
+No torch and no TRL import here: the function only moves token ids and numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capture.client.launcher import AgentTap, AgentTapError
+from capture.train.rows import (
+    DEFAULT_FILLER_ID,
+    SplitRow,
+    filler,
+    finite_reward,
+    main_row,
+    prompt_text,
+    row_versions,
+    split_row,
+)
+
+PathLike = str | os.PathLike[str]
+# A trainer-side verifier: (the prompt's text, the rollout's answer for one agent) -> reward.
+VerifierFunc = Callable[[str, dict[str, Any]], float | None]
+Verifier = list[str] | dict[str, Any] | VerifierFunc
+Workdir = PathLike | Callable[[str], PathLike | None]
+
+# How often a rollout that is still running is asked about, and how long a 429 (too many agents
+# at once) waits before the request is sent again when no rollout of ours is running to wait for.
+POLL_S = 0.5
+BUSY_RETRY_S = 2.0
+
+
+@dataclass
+class RolloutStats:
+    """What the last call did: for a trainer's logs."""
+
+    seconds: float = 0.0
+    rollouts: int = 0
+    agents: int = 0
+    failed: int = 0
+    no_row: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    rewards: list[float | None] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+
+
+def sample_from_run(
+    run: Mapping[str, Any], reward: float | None, filler_id: int = DEFAULT_FILLER_ID
+) -> dict[str, Any]:
+    """One TRL sample (the keys ``rollout_func`` returns, one value each) from one agent's
+    rollout answer: its main row split after the first call's prompt, or the masked stand-in
+    when it made no row."""
+    row = main_row(run.get("rows") or [])
+    split: SplitRow = split_row(row) if row is not None else filler(filler_id)
+    return {
+        "prompt_ids": split.prompt_ids,
+        "completion_ids": split.completion_ids,
+        "logprobs": split.completion_logprobs,
+        "env_mask": split.completion_mask,
+        "agenttap_reward": reward,
+        "agenttap_session_id": run.get("session_id"),
+        "agenttap_weight_versions": row_versions(row) if row is not None else [],
+    }
+
+
+def group_prompts(prompts: Sequence[Any]) -> dict[str, list[int]]:
+    """Task text → the positions of the prompts that hold it, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt_text(prompt), []).append(i)
+    return groups
+
+
+class AgentTapRolloutFunc:
+    """``rollout_func(prompts, trainer) -> dict`` for ``trl.GRPOTrainer``; see the module's
+    docstring. ``last`` holds the stats of the latest call."""
+
+    def __init__(
+        self,
+        tap: AgentTap,
+        *,
+        agent: str | dict[str, list[str]],
+        workdir: Workdir | None = None,
+        verifier: Verifier | None = None,
+        limits: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        filler_id: int | None = None,
+    ) -> None:
+        self.tap = tap
+        self.agent = agent
+        self.workdir = workdir
+        self.verifier = verifier
+        self.limits = limits
+        self.metadata = metadata or {}
+        self.timeout_s = timeout_s
+        self.filler_id = filler_id
+        self.last = RolloutStats()
+
+    def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, list[Any]]:
+        started = time.monotonic()
+        groups = group_prompts(prompts)
+        step = getattr(getattr(trainer, "state", None), "global_step", None)
+        answers = self._run_groups(groups, step)
+        filler_id = self._filler_id(trainer)
+        samples: list[dict[str, Any] | None] = [None] * len(prompts)
+        stats = RolloutStats(rollouts=len(groups), agents=len(prompts))
+        for (task, positions), answer in zip(groups.items(), answers, strict=True):
+            runs = answer.get("rollouts") or []
+            if len(runs) != len(positions):
+                raise AgentTapError(
+                    f"rollout {answer.get('id')!r} returned {len(runs)} agents for "
+                    f"{len(positions)} prompts"
+                )
+            for position, run in zip(positions, runs, strict=True):
+                reward = self._reward(task, run)
+                sample = sample_from_run(run, reward, filler_id)
+                samples[position] = sample
+                stats.failed += run.get("status") != "ok"
+                stats.no_row += main_row(run.get("rows") or []) is None
+                stats.tokens += len(sample["prompt_ids"]) + len(sample["completion_ids"])
+                stats.trained_tokens += sum(sample["env_mask"])
+                stats.rewards.append(reward)
+                for version in sample["agenttap_weight_versions"]:
+                    if version not in stats.versions:
+                        stats.versions.append(version)
+        stats.seconds = time.monotonic() - started
+        self.last = stats
+        keys = (
+            "prompt_ids", "completion_ids", "logprobs", "env_mask", "agenttap_reward",
+            "agenttap_session_id", "agenttap_weight_versions",
+        )  # fmt: skip
+        done = [s for s in samples if s is not None]
+        assert len(done) == len(prompts)
+        return {key: [s[key] for s in done] for key in keys}
+
+    # -- running -----------------------------------------------------------------------------
+    def _run_groups(self, groups: dict[str, list[int]], step: int | None) -> list[dict[str, Any]]:
+        """Start one rollout per task (n = its prompts), all at once where the proxy's cap
+        allows, and wait for every one; their answers, in the order of ``groups``."""
+        pending = list(enumerate(groups.items()))
+        running: dict[int, str] = {}
+        answers: dict[int, dict[str, Any]] = {}
+        while pending or running:
+            while pending:
+                index, (task, positions) = pending[0]
+                try:
+                    started = self.tap.rollout(
+                        self.agent, task, n=len(positions), wait=False, **self._options(task, step)
+                    )
+                except AgentTapError as exc:
+                    if exc.status != 429:
+                        raise
+                    if not running:  # the cap is held by others: try again shortly
+                        time.sleep(BUSY_RETRY_S)
+                    break
+                running[index] = started["id"]
+                pending.pop(0)
+            time.sleep(POLL_S)
+            for index, rollout_id in list(running.items()):
+                answer = self.tap.get_rollout(rollout_id)
+                if answer.get("status") == "done":
+                    answers[index] = answer
+                    del running[index]
+        return [answers[i] for i in range(len(groups))]
+
+    def _options(self, task: str, step: int | None) -> dict[str, Any]:
+        workdir = self.workdir(task) if callable(self.workdir) else self.workdir
+        verifier = None if callable(self.verifier) else self.verifier
+        metadata = {"split": "train", **self.metadata}
+        if step is not None:
+            metadata.setdefault("trainer_step", step)
+        return {
+            "workdir": workdir,
+            "verifier": verifier,
+            "limits": self.limits,
+            "metadata": metadata,
+            "timeout_s": self.timeout_s,
+        }
+
+    def _reward(self, task: str, run: dict[str, Any]) -> float | None:
+        if not callable(self.verifier):
+            return finite_reward(run.get("reward"))
+        if run.get("status") != "ok":
+            return None  # a failed agent is not scored, as agenttap's own verifiers do
+        reward = finite_reward(self.verifier(task, run))
+        if reward is not None and run.get("rows"):
+            # The shards hold the reward that was trained (a late reward on the session).
+            self.tap.client.post(f"/sessions/{run['session_id']}/reward", {"reward": reward})
+        return reward
+
+    def _filler_id(self, trainer: Any) -> int:
+        if self.filler_id is not None:
+            return self.filler_id
+        tokenizer = getattr(trainer, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds one
+        for name in ("eos_token_id", "pad_token_id"):
+            value = getattr(tokenizer, name, None)
+            if isinstance(value, int):
+                return value
+        return DEFAULT_FILLER_ID
+
+
+def make_rollout_func(
+    tap: AgentTap,
+    *,
+    agent: str | dict[str, list[str]],
+    workdir: Workdir | None = None,
+    verifier: Verifier | None = None,
+    limits: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    timeout_s: float | None = None,
+) -> AgentTapRolloutFunc:
+    """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
+    ``agent`` (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``, the task text
+    appended as its last argument) on the trainer's prompts; see the module's docstring for what
+    it returns and how failures and missing rewards are handed on. ``limits``: each agent's
+    session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
+    every session's (``split`` "train" and the trainer's ``trainer_step`` are set unless
+    given)."""
+    if workdir is not None and not callable(workdir) and not Path(workdir).is_dir():
+        raise ValueError(f"workdir {str(workdir)!r} is not a folder: give the task's folder")
+    return AgentTapRolloutFunc(
+        tap, agent=agent, workdir=workdir, verifier=verifier, limits=limits,
+        metadata=metadata, timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def agenttap_reward(
+    completions: list[Any], agenttap_reward: list[float | None], **_: Any
+) -> list[float | None]:
+    """The reward function to pass TRL with this rollout function (``reward_funcs=
+    [agenttap_reward]``): the verifier's reward of each rollout; None (unscorable: advantage 0)
+    where it has none."""
+    return list(agenttap_reward)

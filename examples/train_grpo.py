@@ -1,0 +1,303 @@
+"""GRPO on a CPU with TRL, from agenttap rollouts of a real agent, new weights pushed every step.
+
+    scripts/setup.sh && scripts/setup_train.sh      # .venv, .venv-vllm, Claude Code; .venv-train
+    .venv-train/bin/python examples/train_grpo.py    # Claude Code, 10 steps, a few minutes
+    .venv-train/bin/python examples/train_grpo.py --agent-command "python3 my_agent.py"
+
+What runs: the embedded policy (vLLM serving the tiny random Qwen3 of ``.cache/tiny-qwen3``,
+started as ``scripts/run_proxy.sh`` starts it: ``python -m rewriter.policy_server`` in ``.venv``;
+or ``--policy-url``), agenttap (``AgentTap.start``), and TRL's ``GRPOTrainer`` on the same model
+here, on the CPU. Each step TRL asks ``capture.train.trl``'s rollout function for
+``--prompts-per-step`` tasks × ``--n`` agents: agenttap runs them (Claude Code by default, each
+sandboxed in a copy of a task folder), each task's own verifier scores its answer, and the
+agents' main rows come back as token ids, masks and logprobs, exactly what the policy sampled.
+After the optimizer step the model is saved (``save_pretrained``) to ``OUT/weights/step-N`` and
+pushed to the policy (``tap.update_weights(folder, "step-N")``): the next rollouts sample from
+the new weights, and their rows say so (``weight_versions``).
+
+The reward: a random tiny model cannot do a task, but it can learn a style. Every task here
+asks for an answer in capital letters and its verifier scores the share of the letters of the
+policy's answer (the tokens it sampled, decoded) that are capitals (``shouting``): the policy
+starts near 0.07, and a few steps of GRPO raise it visibly, which can only happen if gradients
+flow from the rows into new weights and those weights into the next rollouts. Answers are capped
+at ``--max-tokens`` (Claude Code's ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and each agent gets one
+model call (``max_calls`` 1): a policy that forgets to stop would otherwise write thousands of
+tokens per call on a CPU. Claude Code then exits non-zero (agenttap refused the continuation it
+asked for), which agenttap counts as reaching a limit, not as a failure: the rollout is scored.
+One line is printed per step: reward mean, loss, grad norm, tokens, the weight version the
+rollouts were sampled by and the one pushed, rollout seconds vs train seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from capture.client.launcher import AgentTap  # noqa: E402
+from capture.train.rows import main_row, sampled_ids  # noqa: E402
+from capture.train.trl import AgentTapRolloutFunc, agenttap_reward, make_rollout_func  # noqa: E402
+from capture.train.trl_cpu import cpu_friendly  # noqa: E402
+
+try:
+    import torch
+    from datasets import Dataset
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as exc:  # the proxy's .venv has no torch, on purpose
+    sys.exit(
+        f"{exc}: run this with the trainer's environment, .venv-train/bin/python "
+        "(scripts/setup_train.sh builds it)"
+    )
+
+
+def shouting(text: str) -> float:
+    """The share of the text's letters that are capitals (0 for a text without letters)."""
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+
+
+class Answers:
+    """The policy's answer in a rollout: the tokens it sampled in the agent's main row, decoded
+    (what the agent printed may be an error line of the agent's own)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, run: dict[str, Any]) -> str:
+        row = main_row(run.get("rows") or [])
+        if row is None:
+            return ""
+        return str(self.tokenizer.decode(sampled_ids(row), skip_special_tokens=True))
+
+
+# The tasks, each with its verifier (the task's text, one agent's rollout, how to read the
+# policy's answer → reward). These all ask for capitals, so one policy can learn them together;
+# a real task list checks its own thing in each (files in the agent's workdir, tests run...).
+Verifier = Callable[[str, dict[str, Any], Answers], float | None]
+TASKS: dict[str, Verifier] = {
+    "Answer in CAPITAL LETTERS ONLY: what is the capital of France?": (
+        lambda task, run, answer: shouting(answer(run))
+    ),
+    "SHOUT YOUR ANSWER IN CAPITALS: name three colours.": (
+        lambda task, run, answer: shouting(answer(run))
+    ),
+}
+
+
+def claude_code(max_tokens: int) -> dict[str, list[str]]:
+    """Claude Code as agenttap's ``claude-code`` runs it, with its answers capped at
+    ``max_tokens`` (an environment variable, so as a command; the task comes last)."""
+    from capture.rollouts.agents import AGENTS, resolve
+
+    agent = AGENTS["claude-code"]
+    env = {**agent.env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
+    return {
+        "command": [
+            "env", *(f"{k}={v}" for k, v in env.items()), resolve(agent.binary),
+            "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep", "-p",
+        ]
+    }  # fmt: skip
+
+
+def start_policy(model: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
+    """The embedded policy, as scripts/run_proxy.sh starts it: its URL once it serves."""
+    proxy_python = REPO / ".venv" / "bin" / "python"
+    if not proxy_python.exists():
+        sys.exit(f"{proxy_python} not found: run scripts/setup.sh first")
+    cmd = [str(proxy_python), "-m", "rewriter.policy_server", "--model", str(model)]
+    proc = subprocess.Popen(
+        [*cmd, "--log", str(log)], cwd=REPO, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line.rstrip(), flush=True)
+        if line.startswith("POLICY_URL="):
+            return proc, line.strip().partition("=")[2]
+    proc.wait()
+    sys.exit(f"the embedded policy did not start; its log: {log}")
+
+
+class StepReport(TrainerCallback):  # type: ignore[misc]
+    """After each optimizer step: save the model, push it to the policy, print one line."""
+
+    def __init__(
+        self, tap: AgentTap, rollouts: AgentTapRolloutFunc, weights: Path, keep: bool, bar: Any
+    ) -> None:
+        self.tap = tap
+        self.rollouts = rollouts
+        self.weights = weights
+        self.keep = keep
+        self.bar = bar
+        self.step_started = 0.0
+        self.pending: dict[str, Any] = {}
+        self.curve: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step_started = time.monotonic()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step_s = time.monotonic() - self.step_started
+        model = kwargs["model"]
+        folder = self.weights / f"step-{state.global_step}"
+        pushed = time.monotonic()
+        model.save_pretrained(folder)
+        self.tap.update_weights(folder, f"step-{state.global_step}")
+        push_s = time.monotonic() - pushed
+        if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
+            for old in self.weights.glob("step-*"):
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+        last = self.rollouts.last
+        rewards = [r for r in last.rewards if r is not None]
+        self.pending = {
+            "step": state.global_step,
+            "reward": statistics.fmean(rewards) if rewards else math.nan,
+            "scored": len(rewards),
+            "agents": last.agents,
+            "tokens": last.tokens,
+            "trained": last.trained_tokens,
+            "sampled_by": ",".join(last.versions) or "?",
+            "pushed": f"step-{state.global_step}",
+            "rollout_s": last.seconds,
+            "train_s": step_s - last.seconds,
+            "push_s": push_s,
+        }
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if not self.pending or not logs or "loss" not in logs:
+            return
+        p, self.pending = self.pending, {}
+        self.curve.append(p["reward"])
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{p['reward']:.3f}")
+        self.bar.write(
+            f"step {p['step']:>2}  reward {p['reward']:.3f} ({p['scored']}/{p['agents']} scored)"
+            f"  loss {logs['loss']:+.4f}  grad_norm {logs.get('grad_norm', math.nan):.4f}"
+            f"  tokens {p['tokens']} ({p['trained']} trained)  sampled by {p['sampled_by']}"
+            f" -> pushed {p['pushed']}  rollout {p['rollout_s']:.1f} s  train {p['train_s']:.1f} s"
+            f"  push {p['push_s']:.1f} s"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--agent", default="claude-code", help="claude-code, codex or gemini")
+    parser.add_argument(
+        "--agent-command", default=None,
+        help='any agent as a command line (the task is appended as its last argument), e.g. '
+        '"python3 my_agent.py"; overrides --agent',
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--n", type=int, default=4, help="agents per task (GRPO's group)")
+    parser.add_argument("--prompts-per-step", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.03)
+    parser.add_argument("--max-calls", type=int, default=1, help="model calls per agent")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="Claude Code's answer cap, in tokens"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="train-grpo", help="shards, weights and logs go here")
+    parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
+    parser.add_argument("--model", default=None, help="model folder (default: the tiny Qwen3)")
+    parser.add_argument("--keep-weights", action="store_true", help="keep every step's folder")
+    args = parser.parse_args()
+
+    from rewriter.policy_server import DEFAULT_MODEL_DIR, ensure_tiny_model
+
+    model_dir = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR)
+    out = Path(args.out).resolve()
+    if out.exists():
+        shutil.rmtree(out)  # a fresh run: its shards hold only this run's rows
+    (out / "task").mkdir(parents=True)
+    (out / "task" / "README.md").write_text("Answer the question you are given.\n")
+    weights = out / "weights"
+    weights.mkdir()
+    torch.manual_seed(args.seed)
+    agent: str | dict[str, list[str]] = args.agent
+    if args.agent_command:
+        agent = {"command": shlex.split(args.agent_command)}
+    elif args.agent == "claude-code":
+        agent = claude_code(args.max_tokens)
+
+    policy = None
+    policy_url = args.policy_url
+    if policy_url is None:
+        policy, policy_url = start_policy(model_dir, out / "policy.log")
+    try:
+        with AgentTap.start(policy_url, model_dir, out / "shards") as tap:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            answers = Answers(tokenizer)
+            rollouts = make_rollout_func(
+                tap, agent=agent, workdir=out / "task",
+                verifier=lambda task, run: TASKS[task](task, run, answers),
+                limits={"max_calls": args.max_calls}, metadata={"task_set": "shouting"},
+            )  # fmt: skip
+            tasks = list(TASKS)
+            dataset = Dataset.from_dict(
+                {"prompt": [tasks[i % len(tasks)] for i in range(args.steps * len(tasks) * 4)]}
+            )
+            config = GRPOConfig(
+                output_dir=str(out / "trainer"),
+                use_cpu=True,
+                use_vllm=False,
+                max_steps=args.steps,
+                per_device_train_batch_size=args.n * args.prompts_per_step,
+                num_generations=args.n,
+                gradient_accumulation_steps=1,
+                learning_rate=args.lr,
+                lr_scheduler_type="constant",
+                warmup_steps=0,
+                beta=0.0,
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                disable_tqdm=True,
+                seed=args.seed,
+                dataloader_num_workers=0,
+            )
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            cpu_friendly(model)  # Claude Code's 12.8k-token rows on a CPU: see its docstring
+            with tqdm(total=args.steps, desc="GRPO", unit="step", file=sys.stdout) as bar:
+                report = StepReport(tap, rollouts, weights, args.keep_weights, bar)
+                trainer = GRPOTrainer(
+                    model=model, processing_class=tokenizer, reward_funcs=[agenttap_reward],
+                    args=config, train_dataset=dataset, rollout_func=rollouts,
+                    callbacks=[report],
+                )  # fmt: skip
+                trainer.remove_callback(PrinterCallback)  # our line per step instead
+                trainer.train()
+            curve = " ".join(f"{r:.3f}" for r in report.curve)
+            print(f"reward by step: {curve}")
+            print(f"rows: {out / 'shards'}; last weights: {weights / f'step-{args.steps}'}")
+    finally:
+        if policy is not None:
+            policy.terminate()
+            policy.wait(60)
+
+
+def stop_on_term(*_: object) -> None:
+    raise SystemExit(143)  # unwinds: the agents, agenttap and the policy are stopped
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+    signal.signal(signal.SIGTERM, stop_on_term)
+    hf_logging.disable_progress_bar()  # save_pretrained's bar each step; ours is the one
+    main()
