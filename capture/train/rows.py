@@ -99,15 +99,19 @@ def finite_reward(value: Any) -> float | None:
     return reward if math.isfinite(reward) else None
 
 
-_TRAILING_NUMBER = re.compile(r"(-?\d+)$")
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 def version_step(version: str) -> int | None:
     """A weight version label as a step number: the whole label if it is an integer
     (``"12"``), else its trailing integer (``"step-12"`` → 12); None if it has none
     (``"base"``)."""
-    found = _TRAILING_NUMBER.search(version.strip())
-    return int(found.group(1)) if found else None
+    label = version.strip()
+    try:
+        return int(label)
+    except ValueError:
+        found = _TRAILING_NUMBER.search(label)  # "step-12": 12, not -12
+        return int(found.group(1)) if found else None
 
 
 def row_versions(row: Mapping[str, Any], trained_only: bool = True) -> list[str]:
