@@ -7,7 +7,8 @@ endpoint, vLLM fed token ids, the rLLM model gateway, LiteLLM's proxy and a stre
                                                      # a smoke run: a few minutes
 
 One vLLM (the tiny fp32 Qwen3 of rewriter/policy_server.py, ``--max-model-len 32768``, prefix
-caching on) serves every path. A session is shaped like Claude Code's: 20 agent tools, a long
+caching on, hermes tool calls parsed; a copy of the model that never samples EOS, so that every
+wire format's reply runs to ``--max-tokens``: ``no_eos_model``) serves every path. A session is shaped like Claude Code's: 20 agent tools, a long
 system prompt (``--system-tokens``: the system text and the tools together, as rendered), a
 task, then per turn the assistant's reply (what the path sampled, sent back as the path gave it)
 and a tool result of 200 to 2,000 tokens (mostly short, now and then a whole file), the last
@@ -276,12 +277,14 @@ def build_plan(
     turns: int,
     system_tokens: int,
     context: int,
+    max_tokens: int = 32,
     seed: int = 0,
     corpus: str | None = None,
 ) -> Plan:
     """The sessions' texts: a system prompt that with the tools is about ``system_tokens``
     tokens, a task of about 200, and ``turns - 1`` tool results sized so that the last call's
-    prompt is about ``context`` tokens (each reply adds ``--max-tokens``; see ``grow``)."""
+    prompt is about ``context`` tokens (each turn also adds a reply of ``max_tokens`` and the
+    messages' framing: ``turn_extra``)."""
     ids = tok.encode(corpus if corpus is not None else corpus_text())
     if len(ids) < 4 * TOOL_RESULT_MAX:
         raise ValueError("the corpus is too short to cut the session's texts from")
@@ -305,7 +308,7 @@ def build_plan(
     for s in range(sessions):
         rng = random.Random(seed * 1_000_003 + s + 1)
         growth = (context - base) / max(1, turns - 1)
-        sizes = result_sizes(rng, turns - 1, growth - grow_per_turn_extra())
+        sizes = result_sizes(rng, turns - 1, growth - turn_extra(max_tokens))
         session = [cut(rng, task_tokens, TASK_HEAD)]
         session += [cut(rng, n, RESULT_HEADS[i % len(RESULT_HEADS)]) for i, n in enumerate(sizes)]
         texts.append(session)
@@ -313,12 +316,9 @@ def build_plan(
     return Plan(system, tools, texts, base, planned)
 
 
-MAX_TOKENS = 32  # sampled per call (--max-tokens sets it)
-
-
-def grow_per_turn_extra() -> int:
+def turn_extra(max_tokens: int) -> int:
     """Tokens a turn adds besides its tool result: the reply and the messages' framing."""
-    return MAX_TOKENS + TURN_FRAMING
+    return max_tokens + TURN_FRAMING
 
 
 # -- the wire shapes: a session's history as each API takes it ----------------------------------
@@ -1215,7 +1215,6 @@ def session_walls(calls: list[Call]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global MAX_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=60, help="calls per session")
     parser.add_argument("--sessions", type=int, default=1, help="sessions at once per path")
@@ -1226,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--context", type=int, default=30000, help="the last call's prompt, about, in tokens"
     )
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="sampled per call")
+    parser.add_argument("--max-tokens", type=int, default=32, help="sampled per call")
     parser.add_argument(
         "--paths", default="", help=f"comma-separated subset of {','.join(PATHS)} (chat always)"
     )
@@ -1243,7 +1242,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
-    MAX_TOKENS = args.max_tokens
     wanted = [p for p in PATHS if not args.paths or p == "chat" or p in args.paths.split(",")]
     unknown = set(filter(None, args.paths.split(","))) - set(PATHS)
     if unknown:
@@ -1260,6 +1258,7 @@ def main(argv: list[str] | None = None) -> int:
         turns=args.turns,
         system_tokens=args.system_tokens,
         context=context,
+        max_tokens=args.max_tokens,
         seed=args.seed,
     )
     work = Path(tempfile.mkdtemp(prefix="agenttap-agent-sessions-"))

@@ -82,7 +82,7 @@ def test_the_plan_grows_to_the_context_asked(
         assert all(abs(m - n) <= 0.1 * n + 5 for m, n in zip(measured, sizes, strict=True))
         assert all(190 <= m <= 2100 for m in measured)
         # The last call's prompt: the first, then every turn's reply, framing and result.
-        last = plan.base_tokens + sum(measured) + (turns - 1) * bench.grow_per_turn_extra()
+        last = plan.base_tokens + sum(measured) + (turns - 1) * bench.turn_extra(32)
         assert abs(last - context) < 0.05 * context
     # Sessions differ; the system prompt and tools are shared (one agent's, as in a fleet).
     assert plan.texts[0][1] != plan.texts[1][1]
