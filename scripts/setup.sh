@@ -70,6 +70,11 @@ if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
 fi
+# The trainer's side (capture/train: TRL, verl, the logprob check) in .venv-train, Python 3.11
+# with the CPU torch: the proxy's .venv stays torch-free.
+if [ "${AGENTTAP_SKIP_TRAIN:-0}" != "1" ]; then
+  bash scripts/setup_train.sh
+fi
 # The peers bench/agent_sessions.py measures agenttap against (rllm-model-gateway, LiteLLM),
 # in .venv-peers: nothing of theirs reaches the proxy's environment.
 if [ "${AGENTTAP_SKIP_PEERS:-0}" != "1" ]; then
@@ -78,5 +83,6 @@ fi
 READY=".venv (proxy)"
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
 [ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node)"
+[ "${AGENTTAP_SKIP_TRAIN:-0}" = "1" ] || READY="$READY, .venv-train (trainer)"
 [ "${AGENTTAP_SKIP_PEERS:-0}" = "1" ] || READY="$READY, .venv-peers (benchmark peers)"
 echo "[setup] done: $READY ready"

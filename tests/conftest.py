@@ -77,8 +77,42 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except policy_server.PolicyServerError:
         print(log.read_text()[-5000:])
         raise
+    _VLLM_OUTS[url] = []
     yield url
-    policy_server.stop(proc)
+    try:
+        check_recorded_rows(model, _VLLM_OUTS.pop(url))
+    finally:
+        policy_server.stop(proc)
+
+
+# OUT folders of the proxies each session-wide real vLLM answered (start_proxy records them).
+_VLLM_OUTS: dict[str, list[Path]] = {}
+TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
+# Their summaries, printed at the end of the run (pytest_terminal_summary).
+ROW_CHECKS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in ROW_CHECKS:
+        terminalreporter.write_line(line)
+
+
+def check_recorded_rows(model: Path, outs: list[Path]) -> None:
+    """The trainer's fp32 forward (tests/check_rows.py, in .venv-train) over every row the
+    real-vLLM tests recorded: their trained tokens' logprobs must be the policy's."""
+    if not outs:
+        return
+    if not TRAIN_PYTHON.exists():
+        pytest.fail(f"{TRAIN_PYTHON} is missing: scripts/setup.sh builds it (setup_train.sh)")
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), str(REPO / "tests" / "check_rows.py"), str(model), *map(str, outs)],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    ROW_CHECKS.append(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "")
+    if done.returncode != 0:
+        pytest.fail(
+            f"rows whose logprobs are not the policy's:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -269,6 +303,9 @@ def start_proxy(
     extra: list[str] | None = None,
     idle_timeout: int = 3600,
 ) -> Proxy:
+    for url, outs in _VLLM_OUTS.items():
+        if policy_url.split(",")[0].rstrip("/") == url:
+            outs.append(out)  # its rows are checked against the trainer's forward at the end
     port = policy_server.free_port()
     log = out.parent / f"{out.name}-mitmdump.log"
     cmd = [
