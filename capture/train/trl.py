@@ -45,7 +45,7 @@ its last output line is the reward), the route's whole ``{"command", "restore", 
 or a Python function ``verifier(prompt, run) -> float | None`` called here with the rollout's
 answer (``run``: its ``agent_output``, ``workdir``, ``rows``, ``status``...); its reward is also
 recorded on the session (a late reward), so the shards agree with what was trained.
-``workdir`` may be a function of the prompt (a folder per task).
+``agent`` and ``workdir`` may be functions of the prompt's text (an agent, a folder per task).
 
 No torch and no TRL import here: the function only moves token ids and numbers.
 """
@@ -76,6 +76,8 @@ PathLike = str | os.PathLike[str]
 VerifierFunc = Callable[[str, dict[str, Any]], float | None]
 Verifier = list[str] | dict[str, Any] | VerifierFunc
 Workdir = PathLike | Callable[[str], PathLike | None]
+AgentSpec = str | dict[str, list[str]]
+Agent = AgentSpec | Callable[[str], AgentSpec]
 
 # How often a rollout that is still running is asked about, and how long a 429 (too many agents
 # at once) waits before the request is sent again when no rollout of ours is running to wait for.
@@ -96,6 +98,8 @@ class RolloutStats:
     trained_tokens: int = 0
     rewards: list[float | None] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    # The agents' sessions, in the order of the prompts.
+    sessions: list[str] = field(default_factory=list)
 
 
 def sample_from_run(
@@ -133,7 +137,7 @@ class AgentTapRolloutFunc:
         self,
         tap: AgentTap,
         *,
-        agent: str | dict[str, list[str]],
+        agent: Agent,
         workdir: Workdir | None = None,
         verifier: Verifier | None = None,
         limits: dict[str, Any] | None = None,
@@ -178,6 +182,7 @@ class AgentTapRolloutFunc:
                 for version in sample["agenttap_weight_versions"]:
                     if version not in stats.versions:
                         stats.versions.append(version)
+        stats.sessions = [str(s["agenttap_session_id"]) for s in samples if s is not None]
         stats.seconds = time.monotonic() - started
         self.last = stats
         keys = (
@@ -199,8 +204,9 @@ class AgentTapRolloutFunc:
             while pending:
                 index, (task, positions) = pending[0]
                 try:
+                    agent = self.agent(task) if callable(self.agent) else self.agent
                     started = self.tap.rollout(
-                        self.agent, task, n=len(positions), wait=False, **self._options(task, step)
+                        agent, task, n=len(positions), wait=False, **self._options(task, step)
                     )
                 except AgentTapError as exc:
                     if exc.status != 429:
@@ -258,7 +264,7 @@ class AgentTapRolloutFunc:
 def make_rollout_func(
     tap: AgentTap,
     *,
-    agent: str | dict[str, list[str]],
+    agent: Agent,
     workdir: Workdir | None = None,
     verifier: Verifier | None = None,
     limits: dict[str, Any] | None = None,
@@ -267,7 +273,8 @@ def make_rollout_func(
 ) -> AgentTapRolloutFunc:
     """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
     ``agent`` (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``, the task text
-    appended as its last argument) on the trainer's prompts; see the module's docstring for what
+    appended as its last argument; or a function of the task's text giving one) on the
+    trainer's prompts; see the module's docstring for what
     it returns and how failures and missing rewards are handed on. ``limits``: each agent's
     session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
     every session's (``split`` "train" and the trainer's ``trainer_step`` are set unless

@@ -122,7 +122,7 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
             "prompt": prompt_text(_plain(kwargs["raw_prompt"])),
             "n": 1,
             "wait": True,
-            "metadata": {"split": "verl"},
+            "metadata": {"split": "train", "trainer": "verl"},
         }
         if kwargs.get("uid") is not None:
             body["metadata"]["verl_uid"] = str(_plain(kwargs["uid"]))
