@@ -128,9 +128,10 @@ def load_model(model_dir: str | Path) -> Any:
     return use_cpu_attention(model)
 
 
-def format_report(report: Report, tolerance: float) -> str:
+def format_report(report: Report, tolerance: float, version: str | None = None) -> str:
     lines = [
-        f"rows checked: {len(report.rows)} (skipped, nothing trained: {report.skipped})",
+        f"rows checked: {len(report.rows)} (skipped: {report.skipped}, no trained token"
+        f"{' of this version' if version else ''})",
         f"tokens compared: {report.tokens}",
         f"max |diff|: {report.max_diff:.3g} (importance ratio {math.exp(report.max_diff):.6f}; "
         f"tolerance {tolerance:g})",
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_logprobs: no thread rows under {args.out}", file=sys.stderr)
         return 2
     report = check_rows(load_model(args.model), rows, args.version)
-    print(format_report(report, args.tolerance))
+    print(format_report(report, args.tolerance, args.version))
     if report.max_diff > args.tolerance:
         print(
             f"FAIL: max |diff| {report.max_diff:.3g} > {args.tolerance:g}: these weights did not "
