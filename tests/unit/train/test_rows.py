@@ -231,3 +231,16 @@ def test_verl_fields_cut_by_verls_rule() -> None:
     assert "min_global_steps" not in unlabelled["extra_fields"]
     with pytest.raises(ValueError, match="prompt_length"):
         truncate_for_verl(split_row(row()), 0, 4)
+
+
+def test_check_logprobs_compares_the_trained_positions_of_a_version() -> None:
+    from capture.train.check_logprobs import Report, RowCheck, format_report, positions_to_check
+
+    assert positions_to_check(row()) == [4, 5, 8, 9]
+    assert positions_to_check(row(), "step-4") == [8, 9]
+    assert positions_to_check(row(), "step-9") == []
+    report = Report([RowCheck("s1", "t1", 4, 2e-6, 8), RowCheck("s2", "t2", 2, 0.5, 9)], 1)
+    assert report.tokens == 6 and report.max_diff == 0.5
+    assert [r.session_id for r in report.worst()] == ["s2", "s1"]
+    text = format_report(report, 1e-3, "step-4")
+    assert "max |diff|: 0.5" in text and "of this version" in text
