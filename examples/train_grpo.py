@@ -17,13 +17,18 @@ the new weights, and their rows say so (``weight_versions``).
 
 The reward: a random tiny model cannot do a task, but it can learn a style. Every task here
 asks for an answer in capital letters and its verifier scores the share of the letters of the
-policy's answer (the tokens it sampled, decoded) that are capitals (``shouting``): the policy
-starts near 0.07, and a few steps of GRPO raise it visibly, which can only happen if gradients
-flow from the rows into new weights and those weights into the next rollouts. Answers are capped
-at ``--max-tokens`` (Claude Code's ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and each agent gets one
-model call (``max_calls`` 1): a policy that forgets to stop would otherwise write thousands of
-tokens per call on a CPU. Claude Code then exits non-zero (agenttap refused the continuation it
-asked for), which agenttap counts as reaching a limit, not as a failure: the rollout is scored.
+policy's answer (the tokens it sampled, decoded) that are capitals (``shouting``). It can only
+rise if gradients flow from the rows into new weights and those weights into the next rollouts.
+Measured here (2 CPU cores, shared; 10 steps in 5 minutes after vLLM's minute of start-up), the
+reward mean by step: 0.116 0.053 0.099 0.109 0.457 0.673 0.803 1.000 1.000 1.000. What the tiny
+random model learns is the easy way: it ends up repeating one all-capitals token ("ORDER"); once
+every answer of a group scores 1.0, GRPO's advantages, and so the grad norm, are 0.
+
+Answers are capped at ``--max-tokens`` (Claude Code's ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and
+each agent gets one model call (``max_calls`` 1): a policy that forgets to stop would otherwise
+write thousands of tokens per call on a CPU. Claude Code then exits non-zero (agenttap refused
+the continuation it asked for), which agenttap counts as reaching a limit, not as a failure:
+the rollout is scored.
 One line is printed per step: reward mean, loss, grad norm, tokens, the weight version the
 rollouts were sampled by and the one pushed, rollout seconds vs train seconds.
 """
@@ -207,7 +212,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--n", type=int, default=4, help="agents per task (GRPO's group)")
     parser.add_argument("--prompts-per-step", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.03)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--max-calls", type=int, default=1, help="model calls per agent")
     parser.add_argument(
         "--max-tokens", type=int, default=64, help="Claude Code's answer cap, in tokens"
