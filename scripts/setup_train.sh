@@ -68,10 +68,14 @@ else
 fi
 
 # What the trainer code needs must import here, without mitmproxy.
-"$VENV/bin/python" - <<'EOF'
-import importlib
-for name in ("torch", "transformers", "trl", "capture.client.launcher",
-             "capture.storage.reader", "capture.train.trl", "capture.train.check_logprobs"):
+"$VENV/bin/python" - "$VENV" <<'EOF'
+import importlib, pathlib, sys
+names = ["torch", "transformers", "trl", "capture.client.launcher", "capture.storage.reader",
+         "capture.train.rows", "capture.train.trl", "capture.train.trl_cpu",
+         "capture.train.cpu_attention", "capture.train.check_logprobs"]
+if not (pathlib.Path(sys.argv[1]) / ".verl-unavailable").exists():
+    names.append("capture.train.verl")
+for name in names:
     importlib.import_module(name)
 try:
     importlib.import_module("mitmproxy")
