@@ -48,6 +48,11 @@ SCRIPT_RUNNERS = {
     "scripts/test.sh": ".ci/run",
     "scripts/run_proxy.sh": "tests/e2e/test_run_proxy.py",
 }
+# What the README runs in the trainer's environment, and the test that runs each.
+TRAIN_RUNNERS = {
+    "examples/train_grpo.py": "tests/e2e/test_train_example.py",
+    "capture/train/check_logprobs.py": "tests/e2e/test_train_trl_loop.py",
+}
 
 
 def commands() -> list[tuple[str, str]]:
@@ -138,6 +143,17 @@ def check(line: str) -> None:
             if w == "--set":
                 name = words[i + 1].split("=", 1)[0]
                 assert name in names, f"sets {name}, which is no agenttap option"
+        return
+    if head == ".venv-train/bin/python":
+        # The trainer's environment (torch; none here): the script or module exists, a test
+        # runs it, and the flags shown are its own.
+        target = words[1] if words[1] != "-m" else words[2].replace(".", "/") + ".py"
+        runner = TRAIN_RUNNERS[target]
+        assert Path(target).stem in (REPO / runner).read_text(), f"{runner} does not run {target}"
+        source = (REPO / target).read_text()
+        for w in words[2:]:
+            if w.startswith("--"):
+                assert f'"{w}"' in source, f"{target} takes no {w}"
         return
     if head == ".venv/bin/python" and words[1] == "-m":
         module = words[2]
