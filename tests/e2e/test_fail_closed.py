@@ -190,6 +190,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_sandbox_hide": None,
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
+    "agenttap_max_staleness": "-1",
     "agenttap_passthrough": "*.openai.com",
     "agenttap_check_policy": "maybe",
     "agenttap_journal_fsync": "sometimes",
