@@ -183,14 +183,22 @@ def test_recorded_gemini_cli_traffic_replays_offline(
 def test_gemini_cli_against_the_real_policy(
     gemini_cli: Path, vllm_proxy: Proxy, vllm_url: str, tmp_path: Path
 ) -> None:
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    session = "gemini-cli-vllm"
-    done = run_gemini(gemini_cli, vllm_proxy, session, workdir, "Say hello.")
-    # The random policy answers text (or something that parses as text): Gemini CLI prints it
-    # and ends cleanly; its router call got schema-valid JSON from structured outputs.
-    assert done.returncode == 0, done.stdout + done.stderr
-    turns = vllm_proxy.turns(session, expect=2, timeout=60)
+    # What Gemini CLI does after its router call depends on what the random policy says
+    # (unseeded): once in a CI run it closed its main streams at once and exited 0, leaving
+    # only the router call recorded. A second run (a new session) settles that case; both
+    # runs must exit cleanly.
+    for attempt in (1, 2):
+        workdir = tmp_path / f"work-{attempt}"
+        workdir.mkdir()
+        session = f"gemini-cli-vllm-{attempt}"
+        done = run_gemini(gemini_cli, vllm_proxy, session, workdir, "Say hello.")
+        # The random policy answers text (or something that parses as text): Gemini CLI prints
+        # it and ends cleanly; its router call got schema-valid JSON from structured outputs.
+        assert done.returncode == 0, done.stdout + done.stderr
+        turns = vllm_proxy.turns(session, expect=1, timeout=60)
+        if len(turns) >= 2:
+            break
+        print(f"attempt {attempt}: Gemini CLI made {len(turns)} recorded call(s); again")
     assert len(turns) >= 2, [t["requested_model"] for t in turns]
     # The router call is Gemini CLI's only generateContent call; its main calls all stream.
     router = [t for t in turns if not t["stream"]]
