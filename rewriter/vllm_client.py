@@ -118,6 +118,11 @@ class VLLMClient:
         and resumed, and each piece keeps the label of the weights it ran under)."""
         return self.incoming_version or self.weight_version
 
+    def ran_under(self, label: str) -> str:
+        """The weights a piece labelled ``label`` at its start really ran under: the ones this
+        server kept, where it failed to load ``label``."""
+        return self.weight_version if label in self.failed_versions else label
+
     async def info(self) -> PolicyInfo:
         """The served model's name and context length (asked once, then remembered).
 
@@ -331,9 +336,8 @@ class VLLMClient:
                         # The piece's last: where the server labelled none of its tokens, the
                         # weights it ran under (see sampling_version) label them all.
                         if not labelled and len(sampled) > before:
-                            if label in current.failed_versions:
-                                label = current.weight_version
-                            delta.weight_versions.append((label, before, len(sampled)))
+                            span = (current.ran_under(label), before, len(sampled))
+                            delta.weight_versions.append(span)
                     if resumed is not None:
                         delta.text = resumed.step(sampled, final=delta.finish_reason is not None)
                     emitted.append(delta.text)
@@ -345,9 +349,7 @@ class VLLMClient:
                 if replacement is None:
                     raise
                 if not labelled and len(sampled) > before:
-                    if label in current.failed_versions:
-                        label = current.weight_version
-                    unlabelled.append((label, before, len(sampled)))
+                    unlabelled.append((current.ran_under(label), before, len(sampled)))
                 current, failovers = replacement, failovers + 1
             else:
                 if not aborted:

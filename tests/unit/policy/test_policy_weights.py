@@ -118,6 +118,14 @@ async def _serve(server: DevServer) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+async def _generate(client: VLLMClient) -> Completion:
+    """Seven tokens after the prompt [1, 2], streamed and stitched across aborts."""
+    out = Completion()
+    async for delta in client.stream_resuming([1, 2], SamplingParams(max_tokens=7)):
+        out.extend(delta)
+    return out
+
+
 def _weights_dir(tmp_path: Path) -> Path:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x")
@@ -133,14 +141,7 @@ async def test_a_generation_across_an_update_has_two_spans(tmp_path: Path) -> No
             client = replicas.replicas[url].client
             weights = PolicyWeights()
 
-            async def generate() -> Completion:
-                out = Completion()
-                params = SamplingParams(max_tokens=7)
-                async for delta in client.stream_resuming([1, 2], params):
-                    out.extend(delta)
-                return out
-
-            task = asyncio.create_task(generate())
+            task = asyncio.create_task(_generate(client))
             await asyncio.wait_for(server.streaming.wait(), 10)
             outcomes = await weights.update(http, replicas, _weights_dir(tmp_path), "step-1")
             out = await asyncio.wait_for(task, 10)
@@ -172,13 +173,7 @@ async def test_a_failed_reload_still_resumes_and_says_which_server(tmp_path: Pat
             client = replicas.replicas[url].client
             weights = PolicyWeights()
 
-            async def generate() -> Completion:
-                out = Completion()
-                async for delta in client.stream_resuming([1, 2], SamplingParams(max_tokens=7)):
-                    out.extend(delta)
-                return out
-
-            task = asyncio.create_task(generate())
+            task = asyncio.create_task(_generate(client))
             await asyncio.wait_for(server.streaming.wait(), 10)
             with pytest.raises(WeightUpdateError) as caught:
                 await weights.update(http, replicas, _weights_dir(tmp_path), "step-1")
