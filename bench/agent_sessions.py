@@ -19,6 +19,8 @@ call's prompt about ``--context`` tokens. Every call streams and samples ``--max
   tokenizes the whole history every call): the reference of every ratio;
 - ``ids``: vLLM's ``/v1/completions`` with the prompt's token ids (rendered and tokenized here
   before the clock starts, with the body agenttap sends): agenttap's floor;
+- ``ids-echo``: the same with ``return_token_ids`` instead of ``return_tokens_as_token_ids``
+  (the body agenttap sent before: vLLM then echoes the prompt's ids in the first chunk);
 - ``rllm``: the rLLM model gateway (``python -m rllm_model_gateway --worker URL/v1``, its
   default sqlite trace store) in front of vLLM, called at ``/sessions/ID/v1/chat/completions``;
 - ``litellm``: LiteLLM's proxy (``hosted_vllm/`` model) in front of vLLM, at its base URL;
@@ -75,6 +77,7 @@ API_KEY = "sk-bench-" + "0123456789abcdef" * 2
 PATHS = (
     "chat",
     "ids",
+    "ids-echo",
     "rllm",
     "litellm",
     "mitmdump-s",
@@ -536,7 +539,9 @@ class CompletionReader(StreamReader):
             self.reply.prompt_tokens = int(usage.get("prompt_tokens", -1))
         got = False
         for choice in event.get("choices") or ():
-            self.ids += choice.get("token_ids") or []
+            tokens = (choice.get("logprobs") or {}).get("tokens") or []
+            # return_token_ids: token_ids; return_tokens_as_token_ids: "token_id:N" tokens.
+            self.ids += choice.get("token_ids") or [int(t.rpartition(":")[2]) for t in tokens]
             if choice.get("text"):
                 self.text.append(choice["text"])
                 got = True
@@ -922,13 +927,15 @@ class Path_:
 class IdsPath(Path_):
     """vLLM's /v1/completions with the prompt's ids, rendered here before the clock starts
     (the same chat template vLLM's chat endpoint applies, from the served model's folder),
-    with the body agenttap sends (``return_token_ids``, ``logprobs: 0``)."""
+    with the body agenttap sends (``return_tokens_as_token_ids``, ``logprobs: 0``); with
+    ``echo``, ``return_token_ids`` instead (the prompt's ids come back in the first chunk)."""
 
     reader = CompletionReader
 
-    def __init__(self, *args: Any, template: Any, **kw: Any) -> None:
+    def __init__(self, *args: Any, template: Any, echo: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.template = template
+        self.echo = echo
 
     def prompt_ids(self, session: int) -> list[int]:
         shape = self.sessions[session]
@@ -949,7 +956,7 @@ class IdsPath(Path_):
             "ignore_eos": True,
             "logprobs": 0,
             "skip_special_tokens": True,
-            "return_token_ids": True,
+            "return_token_ids" if self.echo else "return_tokens_as_token_ids": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -994,6 +1001,8 @@ class Results:
     # vLLM's API server process alone (its front end: chat template, tokenizer, detokenizer,
     # HTTP), without the engine's processes (which poll while idle, whoever calls)
     vllm_front: dict[tuple[str, int], float] = field(default_factory=dict)
+    # (path, turn) -> seconds the path's calls of that turn took, first sent to last answered
+    window: dict[tuple[str, int], float] = field(default_factory=dict)
     failures: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -1033,6 +1042,7 @@ async def run_turns(
                     # closed meanwhile), seen before the calls.
                     await asyncio.sleep(0.05)
                 cpu0 = path.cpu()
+                t0 = time.monotonic()
                 vcpu0 = cpu_seconds(vllm_pid) if vllm_pid else 0.0
                 front0 = cpu_seconds(vllm_pid, children=False) if vllm_pid else 0.0
                 outcomes = await asyncio.gather(
@@ -1040,6 +1050,7 @@ async def run_turns(
                     return_exceptions=True,
                 )
                 cpu1 = path.cpu()
+                results.window[(name, turn)] = time.monotonic() - t0
                 results.proxy_cpu[(name, turn)] = cpu1[0] - cpu0[0]
                 results.proxy_cpu_fine[(name, turn)] = cpu1[1] - cpu0[1]
                 if vllm_pid:
@@ -1107,7 +1118,9 @@ def report(
     turns: int,
     sessions: int,
     skipped: dict[str, str],
+    procs_of: dict[str, int] | None = None,
 ) -> None:
+    procs_of = procs_of or {}
     by_path: dict[str, list[Call]] = {n: [c for c in results.calls if c.path == n] for n in names}
     buckets = [(lo, min(hi, turns)) for lo, hi in BUCKETS if lo <= turns]
     print(f"\n### Latency per call, ms (p50 / p95; x: p50 / chat's p50), {sessions} session(s)\n")
@@ -1198,8 +1211,46 @@ def report(
             enough = turns >= 12 and early and late
             r = ratio(statistics.median(late), statistics.median(early)) if enough else "-"
             print(f"| {name} | {curve} | {r} |")
+    if proxied:
+        proxy_load(results, by_path, proxied, procs_of)
     for name, whys in results.failures.items():
         print(f"\n{name}: {len(whys)} call(s) not as asked; first: {whys[0]}")
+
+
+def proxy_load(
+    results: Results,
+    by_path: dict[str, list[Call]],
+    proxied: list[str],
+    procs_of: dict[str, int],
+) -> None:
+    """Where one proxy process saturates: how busy each process was while its path's calls ran
+    (CPU seconds over wall seconds, per process: 100% is one core, all a Python process can use)
+    and how many calls per second its CPU per call allows it at most."""
+    print(
+        "\n### Proxy load (busy: CPU over the wall time of the path's calls, per process, "
+        "100% = one core; bound: calls/s one process carries at its CPU per call, were it alone on a core)\n"
+    )
+    print("| path | processes | calls/s served | busy, mean | busy, busiest turn | bound calls/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in proxied:
+        turns = [t for (p, t) in results.window if p == name]
+        wall = sum(results.window[(name, t)] for t in turns)
+        cpu = sum(results.proxy_cpu_fine.get((name, t), 0.0) for t in turns)
+        n = max(1, procs_of.get(name, 1))
+        calls = len(by_path[name])
+        if not wall or not calls:
+            continue
+        busiest = max(
+            results.proxy_cpu_fine.get((name, t), 0.0) / results.window[(name, t)]
+            for t in turns
+            if results.window[(name, t)] > 0
+        )
+        per_call = cpu / calls
+        bound = 1 / per_call if per_call > 0 else math.nan
+        print(
+            f"| {name} | {n} | {calls / wall:.1f} | {100 * cpu / wall / n:.0f}% | "
+            f"{100 * busiest / n:.0f}% | {fmt(bound)} |"
+        )
 
 
 def calls_at(calls: list[Call], turn: int) -> int:
@@ -1294,13 +1345,16 @@ def main(argv: list[str] | None = None) -> int:
             model = orjson.loads(resp.read())["data"][0]["id"]
         paths: dict[str, Path_] = {}
         paths["chat"] = Path_("chat", f"{vllm_url}/v1/chat/completions", [], model=model)
-        if "ids" in wanted:
+        if "ids" in wanted or "ids-echo" in wanted:
             from transformers import AutoTokenizer
 
             template = AutoTokenizer.from_pretrained(str(model_dir))
-            paths["ids"] = IdsPath(
-                "ids", f"{vllm_url}/v1/completions", [], model=model, template=template
-            )
+            for name in ("ids", "ids-echo"):
+                if name in wanted:
+                    paths[name] = IdsPath(
+                        name, f"{vllm_url}/v1/completions", [], model=model, template=template,
+                        echo=name == "ids-echo",
+                    )  # fmt: skip
         if "rllm" in wanted:
             try:
                 proc, url = start_rllm(vllm_url, work)
@@ -1389,7 +1443,10 @@ def main(argv: list[str] | None = None) -> int:
             f"max-model-len {args.max_model_len}, prefix caching); agenttap processes: "
             f"{args.proxies}"
         )
-        report(results, names, args.turns, args.sessions, skipped)
+        report(
+            results, names, args.turns, args.sessions, skipped,
+            {n: len(p.procs) for n, p in paths.items()},
+        )  # fmt: skip
         redials = ", ".join(f"{n} {p.redials}" for n, p in paths.items() if p.redials)
         if redials:
             print(f"\ncalls sent again on a new connection (a stale kept-alive one): {redials}")

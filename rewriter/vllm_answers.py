@@ -105,10 +105,33 @@ def sampling_to_vllm(params: SamplingParams) -> dict[str, Any]:
 
 
 def completions_delta(choice: dict[str, Any]) -> CompletionDelta:
-    """A choice of ``/v1/completions``."""
+    """A choice of ``/v1/completions``: its ids in ``token_ids`` (``return_token_ids``) or,
+    where that is null, in ``logprobs.tokens`` (``return_tokens_as_token_ids``: what
+    generation_body asks for)."""
     lp = typed_field(choice, "logprobs", dict) or {}
     values = typed_field(lp, "token_logprobs", list) or []
-    return answer_delta(choice, [checked_logprob(x) for x in values], [])
+    logprobs = [checked_logprob(x) for x in values]
+    if choice.get("token_ids") is None and "tokens" in lp:
+        return answer_delta(choice, logprobs, [], tokens_as_ids(lp["tokens"]))
+    return answer_delta(choice, logprobs, [])
+
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def tokens_as_ids(tokens: Any) -> list[int]:
+    """``["token_id:9315", ...]`` (vLLM's ``return_tokens_as_token_ids``) -> ``[9315, ...]``."""
+    if not isinstance(tokens, list):
+        raise malformed_answer("a 'tokens' of the wrong type", tokens)
+    ids: list[int] = []
+    for token in tokens:
+        if not (isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX)):
+            raise malformed_answer("a token that is not 'token_id:N'", token)
+        digits = token[len(TOKEN_ID_PREFIX) :]
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 10):
+            raise malformed_answer("a token that is not 'token_id:N'", token)
+        ids.append(int(digits))
+    return ids
 
 
 def generate_delta(choice: dict[str, Any]) -> CompletionDelta:
@@ -127,10 +150,15 @@ def generate_delta(choice: dict[str, Any]) -> CompletionDelta:
 
 
 def answer_delta(
-    choice: dict[str, Any], logprobs: list[float], spans: list[WeightSpan]
+    choice: dict[str, Any],
+    logprobs: list[float],
+    spans: list[WeightSpan],
+    ids: list[int] | None = None,
 ) -> CompletionDelta:
-    """The fields both endpoints spell alike, with the logprobs and spans each spells its way."""
-    ids = typed_field(choice, "token_ids", list) or []
+    """The fields both endpoints spell alike, with the logprobs and spans (and, where not in
+    ``token_ids``, the ids) each spells its way."""
+    if ids is None:
+        ids = typed_field(choice, "token_ids", list) or []
     if not all(is_int(x) and 0 <= x < 2**31 for x in ids):
         raise malformed_answer("token_ids that are not token ids", ids)
     if len(logprobs) != len(ids):

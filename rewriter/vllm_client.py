@@ -1,8 +1,8 @@
 """Client for vLLM's token-in/token-out completions API.
 
 The proxy never sends text to the policy: it sends the exact prompt token ids it rendered and
-asks for the sampled token ids and their logprobs back (``return_token_ids``, ``logprobs=0``),
-so what is recorded is what the policy did. See ``docs/ARCHITECTURE.md``.
+asks for the sampled token ids and their logprobs back (``return_tokens_as_token_ids``,
+``logprobs=0``), so what is recorded is what the policy did. See ``docs/ARCHITECTURE.md``.
 
 Two vLLM endpoints can do this. ``POST /v1/completions`` (token-id prompt) works on every vLLM.
 ``POST /inference/v1/generate`` (served with ``--enable-scale-out``) also reports which weight

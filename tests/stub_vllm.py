@@ -240,6 +240,14 @@ class StubPolicy:
             # The last token's text shrinks so the text ends where the stop string began.
             texts[-1] = texts[-1][: max(0, len(texts[-1]) - (len(full) - cut))]
         logprobs = [self._logprob(i, t) for i, t in enumerate(ids)]
+        # As vLLM: return_token_ids adds the ids (and the prompt's); return_tokens_as_token_ids
+        # spells logprobs' tokens "token_id:N" instead of their text.
+        echo_ids = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+        def token(t: int) -> str:
+            return f"token_id:{t}" if as_ids else self.tok.decode([t])
+
         if not body.get("stream") and self.fault in ("garbage", "keepalive"):
             return await self._whole_fault(request)
         if not body.get("stream"):
@@ -253,16 +261,14 @@ class StubPolicy:
                 "logprobs": {
                     "text_offset": offsets,
                     "token_logprobs": logprobs,
-                    "tokens": [self.tok.decode([t]) for t in ids],
-                    "top_logprobs": [
-                        {self.tok.decode([t]): lp} for t, lp in zip(ids, logprobs, strict=True)
-                    ],
+                    "tokens": [token(t) for t in ids],
+                    "top_logprobs": [{token(t): lp} for t, lp in zip(ids, logprobs, strict=True)],
                 },
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
-                "token_ids": ids,
+                "token_ids": ids if echo_ids else None,
                 "prompt_logprobs": self._prompt_logprobs(prompt, body.get("prompt_logprobs")),
-                "prompt_token_ids": prompt,
+                "prompt_token_ids": prompt if echo_ids else None,
                 "routed_experts": None,
             }
             whole = web.json_response(
@@ -320,15 +326,13 @@ class StubPolicy:
                         "logprobs": {
                             "text_offset": offsets,
                             "token_logprobs": [logprobs[j] for j in part],
-                            "tokens": [self.tok.decode([ids[j]]) for j in part],
-                            "top_logprobs": [
-                                {self.tok.decode([ids[j]]): logprobs[j]} for j in part
-                            ],
+                            "tokens": [token(ids[j]) for j in part],
+                            "top_logprobs": [{token(ids[j]): logprobs[j]} for j in part],
                         },
                         "finish_reason": finish if last else None,
                         "stop_reason": stop_reason if last else None,
-                        "prompt_token_ids": prompt if i == 0 else None,
-                        "token_ids": [ids[j] for j in part],
+                        "prompt_token_ids": prompt if i == 0 and echo_ids else None,
+                        "token_ids": [ids[j] for j in part] if echo_ids else None,
                     }
                 ],
             }

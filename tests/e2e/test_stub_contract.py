@@ -462,3 +462,77 @@ def test_health_answers_alike(vllm_url: str, stub: StubPolicy) -> None:
         with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
             answers.append((resp.status, resp.read()))
     assert answers[0] == answers[1] == (200, b"")
+
+
+# -- the body agenttap sends (rewriter/vllm_request.py generation_body) ------------------------
+
+
+def agenttap_body(model: str, prompt: list[int], stream: bool) -> dict[str, Any]:
+    from rewriter.canonical import SamplingParams
+    from rewriter.vllm_request import PolicyInfo, generation_body
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=11)
+    path, body = generation_body(PolicyInfo(model, max_model_len=None), prompt, params, stream)
+    assert path == "/v1/completions"
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def read_ids(raw: bytes, stream: bool) -> tuple[list[int], list[float]]:
+    """The ids and logprobs agenttap reads from an answer (rewriter/vllm_answers.py)."""
+    from rewriter.vllm_answers import answer_choices, answer_json, completions_delta
+
+    lines = [p for p in sse_events(raw)[:-1]] if stream else [raw]
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for line in lines:
+        for choice in answer_choices(answer_json(line, "an answer")):
+            delta = completions_delta(choice)
+            ids += delta.token_ids
+            logprobs += delta.logprobs
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_agenttaps_body_is_answered_alike_without_the_prompt_echo(
+    stream: bool, vllm_url: str, stub: StubPolicy, models: Any, prompt_ids: list[int]
+) -> None:
+    """generation_body asks for the ids as logprobs' tokens: neither server echoes the prompt's
+    ids, both spell the tokens "token_id:N", and agenttap reads 8 ids and 8 logprobs from both."""
+    real_model, stub_model = models[0]["data"][0]["id"], models[1]["data"][0]["id"]
+    status, _, rraw = post(vllm_url, agenttap_body(real_model, prompt_ids, stream))
+    stub.replies.clear()
+    stub.script(LONG_REPLY)
+    fstatus, _, fraw = post(stub.url, agenttap_body(stub_model, prompt_ids, stream))
+    assert status == fstatus == 200
+    if stream:
+        real, fake = chunk_kinds(rraw), chunk_kinds(fraw)
+        for kind in ("first", "middle", "last", "usage"):
+            assert_same_shape(real[kind][0], fake[kind][0], f"{kind} chunk")
+        firsts = [real["first"][0], fake["first"][0]]
+    else:
+        real_whole, fake_whole = json.loads(rraw), json.loads(fraw)
+        assert_same_shape(real_whole, fake_whole, "completion")
+        firsts = [real_whole, fake_whole]
+    for first in firsts:
+        choice = first["choices"][0]
+        assert choice["prompt_token_ids"] is None and choice["token_ids"] is None
+        assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+    for raw in (rraw, fraw):
+        ids, logprobs = read_ids(raw, stream)
+        assert len(ids) == len(logprobs) == 8
+    assert b'"prompt_token_ids":[' not in rraw.replace(b" ", b"")
+
+
+def test_token_id_tokens_are_the_ids_return_token_ids_gives(
+    vllm_url: str, models: Any, prompt_ids: list[int]
+) -> None:
+    """The same seeded generation asked both ways: the same ids, the same logprobs."""
+    model = models[0]["data"][0]["id"]
+    ours = agenttap_body(model, prompt_ids, stream=True)
+    echoed = {**ours, "return_token_ids": True}
+    del echoed["return_tokens_as_token_ids"]
+    a = read_ids(post(vllm_url, ours)[2], stream=True)
+    b = read_ids(post(vllm_url, echoed)[2], stream=True)
+    assert a == b and len(a[0]) == 8
