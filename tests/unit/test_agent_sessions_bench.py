@@ -161,3 +161,31 @@ def test_readers_count_tokens_and_find_the_first_text() -> None:
         "output": [item], "usage": {"output_tokens": 32, "input_tokens": 5}}})  # fmt: skip
     reply = resp.finish()
     assert (reply.tokens, reply.text, reply.echo) == (32, "x", [item])
+
+
+def test_the_completion_reader_counts_ids_either_way_vllm_spells_them() -> None:
+    """Without a usage chunk the reader counts ids: ``token_ids`` (return_token_ids) or the
+    ``token_id:N`` tokens (return_tokens_as_token_ids, the body agenttap sends)."""
+    for choices in (
+        [{"text": "a", "token_ids": [5, 6]}, {"text": "b", "token_ids": [7]}],
+        [{"text": "a", "token_ids": None, "logprobs": {"tokens": ["token_id:5", "token_id:6"]}},
+         {"text": "b", "token_ids": None, "logprobs": {"tokens": ["token_id:7"]}}],
+    ):  # fmt: skip
+        reader = bench.CompletionReader()
+        for choice in choices:
+            assert reader.feed({"choices": [choice]})
+        reply = reader.finish()
+        assert reader.ids == [5, 6, 7] and reply.tokens == 3 and reply.text == "ab"
+
+
+def test_proxy_load_is_cpu_over_wall_per_process(capsys: pytest.CaptureFixture[str]) -> None:
+    results = bench.Results()
+    # Two turns of 4 calls each through 2 processes: 0.4 s and 0.8 s of CPU over 2 s and 4 s.
+    results.window = {("agenttap", 1): 2.0, ("agenttap", 2): 4.0}
+    results.proxy_cpu_fine = {("agenttap", 1): 0.4, ("agenttap", 2): 0.8}
+    calls = [bench.Call("agenttap", s, t, 10.0, 1.0, 32, 100) for t in (1, 2) for s in range(4)]
+    bench.proxy_load(results, {"agenttap": calls}, ["agenttap"], {"agenttap": 2})
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    # 8 calls in 6 s; 1.2 s of CPU over 6 s over 2 processes = 10%; the busiest turn 0.4/2/2;
+    # 150 ms of CPU a call: one process carries 6.7 calls/s.
+    assert row == "| agenttap | 2 | 1.3 | 10% | 10% | 6.7 |"
