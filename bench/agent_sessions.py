@@ -24,13 +24,16 @@ call's prompt about ``--context`` tokens. Every call streams and samples ``--max
 - ``rllm``: the rLLM model gateway (``python -m rllm_model_gateway --worker URL/v1``, its
   default sqlite trace store) in front of vLLM, called at ``/sessions/ID/v1/chat/completions``;
 - ``litellm``: LiteLLM's proxy (``hosted_vllm/`` model) in front of vLLM, at its base URL;
+  ``litellm-anthropic``, ``litellm-responses``: the same sessions as Anthropic Messages and
+  OpenAI Responses calls to its ``/v1/messages`` and ``/v1/responses`` (it translates them into
+  chat completions to vLLM);
 - ``mitmdump-s``: plain mitmdump relaying streams (bench/stream_responses.py), the client going
   through it by ``HTTPS_PROXY``-style CONNECT to ``api.openai.com``, mapped to vLLM's chat;
 - ``agenttap``: mitmdump + addons/capture.py (``--proxies N`` processes, sessions spread over
   them), ``api.openai.com`` chat completions through it, answered from the same vLLM with ids;
 - ``agenttap-responses``, ``agenttap-anthropic``: the same sessions as OpenAI Responses calls
   (``instructions``, input items, output items sent back) and Anthropic Messages calls (system
-  blocks, content blocks sent back) through agenttap. The gateways have no such path.
+  blocks, content blocks sent back) through agenttap (the rLLM gateway has no such routes).
 
 The peers (rLLM, LiteLLM) come from ``.venv-peers`` (scripts/setup_peers.sh); a path that
 cannot start is left out with the reason printed. Paths are interleaved turn by turn (each turn
@@ -80,13 +83,24 @@ PATHS = (
     "ids-echo",
     "rllm",
     "litellm",
+    "litellm-anthropic",
+    "litellm-responses",
     "mitmdump-s",
     "agenttap",
     "agenttap-responses",
     "agenttap-anthropic",
 )
 # Paths with a process of their own between the client and vLLM (its CPU is read).
-PROXIED = {"rllm", "litellm", "mitmdump-s", "agenttap", "agenttap-responses", "agenttap-anthropic"}
+PROXIED = {
+    "rllm",
+    "litellm",
+    "litellm-anthropic",
+    "litellm-responses",
+    "mitmdump-s",
+    "agenttap",
+    "agenttap-responses",
+    "agenttap-anthropic",
+}
 # vLLM as a base-URL gateway needs it for an agent: prefix caching, and tool calls parsed (its
 # chat endpoint refuses tools otherwise; Qwen3's are hermes-style). agenttap parses its own.
 VLLM_ARGS = ["--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
@@ -405,7 +419,7 @@ class AnthropicShape(Shape):
 
     def body(self) -> dict[str, Any]:
         return {
-            "model": "claude-sonnet-4-5",
+            "model": self.model,
             "system": [
                 {"type": "text", "text": self.plan.system, "cache_control": {"type": "ephemeral"}}
             ],
@@ -440,7 +454,7 @@ class ResponsesShape(Shape):
 
     def body(self) -> dict[str, Any]:
         return {
-            "model": "gpt-5-codex",
+            "model": self.model,
             "instructions": self.plan.system,
             "input": self.messages,
             "tools": responses_tools(self.plan.tools),
@@ -1365,16 +1379,27 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
             except RuntimeError as exc:
                 skipped["rllm"] = f"did not start: {exc}"
-        if "litellm" in wanted:
+        lite = [p for p in wanted if p.startswith("litellm")]
+        if lite:
             try:
                 proc, url = start_litellm(vllm_url, model, work)
                 procs.append(proc)
-                paths["litellm"] = Path_(
-                    "litellm", f"{url}/v1/chat/completions", [proc], model="agent-model",
-                    headers={"Authorization": f"Bearer {API_KEY}"},
-                )  # fmt: skip
+                # Its chat completions, and its Anthropic (/v1/messages) and Responses routes,
+                # which it translates into chat completions to vLLM.
+                lite_kinds: dict[str, tuple[type[Path_], str]] = {
+                    "litellm": (Path_, f"{url}/v1/chat/completions"),
+                    "litellm-anthropic": (AnthropicPath, f"{url}/v1/messages"),
+                    "litellm-responses": (ResponsesPath, f"{url}/v1/responses"),
+                }
+                for name in lite:
+                    kind, route = lite_kinds[name]
+                    paths[name] = kind(
+                        name, route, [proc], model="agent-model",
+                        headers={"Authorization": f"Bearer {API_KEY}"},
+                    )  # fmt: skip
             except RuntimeError as exc:
-                skipped["litellm"] = f"did not start: {exc}"
+                for name in lite:
+                    skipped[name] = f"did not start: {exc}"
         tls: ssl.SSLContext | None = None
         if "mitmdump-s" in wanted:
             proc, proxy_url = start_mitmdump_s(vllm_url, work, confdir)
@@ -1399,20 +1424,25 @@ def main(argv: list[str] | None = None) -> int:
             tap_procs = [Proc(f"agenttap-{i}", t.proc, t.log) for i, t in enumerate(agenttaps)]
             tls = ssl.create_default_context(cafile=str(agenttaps[0].ca))
             proxies = [f"http://127.0.0.1:{t.port}" for t in agenttaps]
-            kinds: dict[str, tuple[type[Path_], str]] = {
-                "agenttap": (Path_, "https://api.openai.com/v1/chat/completions"),
-                "agenttap-responses": (ResponsesPath, "https://api.openai.com/v1/responses"),
-                "agenttap-anthropic": (AnthropicPath, "https://api.anthropic.com/v1/messages"),
-            }
+            # (kind, URL, the model the agent names: what a Claude Code or Codex would send)
+            kinds: dict[str, tuple[type[Path_], str, str]] = {
+                "agenttap": (Path_, "https://api.openai.com/v1/chat/completions", "gpt-4o"),
+                "agenttap-responses": (
+                    ResponsesPath, "https://api.openai.com/v1/responses", "gpt-5-codex"
+                ),
+                "agenttap-anthropic": (
+                    AnthropicPath, "https://api.anthropic.com/v1/messages", "claude-sonnet-4-5"
+                ),
+            }  # fmt: skip
             for name in taps:
-                kind, url = kinds[name]
+                kind, url, named = kinds[name]
                 headers = (
                     {"x-api-key": "sk-ant-bench", "anthropic-version": "2023-06-01"}
                     if kind is AnthropicPath
                     else {"Authorization": f"Bearer {API_KEY}"}
                 )
                 paths[name] = kind(
-                    name, url, tap_procs, model="gpt-4o", proxies=proxies, ssl=tls, headers=headers
+                    name, url, tap_procs, model=named, proxies=proxies, ssl=tls, headers=headers
                 )
         names = list(paths)
         run_id = f"as{os.getpid()}"
