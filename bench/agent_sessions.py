@@ -1379,6 +1379,13 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
             except RuntimeError as exc:
                 skipped["rllm"] = f"did not start: {exc}"
+            else:
+                # Said in the tables: the agent shapes it cannot carry.
+                for shape, route in (
+                    ("anthropic", "Anthropic Messages"),
+                    ("responses", "Responses"),
+                ):
+                    skipped[f"rllm-{shape}"] = f"the rLLM model gateway has no {route} route"
         lite = [p for p in wanted if p.startswith("litellm")]
         if lite:
             try:
