@@ -476,7 +476,6 @@ class VLLMClient:
             "prompt": RawJson(ids_json(ids)),  # tens of thousands of ids: orjson writes them
             "max_tokens": 1,
             "prompt_logprobs": 0,
-            "return_token_ids": True,
         }
         try:
             async with asyncio.timeout_at(self._deadline()):
