@@ -72,6 +72,8 @@ sys.path.insert(0, str(REPO))
 
 import orjson  # noqa: E402
 
+from rewriter.vllm_answers import tokens_as_ids  # noqa: E402
+
 QWEN3 = Path(
     os.environ.get("AGENTTAP_QWEN3_TOKENIZER", REPO.parent / "shared" / "tokenizers" / "qwen3")
 )
@@ -90,17 +92,9 @@ PATHS = (
     "agenttap-responses",
     "agenttap-anthropic",
 )
-# Paths with a process of their own between the client and vLLM (its CPU is read).
-PROXIED = {
-    "rllm",
-    "litellm",
-    "litellm-anthropic",
-    "litellm-responses",
-    "mitmdump-s",
-    "agenttap",
-    "agenttap-responses",
-    "agenttap-anthropic",
-}
+# Paths with a process of their own between the client and vLLM (its CPU is read): all but
+# the ones calling vLLM directly.
+PROXIED = set(PATHS) - {"chat", "ids", "ids-echo"}
 # vLLM as a base-URL gateway needs it for an agent: prefix caching, and tool calls parsed (its
 # chat endpoint refuses tools otherwise; Qwen3's are hermes-style). agenttap parses its own.
 VLLM_ARGS = ["--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
@@ -555,7 +549,7 @@ class CompletionReader(StreamReader):
         for choice in event.get("choices") or ():
             tokens = (choice.get("logprobs") or {}).get("tokens") or []
             # return_token_ids: token_ids; return_tokens_as_token_ids: "token_id:N" tokens.
-            self.ids += choice.get("token_ids") or [int(t.rpartition(":")[2]) for t in tokens]
+            self.ids += choice.get("token_ids") or tokens_as_ids(tokens)
             if choice.get("text"):
                 self.text.append(choice["text"])
                 got = True

@@ -483,7 +483,7 @@ def read_ids(raw: bytes, stream: bool) -> tuple[list[int], list[float]]:
     """The ids and logprobs agenttap reads from an answer (rewriter/vllm_answers.py)."""
     from rewriter.vllm_answers import answer_choices, answer_json, completions_delta
 
-    lines = [p for p in sse_events(raw)[:-1]] if stream else [raw]
+    lines = sse_events(raw)[:-1] if stream else [raw]
     ids: list[int] = []
     logprobs: list[float] = []
     for line in lines:
