@@ -1202,10 +1202,15 @@ def report(
         print(
             "\n### Proxy CPU per call over turns, ms (the scheduler's count, schedstat; mean of "
             "the turn's calls; last / turn 5: the median of the last five turns' over that of "
-            "turns 3-7)\n"
+            "turns 3-7; trend: the Theil-Sen line through turns 2 to the last, its value at the "
+            "last turn over its value at turn 5: a spike in one turn moves it little)\n"
         )
-        print("| path | " + " | ".join(f"turn {t}" for t in marks) + " | last / turn 5 |")
-        print("|---|" + "---:|" * (len(marks) + 1))
+        print(
+            "| path | "
+            + " | ".join(f"turn {t}" for t in marks)
+            + f" | last / turn 5 | trend, turn {turns} / turn 5 |"
+        )
+        print("|---|" + "---:|" * (len(marks) + 2))
         for name in proxied:
             per = {
                 t: results.proxy_cpu_fine[(name, t)] * 1000 / max(1, calls_at(by_path[name], t))
@@ -1218,11 +1223,33 @@ def report(
             # (Under 12 turns the two windows overlap: no ratio.)
             enough = turns >= 12 and early and late
             r = ratio(statistics.median(late), statistics.median(early)) if enough else "-"
-            print(f"| {name} | {curve} | {r} |")
+            trend = trend_ratio({t: v for t, v in per.items() if t >= 2}, 5, turns)
+            shown = f"{trend:.2f}x" if trend is not None and enough else "-"
+            print(f"| {name} | {curve} | {r} | {shown} |")
     if proxied:
         proxy_load(results, by_path, proxied, procs_of)
     for name, whys in results.failures.items():
         print(f"\n{name}: {len(whys)} call(s) not as asked; first: {whys[0]}")
+
+
+def trend_ratio(points: dict[int, float], at_from: int, at_to: int) -> float | None:
+    """The Theil-Sen line through ``points`` (turn -> CPU per call): the median of the slopes
+    between every two turns, through the median of what is left. Its value at ``at_to`` over
+    its value at ``at_from``: how the cost grows with the turns, where a turn or two that
+    another process slowed (this machine's noise) barely moves it. None: too few points, or a
+    line at or below zero at ``at_from``."""
+    turns = sorted(points)
+    if len(turns) < 3:
+        return None
+    slopes = [
+        (points[b] - points[a]) / (b - a) for i, a in enumerate(turns) for b in turns[i + 1 :]
+    ]
+    slope = statistics.median(slopes)
+    intercept = statistics.median(points[t] - slope * t for t in turns)
+    start = intercept + slope * at_from
+    if start <= 0:
+        return None
+    return (intercept + slope * at_to) / start
 
 
 def proxy_load(

@@ -218,3 +218,15 @@ def test_vllm_cpus_with_a_running_vllm_is_refused(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         bench.main(["--vllm-cpus", "1", "--vllm-url", "http://127.0.0.1:1"])
     assert "not one at --vllm-url" in capsys.readouterr().err
+
+
+def test_trend_ratio_follows_the_line_and_shrugs_off_a_spike() -> None:
+    flat = {t: 20.0 for t in range(2, 61)}
+    assert bench.trend_ratio(flat, 5, 60) == pytest.approx(1.0)
+    growing = {t: 10.0 + 0.2 * t for t in range(2, 61)}  # 11 at turn 5, 22 at turn 60
+    assert bench.trend_ratio(growing, 5, 60) == pytest.approx(22 / 11)
+    spiky = dict(flat)
+    spiky[59], spiky[60] = 80.0, 90.0  # two slowed turns at the end
+    assert bench.trend_ratio(spiky, 5, 60) == pytest.approx(1.0)
+    assert bench.trend_ratio({2: 1.0, 3: 2.0}, 5, 60) is None
+    assert bench.trend_ratio({2: 10.0, 3: 5.0, 4: 0.0}, 5, 60) is None  # the line is below zero
