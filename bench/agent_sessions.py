@@ -5,6 +5,8 @@ endpoint, vLLM fed token ids, the rLLM model gateway, LiteLLM's proxy and a stre
         [--system-tokens 12000] [--context 30000] [--max-tokens 32] [--paths chat,ids,...]
     .venv/bin/python bench/agent_sessions.py --turns 12 --system-tokens 3000 --context 8000
                                                      # a smoke run: a few minutes
+    .venv/bin/python bench/agent_sessions.py --sessions 8 --vllm-cpus 1
+                                                     # vLLM on core 1, all else on the rest
 
 One vLLM (the tiny fp32 Qwen3 of rewriter/policy_server.py, ``--max-model-len 32768``, prefix
 caching on, hermes tool calls parsed; a copy of the model that never samples EOS, so that every
@@ -39,7 +41,8 @@ The peers (rLLM, LiteLLM) come from ``.venv-peers`` (scripts/setup_peers.sh); a 
 cannot start is left out with the reason printed. Paths are interleaved turn by turn (each turn
 rotates which path goes first; the sessions of one path call at once, ``--sessions`` of them);
 a warm-up call per path first (the shared system prompt then sits in vLLM's prefix cache for
-all). Each proxy's CPU per call is read from /proc (utime + stime of the process, its threads
+all). By default vLLM and every proxy share all cores, so a proxy's CPU is taken from vLLM's
+decoding; ``--vllm-cpus`` gives vLLM cores of its own, as on a rollout host. Each proxy's CPU per call is read from /proc (utime + stime of the process, its threads
 and children) before and after each path's calls, vLLM's the same way. Prints markdown tables:
 latency p50/p95 per turn bucket, time to first token, wall time per session (the sum of its
 calls), CPU per call, every ratio against ``chat``; then the proxies' CPU per call over turns.
