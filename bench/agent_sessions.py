@@ -42,8 +42,9 @@ cannot start is left out with the reason printed. Paths are interleaved turn by 
 rotates which path goes first; the sessions of one path call at once, ``--sessions`` of them);
 a warm-up call per path first (the shared system prompt then sits in vLLM's prefix cache for
 all). By default vLLM and every proxy share all cores, so a proxy's CPU is taken from vLLM's
-decoding; ``--vllm-cpus`` gives vLLM cores of its own, as on a rollout host. Each proxy's CPU per call is read from /proc (utime + stime of the process, its threads
-and children) before and after each path's calls, vLLM's the same way. Prints markdown tables:
+decoding; ``--vllm-cpus`` gives vLLM cores of its own, as on a rollout host. Each proxy's CPU
+per call is read from /proc (utime + stime of the process, its threads and children) before
+and after each path's calls, vLLM's the same way. Prints markdown tables:
 latency p50/p95 per turn bucket, time to first token, wall time per session (the sum of its
 calls), CPU per call, every ratio against ``chat``; then the proxies' CPU per call over turns.
 """
@@ -1226,8 +1227,10 @@ def report(
             # (Under 12 turns the two windows overlap: no ratio.)
             enough = turns >= 12 and early and late
             r = ratio(statistics.median(late), statistics.median(early)) if enough else "-"
-            trend = trend_ratio({t: v for t, v in per.items() if t >= 2}, 5, turns)
-            shown = f"{trend:.2f}x" if trend is not None and enough else "-"
+            trend = (
+                trend_ratio({t: v for t, v in per.items() if t >= 2}, 5, turns) if enough else None
+            )
+            shown = f"{trend:.2f}x" if trend is not None else "-"
             print(f"| {name} | {curve} | {r} | {shown} |")
     if proxied:
         proxy_load(results, by_path, proxied, procs_of)
@@ -1520,7 +1523,7 @@ def main(argv: list[str] | None = None) -> int:
         check_ids(results, paths)
         cores = (
             f"vLLM pinned to cores {fmt_cpus(pinned[0])}, the rest to {fmt_cpus(pinned[1])}"
-            if pinned and vllm is not None
+            if pinned  # (never with --vllm-url: refused above)
             else "all sharing every core"
         )
         print(
