@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
+
+from rewriter.policy_url import parse_policy_url
 
 TRUE = frozenset({"true", "yes", "on", "1"})
 FALSE = frozenset({"false", "no", "off", "0"})
@@ -81,17 +82,10 @@ def parse_list(text: str) -> list[str]:
 
 
 def parse_urls(text: str) -> list[str]:
-    """Comma-separated http(s) URLs; empty: none given (the policy is not configured)."""
-    urls = parse_list(text)
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000")
-        try:
-            parts.port  # noqa: B018 (a bad port raises here)
-        except ValueError:
-            raise ValueError(f"{url!r} has a bad port") from None
-    return urls
+    """Comma-separated policy server URLs: http(s)://HOST:PORT, or unix:/PATH for a server on a
+    unix socket (vLLM's --uds PATH; rewriter/policy_url.py); empty: none given (the policy is
+    not configured)."""
+    return [parse_policy_url(url).url for url in parse_list(text)]
 
 
 def parse_hosts(text: str) -> frozenset[str]:
@@ -221,7 +215,7 @@ def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
         if not sep or not pattern.strip() or not servers:
             raise ValueError(
                 f"model map entry {item.strip()!r} is not PATTERN=URL[|URL...] "
-                "(e.g. claude-haiku-*=http://127.0.0.1:8001)"
+                "(e.g. claude-haiku-*=http://127.0.0.1:8001 or =unix:/path/to/vllm.sock)"
             )
-        rules.append((pattern.strip(), servers))
+        rules.append((pattern.strip(), [parse_policy_url(u).url for u in servers]))
     return rules

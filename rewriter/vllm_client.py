@@ -27,6 +27,7 @@ import aiohttp
 
 from rewriter.canonical import SamplingParams
 from rewriter.ids_json import ids_json
+from rewriter.policy_url import parse_policy_url, serves
 from rewriter.vllm_answers import (
     Completion,
     CompletionDelta,
@@ -74,8 +75,10 @@ Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"
 
 
 class VLLMClient:
-    """``api``: ``auto`` (the generate endpoint where the server has it, else
-    ``/v1/completions``), ``completions`` or ``generate``."""
+    """``base_url``: the server, ``http://HOST:PORT`` or ``unix:/PATH`` (its socket; then
+    ``session`` must connect to that socket: ``rewriter.policy_url.connector``). ``api``:
+    ``auto`` (the generate endpoint where the server has it, else ``/v1/completions``),
+    ``completions`` or ``generate``."""
 
     def __init__(
         self,
@@ -94,7 +97,15 @@ class VLLMClient:
         tokens) would never trip it; this deadline moves only when tokens or the finish do."""
         if api not in ("auto", "completions", "generate"):
             raise ValueError(f"api must be auto, completions or generate, not {api!r}")
-        self.base_url = base_url.rstrip("/")
+        address = parse_policy_url(base_url)
+        if not serves(session, address.url):
+            raise ValueError(
+                f"the HTTP session given for {address.url} does not connect to it (a unix "
+                "socket's server needs a session on rewriter.policy_url.connector(url))"
+            )
+        # The server's name (logs, replicas, rows' backend); requests go to ``url(path)``.
+        self.base_url = address.url.rstrip("/")
+        self._http_base = address.http_base
         self._session = session
         self._api = api
         self._decode = decode
@@ -111,6 +122,15 @@ class VLLMClient:
         self.failed_versions: set[str] = set()
         # The probe under way: concurrent first calls all wait for this one.
         self._probing: asyncio.Task[PolicyInfo] | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The connection pool this server is reached through (TCP, or its unix socket)."""
+        return self._session
+
+    def url(self, path: str) -> str:
+        """What an HTTP request for ``path`` on this server is addressed to."""
+        return f"{self._http_base}{path}"
 
     def sampling_version(self) -> str:
         """The weights a generation started now samples with: during an update, the incoming
@@ -145,7 +165,7 @@ class VLLMClient:
     async def _probe(self) -> PolicyInfo:
         try:
             async with asyncio.timeout(self.progress_timeout_s):
-                async with self._session.get(f"{self.base_url}/v1/models") as resp:
+                async with self._session.get(self.url("/v1/models")) as resp:
                     if resp.status != 200:
                         raise PolicyError(
                             f"{self.base_url}/v1/models answered {resp.status}", resp.status
@@ -190,7 +210,7 @@ class VLLMClient:
         """Whether the server serves the generate endpoint: an empty body is refused as
         invalid (400/422) where it does; 404 where it is absent, 403 where it is disabled."""
         try:
-            async with self._session.post(f"{self.base_url}{GENERATE_PATH}", json={}) as resp:
+            async with self._session.post(self.url(GENERATE_PATH), json={}) as resp:
                 available = resp.status in (400, 422)
         except aiohttp.ClientError:
             return False
@@ -208,9 +228,7 @@ class VLLMClient:
     async def _sampling_defaults(self, model: str) -> dict[str, Any]:
         body = {"model": model, "prompt": [0], "max_tokens": 1}
         try:
-            async with self._session.post(
-                f"{self.base_url}/v1/completions/render", json=body
-            ) as resp:
+            async with self._session.post(self.url("/v1/completions/render"), json=body) as resp:
                 data = await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, ValueError):
             data = None
@@ -237,7 +255,7 @@ class VLLMClient:
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
             resp = await self._session.post(
-                f"{self.base_url}{path}", data=dump_body(body), headers=JSON_CONTENT
+                self.url(path), data=dump_body(body), headers=JSON_CONTENT
             )
         except aiohttp.ServerTimeoutError as exc:
             raise PolicyError(

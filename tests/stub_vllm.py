@@ -65,6 +65,10 @@ class StubPolicy:
         self.url = ""
         # GET /health answers 200 (vLLM: an empty body) while true, 503 once false.
         self.healthy = True
+        # vLLM's dev-mode routes (VLLM_SERVER_DEV_MODE=1) /pause, /resume, /is_paused, with
+        # vLLM's shapes: served where ``dev_mode`` is set before start().
+        self.dev_mode = False
+        self.paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -407,8 +411,20 @@ class StubPolicy:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
-    def start(self) -> str:
-        """Serve on 127.0.0.1 from a background thread; returns the base URL."""
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        return web.json_response({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    def start(self, socket_path: str | None = None) -> str:
+        """Serve on 127.0.0.1 (or on the unix socket ``socket_path``, as vLLM's --uds) from a
+        background thread; returns the base URL (``unix:PATH`` for a socket)."""
         ready = threading.Event()
 
         def run() -> None:
@@ -420,12 +436,21 @@ class StubPolicy:
             app.router.add_post("/tokenize", self._tokenize)
             app.router.add_post("/detokenize", self._detokenize)
             app.router.add_get("/health", self._health)
+            if self.dev_mode:
+                app.router.add_post("/pause", self._pause)
+                app.router.add_post("/resume", self._resume)
+                app.router.add_get("/is_paused", self._is_paused)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            loop.run_until_complete(site.start())
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            self.url = f"http://127.0.0.1:{port}"
+            if socket_path is not None:
+                unix = web.UnixSite(self._runner, socket_path)
+                loop.run_until_complete(unix.start())
+                self.url = f"unix:{socket_path}"
+            else:
+                site = web.TCPSite(self._runner, "127.0.0.1", 0)
+                loop.run_until_complete(site.start())
+                port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.url = f"http://127.0.0.1:{port}"
             ready.set()
             loop.run_forever()
 

@@ -18,6 +18,7 @@ import aiohttp
 
 from capture.policy.replicas import Replica, ReplicaSet
 from capture.policy.weights import PolicyWeights
+from rewriter.policy_url import connector, is_unix
 from rewriter.vllm_client import PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class PolicyPools:
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
+        # A server on a unix socket (unix:/PATH) has a connection pool of its own.
+        self._unix_http: dict[str, aiohttp.ClientSession] = {}
         self._clients: dict[str, VLLMClient] = {}
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
@@ -78,13 +81,7 @@ class PolicyPools:
 
     def open(self, decode: Callable[[list[int]], str]) -> None:
         """Create the HTTP connection pool and one client per server (in the running loop)."""
-        self._http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.max_connections),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout_s),
-        )
-        urls = list(self.policy_urls)
-        for _, servers in self.model_map:
-            urls += servers
+        self._http = self._session(None)
         self._decode = decode
         self.default = ReplicaSet(
             self.policy_urls, self._client, self.max_in_flight, self.max_queue
@@ -94,8 +91,19 @@ class PolicyPools:
             for pattern, servers in self.model_map
         ]
 
+    def _session(self, url: str | None) -> aiohttp.ClientSession:
+        """A connection pool: the TCP servers' shared one (``url`` None), or one to the unix
+        socket ``url`` names."""
+        return aiohttp.ClientSession(
+            connector=connector(url, self.max_connections)
+            if url
+            else aiohttp.TCPConnector(limit=self.max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout_s),
+        )
+
     @property
     def http(self) -> aiohttp.ClientSession | None:
+        """The TCP servers' connection pool (each server's client holds the one it uses)."""
         return self._http
 
     def _client(self, url: str) -> VLLMClient:
@@ -103,10 +111,12 @@ class PolicyPools:
         client = self._clients.get(url)
         if client is None:
             assert self._http is not None and self._decode is not None
+            http = self._http
+            if is_unix(url):
+                http = self._unix_http.get(url) or self._session(url)
+                self._unix_http[url] = http
             # The policy timeout bounds time without a new token, not without a byte.
-            client = VLLMClient(
-                url, self._http, decode=self._decode, progress_timeout_s=self.timeout_s
-            )
+            client = VLLMClient(url, http, decode=self._decode, progress_timeout_s=self.timeout_s)
             self._clients[url] = client
         return client
 
@@ -127,7 +137,7 @@ class PolicyPools:
         assert self._http is not None
         out: dict[str, bool] = {}
         for replicas in self.sets():
-            out.update(await replicas.check_all(self._http))
+            out.update(await replicas.check_all())
         for url, ok in out.items():
             self.on_health(url, ok)
         return out
@@ -141,6 +151,8 @@ class PolicyPools:
             self._health.cancel()
         if self._http:
             await self._http.close()
+        for http in self._unix_http.values():
+            await http.close()
 
     def set_for(self, model: str) -> ReplicaSet:
         for pattern, replicas in self._mapped:

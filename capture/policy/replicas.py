@@ -220,11 +220,15 @@ class ReplicaSet:
         return target
 
     # -- health ----------------------------------------------------------------------------
-    async def check(self, replica: Replica, http: Any) -> bool:
-        """vLLM's ``GET /health``: 200 is healthy; anything else, or no answer, is not."""
+    async def check(self, replica: Replica, http: Any = None) -> bool:
+        """vLLM's ``GET /health``: 200 is healthy; anything else, or no answer, is not. The
+        probe goes through the replica's own client, over its connection pool (TCP, or the
+        unix socket its URL names); ``http``, the pool's shared session some callers pass, is
+        not needed for it."""
+        client = replica.client
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                async with http.get(f"{replica.url}/health") as resp:
+                async with client.session.get(client.url("/health")) as resp:
                     ok = bool(resp.status == 200)
                     why = f"GET /health answered {resp.status}"
         except Exception as exc:  # refused, reset, timed out: all mean "not now"
@@ -240,9 +244,9 @@ class ReplicaSet:
             replica.last_error = why
         return ok
 
-    async def check_all(self, http: Any) -> dict[str, bool]:
+    async def check_all(self, http: Any = None) -> dict[str, bool]:
         reps = list(self.replicas.values())
-        results = await asyncio.gather(*(self.check(r, http) for r in reps))
+        results = await asyncio.gather(*(self.check(r) for r in reps))
         return {r.url: ok for r, ok in zip(reps, results, strict=True)}
 
     def summary(self) -> list[dict[str, Any]]:

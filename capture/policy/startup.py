@@ -4,6 +4,11 @@ another model) would otherwise show up only at the first call, or worse, as sile
 token ids; so the proxy refuses to start and says what to fix (``agenttap_check_policy=false``
 starts it anyway).
 
+Then a policy server on TCP whose vLLM dev-mode routes (``/pause``, ``/collective_rpc``, ...)
+answer without credentials gets a warning: anything on the host that reaches it can pause it or
+swap its weights (a server on a unix socket, ``unix:/PATH``, is reached only through its
+folder; see rewriter/policy_url.py).
+
 Plain HTTP with the standard library, run once while mitmproxy configures the addon.
 """
 
@@ -12,9 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import urllib.error
-import urllib.request
 from typing import TYPE_CHECKING, Any
 
+from rewriter.policy_url import is_unix, urlopen
 from rewriter.template import ChatTemplate
 
 if TYPE_CHECKING:
@@ -27,12 +32,65 @@ PROBE = '<|im_start|>user\nnaïve 日本 {"k": [1, 2]}\n\n  tabs\tand <think>x</
 SKIP_HINT = "or --set agenttap_check_policy=false to start anyway"
 
 
-def _get(url: str, timeout: float, body: Any = None) -> Any:
+def _get(url: str, path: str, timeout: float, body: Any = None) -> Any:
+    """``path`` on the policy server at ``url`` (TCP or unix socket), its JSON answer."""
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    req = urllib.request.Request(url, data=data, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urlopen(url, path, data=data, headers=headers, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def _status(url: str, path: str, timeout: float) -> int | None:
+    """The status ``GET path`` gets from the server at ``url`` (None: no answer)."""
+    try:
+        with urlopen(url, path, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def open_dev_routes(url: str, timeout: float = 5.0) -> list[str]:
+    """vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) the server at ``url`` answers
+    without credentials, found by requests that change nothing: ``GET /pause`` answered 405
+    (the route is there, for POST, and nothing asked who calls), ``GET /is_paused`` answered
+    200. [] where neither: not in dev mode, or behind something that wants credentials (401,
+    403)."""
+    found = []
+    if _status(url, "/pause", timeout) == 405:
+        found.append("POST /pause (GET /pause: 405)")
+    if _status(url, "/is_paused", timeout) == 200:
+        found.append("GET /is_paused (200)")
+    return found
+
+
+def exposure_warning(url: str, routes: list[str]) -> str:
+    """What a user is told about a policy server whose dev-mode routes answer anyone."""
+    return (
+        f"agenttap: the policy server at {url} answers vLLM's dev-mode routes without "
+        f"credentials ({'; '.join(routes)}): any process on this host that reaches it, an "
+        "agent run without a sandbox or a sandbox that shares the network included, can pause "
+        "it (POST /pause), put it to sleep, swap its weights (POST /collective_rpc "
+        "reload_weights) or sample outside every session. vLLM's --api-key does not guard "
+        "these routes. Serve it on a unix socket in a folder only you can open (vllm serve "
+        "--uds /PRIVATE/vllm.sock; --set agenttap_policy_url=unix:/PRIVATE/vllm.sock), as "
+        "python -m rewriter.policy_server and scripts/run_proxy.sh do, or behind a proxy "
+        "that wants a key for every route."
+    )
+
+
+def warn_if_exposed(url: str) -> str | None:
+    """The warning logged for a TCP policy server whose dev-mode routes answer anyone (None:
+    none is, or ``url`` is a unix socket: only its folder's owner reaches that)."""
+    if is_unix(url):
+        return None
+    routes = open_dev_routes(url)
+    if not routes:
+        return None
+    warning = exposure_warning(url, routes)
+    logger.warning("%s", warning)
+    return warning
 
 
 def vocab_probe_ids(size: int, count: int = 64) -> list[int]:
@@ -61,9 +119,9 @@ def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str
     when it can: it must answer, serve a model, tokenize a probe text holding every special
     token of ours into the same ids (POST /tokenize), and decode ids spread over our whole
     vocabulary, its last id included, into the same text (POST /detokenize)."""
-    base = url.rstrip("/")
+    base = url if is_unix(url) else url.rstrip("/")
     try:
-        models = _get(f"{base}/v1/models", timeout)
+        models = _get(base, "/v1/models", timeout)
         model = models["data"][0]["id"]
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -84,7 +142,7 @@ def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str
     probe = PROBE + "".join(template.special_tokens())
     body = {"model": model, "prompt": probe, "add_special_tokens": False}
     try:
-        served = _get(f"{base}/tokenize", timeout, body)["tokens"]
+        served = _get(base, "/tokenize", timeout, body)["tokens"]
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return None  # a server without /tokenize: nothing to compare against
@@ -96,7 +154,7 @@ def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str
         return f"{mismatch} a probe text with its special tokens {_differs(ours, served)}. {fix}"
     ids = vocab_probe_ids(template.vocab_size())
     try:
-        text = _get(f"{base}/detokenize", timeout, {"model": model, "tokens": ids})["prompt"]
+        text = _get(base, "/detokenize", timeout, {"model": model, "tokens": ids})["prompt"]
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return None  # a server without /detokenize
@@ -136,6 +194,8 @@ def check_startup(settings: Settings) -> tuple[ChatTemplate | None, str | None]:
         if problem:
             return template, problem
     logger.info("agenttap: policy server(s) %s answer and match the tokenizer", ", ".join(urls))
+    for url in urls:
+        warn_if_exposed(url)
     return template, None
 
 

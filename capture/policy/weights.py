@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from capture.policy.replicas import Replica, ReplicaSet
-from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
+from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION, VLLMClient
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +115,15 @@ def check_weights_dir(value: Any) -> Path:
 
 
 async def _post(
-    http: aiohttp.ClientSession, url: str, body: Any = None, timeout_s: float = STEP_TIMEOUT_S
+    client: VLLMClient, path: str, body: Any = None, timeout_s: float = STEP_TIMEOUT_S
 ) -> None:
+    """POST ``path`` on ``client``'s server, over its own connection pool (TCP or its unix
+    socket)."""
+    url = f"{client.base_url}{path}"  # as errors name it
     try:
         async with asyncio.timeout(timeout_s):
-            async with http.post(url, json=body if body is not None else {}) as resp:
+            body = body if body is not None else {}
+            async with client.session.post(client.url(path), json=body) as resp:
                 text = await resp.text()
                 status = resp.status
     except TimeoutError:
@@ -135,28 +139,26 @@ async def _post(
         raise RuntimeError(f"POST {url} answered {status}: {text[:300]}")
 
 
-async def load_on_replica(
-    http: aiohttp.ClientSession, replica: Replica, path: Path, version: str
-) -> dict[str, Any]:
+async def load_on_replica(replica: Replica, path: Path, version: str) -> dict[str, Any]:
     """Steps 2-6 of the module docstring on one replica; its outcome (never raises)."""
     started = time.monotonic()
-    url = replica.url
-    outcome: dict[str, Any] = {"url": url, "version": replica.client.weight_version}
+    client = replica.client
+    outcome: dict[str, Any] = {"url": replica.url, "version": client.weight_version}
     try:
-        await _post(http, f"{url}/pause?mode=abort")
+        await _post(client, "/pause?mode=abort")
     except RuntimeError as exc:
         replica.client.failed_versions.add(version)
         outcome.update(ok=False, error=str(exc), seconds=round(time.monotonic() - started, 3))
         return outcome
     try:
         await _post(
-            http,
-            f"{url}/collective_rpc",
+            client,
+            "/collective_rpc",
             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
             timeout_s=RELOAD_TIMEOUT_S,
         )
-        await _post(http, f"{url}/reset_prefix_cache")
-        await _post(http, f"{url}/update_weight_version", {"new_version": version})
+        await _post(client, "/reset_prefix_cache")
+        await _post(client, "/update_weight_version", {"new_version": version})
         replica.client.weight_version = version
         replica.client.failed_versions.discard(version)
         outcome.update(ok=True, version=version)
@@ -167,7 +169,7 @@ async def load_on_replica(
     finally:
         try:
             # Never left paused: its queued generations would wait forever.
-            await _post(http, f"{url}/resume")
+            await _post(client, "/resume")
         except RuntimeError as exc:
             outcome.update(ok=False, error=f"{outcome.get('error', '')} {exc}".strip())
     outcome["seconds"] = round(time.monotonic() - started, 3)
@@ -182,17 +184,19 @@ class PolicyWeights:
         self._lock = asyncio.Lock()
 
     async def update(
-        self, http: aiohttp.ClientSession, replicas: ReplicaSet, path: Path, version: str
+        self, http: aiohttp.ClientSession | None, replicas: ReplicaSet, path: Path, version: str
     ) -> list[dict[str, Any]]:
         """Every replica serves ``path`` as ``version`` once this returns; each one's outcome.
-        Raises WeightUpdateError if one failed (the others serve the new weights)."""
+        Raises WeightUpdateError if one failed (the others serve the new weights). Each
+        replica is reached through its own client's connection pool (a unix socket's
+        server has its own); ``http``, the pool's shared session callers pass, is not needed."""
         async with self._lock:
             targets = list(replicas.replicas.values())
             for replica in targets:
                 replica.client.incoming_version = version
             try:
                 outcomes = await asyncio.gather(
-                    *(load_on_replica(http, r, path, version) for r in targets)
+                    *(load_on_replica(r, path, version) for r in targets)
                 )
             finally:
                 for replica in targets:
@@ -217,18 +221,17 @@ class PolicyWeights:
             return list(outcomes)
 
     async def set_version(
-        self, http: aiohttp.ClientSession, replicas: ReplicaSet, version: str
+        self, http: aiohttp.ClientSession | None, replicas: ReplicaSet, version: str
     ) -> list[dict[str, Any]]:
         """A trainer pushed weights to the servers itself: calls from now on are labelled
-        ``version``. vLLM's own label is set too where it has the route (best effort)."""
+        ``version``. vLLM's own label is set too where it has the route (best effort; through
+        each replica's client, as in ``update``)."""
         async with self._lock:
             outcomes: list[dict[str, Any]] = []
             for replica in replicas.replicas.values():
                 replica.client.weight_version = version
                 try:
-                    await _post(
-                        http, f"{replica.url}/update_weight_version", {"new_version": version}
-                    )
+                    await _post(replica.client, "/update_weight_version", {"new_version": version})
                     outcomes.append({"url": replica.url, "version": version, "vllm_label": True})
                 except RuntimeError:
                     outcomes.append({"url": replica.url, "version": version, "vllm_label": False})
