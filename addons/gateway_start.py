@@ -125,6 +125,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         confdir=str(ca.parent),
         sandbox_hide=settings.sandbox_hide
         + ((settings.token_file,) if settings.token_file is not None else ()),
+        sandbox_expose=settings.sandbox_expose,
     )
     gateway = Gateway(config, template, control_plane=build_control_api)
     await gateway.start()

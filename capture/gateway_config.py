@@ -68,4 +68,6 @@ class GatewayConfig:
     sandbox: str = "bwrap"
     confdir: str = ""
     sandbox_hide: tuple[Path, ...] = ()
+    # Shown read-only in every sandbox (agenttap_sandbox_expose).
+    sandbox_expose: tuple[Path, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)

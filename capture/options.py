@@ -225,16 +225,19 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "false",
         "true: every API call must name a session opened through the control API (POST "
         "/sessions or /rollouts) and carry its secret (the proxy password, or the API key in "
-        "base-URL mode); false: calls under a proxy username never opened keep working, while "
-        "opened sessions always want their secret (true/false).",
+        "base-URL mode); false: calls under a proxy username (or base URL) never opened keep "
+        "working. Either way an opened session always wants its secret, and what calls "
+        "recorded under its id before it was opened is kept apart, never joined to it "
+        "(true/false).",
         parse_bool,
     ),
     Option(
         "agenttap_sandbox",
         "bwrap",
         "How rollouts (POST /rollouts) run their agent and verifier: bwrap (a bubblewrap "
-        "sandbox per rollout: its own PID namespace, the host read-only, OUT, the CA key and "
-        "other rollouts hidden; needs apt-get install bubblewrap) or none (as plain child "
+        "sandbox per rollout: its own network, PID and user namespaces, a tree built from an "
+        "allowlist (the system's programs, the agent's install, its workdir, HOME and TMPDIR), "
+        "kernel limits; needs apt-get install bubblewrap) or none (as plain child "
         "processes, which can read and write everything this user can; logged as a warning). "
         'A rollout request may ask for "sandbox": "none" itself.',
         lambda text: parse_choice(text, ("bwrap", "none")),
@@ -245,6 +248,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "Paths (comma-separated) a rollout's sandbox hides, beyond those it always hides (OUT, "
         "mitmproxy's confdir with the CA key, agenttap_token_file): the launcher's and "
         "run_proxy.sh's private folder of logs, your own secrets (~/.ssh, ~/.aws).",
+        parse_paths,
+    ),
+    Option(
+        "agenttap_sandbox_expose",
+        "",
+        "Paths (comma-separated) every rollout's sandbox shows read-only beyond the system's "
+        "programs, the agent's own install and the CA: a toolchain in /opt, a dataset. A "
+        'rollout request adds its own with "expose". Never expose OUT, the token or a model '
+        "folder: what a sandbox shows, its agent can read.",
         parse_paths,
     ),
     Option(
@@ -397,6 +409,7 @@ class Settings:
     max_staleness: int | None = None
     sandbox: str = "bwrap"
     sandbox_hide: tuple[Path, ...] = ()
+    sandbox_expose: tuple[Path, ...] = ()
     token_file: Path | None = None
 
 
@@ -461,6 +474,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         max_staleness=values["agenttap_max_staleness"],
         sandbox=values["agenttap_sandbox"],
         sandbox_hide=values["agenttap_sandbox_hide"],
+        sandbox_expose=values["agenttap_sandbox_expose"],
         token_file=(
             Path(texts["agenttap_token_file"].strip()).expanduser().absolute()
             if texts.get("agenttap_token_file", "").strip()

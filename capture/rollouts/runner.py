@@ -33,21 +33,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, parse_limits
 from capture.ports import RolloutHost
+from capture.rollouts.netbridge import INSIDE, NetBridge, inside_url, interpreter, route_for
 from capture.rollouts.processes import Child, stop
 from capture.rollouts.sandbox import (
+    SANDBOX_UID,
     Jail,
     SandboxSpec,
     UnsafeWorkdir,
-    bwrap_argv,
     copy_seed,
     find_bwrap,
-    host_sockets,
+    give_to,
+    make_stage,
+    program_paths,
     read_info,
     restore,
+    sandbox_argv,
+    sanitize,
 )
 from capture.rollouts.spec import RolloutSpec
+from capture.storage.sessions import take_back_rewards
+from capture.storage.shards import REWARD_VERIFIER
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,8 @@ class Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = 0.0
     wall_time_s: float = 0.0
+    # What was removed from the workdir before scoring (links out of it, FIFOs, sockets).
+    sanitized: list[str] = field(default_factory=list)
     # The process running now: the agent, then the verifier.
     child: Child | None = None
 
@@ -93,6 +103,7 @@ class Run:
             "workdir": str(self.folder / "work"),
             "agent_output": self.agent_output,
             "verifier_output": self.verifier_output,
+            "sanitized": self.sanitized,
             "metrics": {**self.metrics, "rollout_wall_time_s": round(self.wall_time_s, 3)},
         }
         if rows:
@@ -150,6 +161,13 @@ class Rollouts:
         self.api = api
         self.max_running = max_running
         self._rollouts: dict[str, Rollout] = {}
+        # The unix sockets that lead sandboxes to the proxy and the API (started on the first
+        # sandboxed rollout).
+        self._bridge: NetBridge | None = None
+        self._bridge_lock = asyncio.Lock()
+        # Where the launcher stages what bwrap binds (an empty folder; mounts go on it only in
+        # each launcher's own mount namespace).
+        self._stage: Path | None = None
 
     @property
     def root(self) -> Path:
@@ -178,6 +196,7 @@ class Rollouts:
             raise ValueError(f"rollout id {spec.id!r} is in use")
         sandbox = spec.sandbox or self.api.gateway.config.sandbox
         bwrap = find_bwrap() if sandbox == "bwrap" else None
+        self._check_expose(spec.expose)
         running = self.running_agents()
         if running + spec.n > self.max_running:
             raise Busy(running, self.max_running)
@@ -200,6 +219,20 @@ class Rollouts:
         logger.info("agenttap: rollout %s: %d x %s started", spec.id, spec.n, spec.command[0])
         return rollout
 
+    def _check_expose(self, expose: tuple[Path, ...]) -> None:
+        """Refuse (ValueError) exposing a folder agenttap keeps from agents: OUT, mitmproxy's
+        confdir, the hidden paths, or a folder above one of them."""
+        kept = [Path(os.path.realpath(p)) for p in self._hidden()]
+        for path in expose:
+            real = Path(os.path.realpath(path))
+            for secret in kept:
+                if secret.is_relative_to(real) or real.is_relative_to(secret):
+                    raise ValueError(
+                        f'"expose": {str(path)!r} would show {str(secret)!r} (OUT, the CA key, '
+                        "the token or a path of agenttap_sandbox_hide) to the agent; expose a "
+                        "folder that holds none of them"
+                    )
+
     async def cancel(self, rollout: Rollout) -> None:
         """Stop a rollout: its agents' process groups end, its sessions are closed with their
         rows kept (``end_reason`` ``cancelled``)."""
@@ -214,6 +247,26 @@ class Rollouts:
         for rollout in self.all():
             if not rollout.done:
                 await self.cancel(rollout)
+        if self._bridge is not None:
+            await self._bridge.close()
+            self._bridge = None
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
+
+    async def bridge(self) -> NetBridge:
+        """The bridge into sandboxes' networks: the proxy's port (when mitmdump listens) and
+        the API's (base URLs), started once."""
+        async with self._bridge_lock:
+            if self._bridge is None:
+                ends = self.api.endpoints
+                routes = [route_for("api", ends.api_url)]
+                if ends.proxy_url:
+                    routes.insert(0, route_for("proxy", ends.proxy_url))
+                bridge = NetBridge(routes)
+                await bridge.start()
+                self._bridge = bridge
+            return self._bridge
 
     # -- running -------------------------------------------------------------------------------
     async def _run_all(self, rollout: Rollout) -> None:
@@ -278,6 +331,8 @@ class Rollouts:
             work.mkdir()
         for folder in (home, home / ".codex", tmp):
             folder.mkdir()
+        if rollout.bwrap is not None:
+            await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
         # Built whole, never from os.environ: the proxy's environment may hold the token.
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
@@ -286,7 +341,7 @@ class Rollouts:
             "TMPDIR": str(tmp),
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "CODEX_HOME": str(home / ".codex"),
-            **self._session_env(run),
+            **self._session_env(run, inside=rollout.bwrap is not None),
             **spec.agent_env,
             "AGENTTAP_ROLLOUT": rollout.id,
         }
@@ -296,7 +351,9 @@ class Rollouts:
         run.status = "running"
         with open(log, "wb") as out:
             try:
-                run.child = await self._spawn(rollout, spec.command, env, work, home, tmp, out)
+                run.child = await self._spawn(
+                    rollout, spec.command, env, work, home, tmp, out, network=True
+                )
             except OSError as exc:
                 run.error = f"the agent could not start: {exc}"
                 return
@@ -317,15 +374,25 @@ class Rollouts:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         run.agent_output = _tail(log)
 
-    def _session_env(self, run: Run) -> dict[str, str]:
-        """The session's environment for its agent (proxy, CA, its secret as the keys)."""
+    def _session_env(self, run: Run, inside: bool) -> dict[str, str]:
+        """The session's environment for its agent (proxy, CA, its secret as the keys);
+        ``inside`` a sandbox, the proxy's and the API's host is 127.0.0.1, where the forwarder
+        listens."""
         sess = self.api.gateway.control.get(run.session_id)
-        return self.api.endpoints.env(run.session_id, sess.secret if sess is not None else "")
+        ends = self.api.endpoints
+        if inside:
+            ends = Endpoints(
+                inside_url(ends.api_url),
+                inside_url(ends.proxy_url) if ends.proxy_url else "",
+                ends.ca_path,
+                ends.bundle_path,
+            )
+        return ends.env(run.session_id, sess.secret if sess is not None else "")
 
     def _hidden(self) -> tuple[Path, ...]:
         config = self.api.gateway.config
         confdir = (Path(config.confdir),) if config.confdir else ()
-        return (Path(self.api.out_dir), *confdir, *config.sandbox_hide, *host_sockets())
+        return (Path(self.api.out_dir), *confdir, *config.sandbox_hide)
 
     async def _spawn(
         self,
@@ -336,9 +403,11 @@ class Rollouts:
         home: Path,
         tmp: Path,
         out: IO[bytes],
+        network: bool,
     ) -> Child:
         """Start ``command`` in ``work`` (its output to ``out``), in the rollout's sandbox: only
-        ``work``, ``home`` and ``tmp`` writable."""
+        ``work``, ``home`` and ``tmp`` writable; with ``network``, the proxy's and the API's
+        ports handed in by the forwarder (the agent), else no network at all (the verifier)."""
         common: dict[str, Any] = {
             "env": env,
             "stdin": asyncio.subprocess.DEVNULL,
@@ -348,15 +417,35 @@ class Rollouts:
         }
         if rollout.bwrap is None:
             return Child(await asyncio.create_subprocess_exec(*command, cwd=work, **common))
-        ends = self.api.endpoints
+        ends, config = self.api.endpoints, self.api.gateway.config
+        path_env = env.get("PATH", "")
+        bridge = await self.bridge() if network else None
+        inner, python = command, interpreter()
+        if bridge is not None:
+            inner = [python, "-I", "-S", str(INSIDE / "bridge.py"), *bridge.forwards(), "--"]
+            inner += command
         box = SandboxSpec(
             work, home, tmp, hide=self._hidden(),
-            expose_files=tuple(Path(p) for p in (ends.ca_path, ends.bundle_path) if p),
+            expose=(
+                *program_paths(command, path_env),
+                *(program_paths([python], path_env) if bridge is not None else ()),
+                *(Path(p) for p in (ends.ca_path, ends.bundle_path) if p),
+                *config.sandbox_expose,
+                *rollout.spec.expose,
+            ),
+            bridge=bridge.folder if bridge is not None else None,
         )  # fmt: skip
         info_r, info_w = os.pipe()
         try:
-            argv = bwrap_argv(box, command, rollout.bwrap, info_fd=info_w)
-            proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(info_w,), **common)
+            user = sandbox_user()
+            if user is not None and self._stage is None:
+                self._stage = make_stage()
+            argv = sandbox_argv(
+                box, inner, rollout.bwrap, info_fd=info_w, uid=user, stage=self._stage
+            )
+            proc = await asyncio.create_subprocess_exec(
+                *argv, pass_fds=(info_w,), cwd="/", **common
+            )
         except BaseException:
             os.close(info_r)
             raise
@@ -384,8 +473,20 @@ class Rollouts:
             except (UnsafeWorkdir, OSError) as exc:
                 run.error = f"the verifier's restore failed: {exc}"
                 return
+        # What the agent left to trip the verifier (a link out of the workdir, a FIFO that
+        # blocks a read) goes before it runs.
+        removed = await asyncio.to_thread(sanitize, work)
+        if removed:
+            run.sanitized = removed[:100]
+            logger.info(
+                "agenttap: rollout %s/%d: removed %d link(s) out of the workdir or special "
+                "file(s) before scoring: %s",
+                rollout.id, run.index, len(removed), ", ".join(removed[:5]),
+            )  # fmt: skip
         home.mkdir()
         tmp.mkdir()
+        if rollout.bwrap is not None:
+            await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
@@ -397,7 +498,9 @@ class Rollouts:
         log = run.folder / "verifier.log"
         with open(log, "wb") as out:
             try:
-                run.child = await self._spawn(rollout, spec.verifier, env, work, home, tmp, out)
+                run.child = await self._spawn(
+                    rollout, spec.verifier, env, work, home, tmp, out, network=False
+                )
             except OSError as exc:
                 run.error = f"the verifier could not start: {exc}"
                 return
@@ -430,9 +533,15 @@ class Rollouts:
         run.reward = reward
 
     async def _close(self, run: Run) -> None:
-        """Close the run's session with its reward; the rows say how it finished."""
+        """Close the run's session with its reward (the verifier's: the rows' ``reward_source``
+        says so); the rows say how it finished. A session someone else closed (and so could
+        reward) before this runner did ends the run ``error``, its rows without a reward."""
         control = self.api.gateway.control
         sess = control.get(run.session_id)
+        taken = self._taken_over(run, sess)
+        if taken is not None:
+            await self._close_taken_over(run, taken)
+            return
         limit = sess.limit_reached if sess is not None else None
         if run.status == "cancelled":
             reason = FINISH_CANCELLED
@@ -441,11 +550,63 @@ class Rollouts:
         else:
             run.status, reason = "ok", limit or END_STOP
         run.finish_reason = reason
-        closed = await self.api.close_session(run.session_id, run.reward, end_reason=reason)
+        closed = await self.api.close_session(
+            run.session_id, run.reward, end_reason=reason, reward_source=REWARD_VERIFIER
+        )
         if closed is not None:
             sess, rows, _ = closed
             run.metrics = sess.metrics.as_dict()
             run.rows = rows
+
+    async def _close_taken_over(self, run: Run, why: str) -> None:
+        """The run's session was closed (and maybe rewarded) by a caller of the control API, not
+        by this runner: the run ends ``error`` saying so, and every reward its rows were given
+        is taken back (the verifier's is not given: its session's calls are not the run's to
+        vouch for)."""
+        control = self.api.gateway.control
+        sid = run.session_id
+        if sid in {s.id for s in control.live()}:  # opened again by that caller: ended too
+            await self.api.close_session(sid, None, end_reason=FINISH_ERROR)
+        sess = control.get(sid)
+        # Shards written since the run began (a second's margin for the file times).
+        since = time.time() - (time.monotonic() - run.started_at) - 1.0
+        run.rows = await asyncio.to_thread(take_back_rewards, self.api.out_dir, sid, since)
+        run.metrics = sess.metrics.as_dict() if sess is not None else {}
+        verifier = f" (the verifier's was {run.reward:g})" if run.reward is not None else ""
+        run.status, run.finish_reason, run.reward = "error", FINISH_ERROR, None
+        run.error = (
+            f"agenttap: {why}, before the rollout's verifier ran; its rows carry no reward"
+            f"{verifier}. Only agenttap closes a rollout's session: whoever did holds the "
+            f"control API's token (an agent that read it?)"
+        )
+        logger.warning("agenttap: rollout session %r: %s", sid, run.error)
+
+    @staticmethod
+    def _taken_over(run: Run, sess: Any) -> str | None:
+        """What someone other than the runner did to the run's session before the runner
+        closed it (None: nothing): closed it through the control API, maybe with a reward and
+        late ones, or closed it and opened it again."""
+        sid = run.session_id
+        if sess is None:
+            return f"session {sid!r} is gone (closed by a caller of the control API)"
+        if sess.closed:
+            rewarded = []
+            if sess.close_reward is not None:
+                rewarded.append(f"with reward {sess.close_reward}")
+            if sess.late_rewards:
+                rewarded.append(f"then given {sess.late_rewards} late reward(s)")
+            said = " ".join(rewarded) or "without a reward"
+            return f"session {sid!r} was closed through the control API {said}"
+        if sess.opened_mono > run.started_at:
+            return f"session {sid!r} was closed and opened again through the control API"
+        return None
+
+
+def sandbox_user() -> int | None:
+    """The uid (and gid) sandboxes run under: ``SANDBOX_UID`` when agenttap runs as root (a
+    user that owns nothing on the host), else None (this user's own, the kernel allowing no
+    other)."""
+    return SANDBOX_UID if os.geteuid() == 0 else None
 
 
 def _tail(path: Path, size: int = OUTPUT_KEPT) -> str:

@@ -1,36 +1,44 @@
 """The sandbox a rollout's agent and verifier run in (bubblewrap), and the workdir copies they
 work on.
 
-``bwrap_argv`` builds the command line: the host read-only (``--ro-bind / /``: programs anywhere
-on the host run), a fresh ``/dev`` and a ``/proc`` of the sandbox's own PID namespace (the
-proxy and every other agent are out of sight and out of reach of signals), no capabilities
-(``--cap-drop ALL``: we may run as root, and root keeps its capabilities in bwrap otherwise, so
-it could unmount what hides a folder), a session of its own, and ``--die-with-parent``. The
-network is shared: the agent reaches the proxy on loopback.
+``bwrap_argv`` builds the command line. The sandbox's tree is built from an allowlist, not from
+the host with holes cut in it: a fresh root holding only
 
-Without capabilities a process of uid 0 is still the owner of root's files: ``/proc/sys`` (a
-write to ``kernel.core_pattern`` would run a program of its choice as the host's root) and
-``/proc/sysrq-trigger`` are bound read-only over the sandbox's ``/proc``, and the sockets of
-root's services, which a read-only mount does not close to ``connect`` (``/run``: D-Bus,
-systemd, Docker; tmux, ssh-agent and X11 sockets in ``/tmp`` and ``/var/tmp``), are hidden
-(``host_sockets``). Then, in this order (a later mount goes on top of an earlier one):
+- the system's programs and libraries read-only (``/usr``, ``/bin``, ``/sbin``, ``/lib*``;
+  the merged-usr links as links) and ``/etc`` without its secrets (``ETC_SECRETS``: shadow
+  files, sudoers, ssh host keys, TLS private keys);
+- what ``expose`` names, read-only: the agent program's own install (``program_paths``: a
+  ``node_modules`` tree, a venv and its base Python, a prefix), the CA certificate and bundle,
+  the rollout's ``"expose"`` and ``agenttap_sandbox_expose``;
+- the run's own ``work``, ``home`` and scratch ``tmp``, writable; a fresh ``/tmp`` and
+  ``/var/tmp`` (tmpfs, size-capped with ``tmp_size_mb``), a fresh ``/dev`` and a ``/proc`` of
+  its own PID namespace;
+- ``bridge``, read-only at ``/.agenttap``: the unix sockets that lead to the proxy and the API
+  (capture/rollouts/netbridge.py) and the forwarder run inside (capture/rollouts/bridge.py).
 
-1. each hidden folder (OUT, mitmproxy's confdir, the token file's and log folders, paths of
-   ``agenttap_sandbox_hide``) becomes an empty tmpfs and each hidden file ``/dev/null``;
-2. the files the agent must still read (the proxy's CA certificate and CA bundle, inside the
-   confdir) are bound back read-only at their own paths;
-3. the run's own ``work``, ``home`` and scratch ``tmp`` (inside OUT) are bound writable;
-4. the hidden folders' tmpfs are made read-only (bwrap created the mount points of 2 and 3 in
-   them), so nothing can be written there either.
+Nothing else: not ``/root``, ``/home``, the host's ``/tmp``, ``/srv``, ``/mnt``, ``/opt``, OUT,
+the proxy's folders, model or checkpoint folders. Paths of ``hide`` that lie inside an exposed
+path (OUT inside an exposed checkout, say) are hidden again: an empty read-only tmpfs, a file
+``/dev/null``.
 
-Every other rollout's folder is in OUT, so it is hidden too. When the sandbox's first process
-(the agent) exits, bwrap exits and the kernel kills whatever else is left in its PID namespace
-(a daemon started with ``setsid`` included); ``Jail`` finds that namespace's init from bwrap's
-``--info-fd`` so the caller can wait until every process of the sandbox is gone.
+It has its own user namespace (``--unshare-user``, no nested one: ``--disable-userns``), network
+namespace (``--unshare-net``: only its loopback; the forwarder hands the proxy's and the API's
+ports in), PID, IPC, UTS and cgroup namespaces, no capabilities, a session of its own and
+``--die-with-parent``. The caller runs bwrap under a uid that owns nothing on the host
+(``SANDBOX_UID``, when agenttap runs as root), so a root-owned 0600 file is unreadable even if
+exposed by mistake. ``/proc/sys`` and ``/proc/sysrq-trigger`` are bound read-only over the
+sandbox's ``/proc``.
+
+When the sandbox's first process (the agent) exits, bwrap exits and the kernel kills whatever
+else is left in its PID namespace (a daemon started with ``setsid`` included); ``Jail`` finds
+that namespace's init from bwrap's ``--info-fd`` so the caller can wait until every process of
+the sandbox is gone.
 
 ``copy_seed`` copies a task's workdir for a run: a symlink that resolves inside the workdir is
 copied as what it points to; one pointing outside it (or nowhere) refuses the copy.
-``restore`` puts paths back from the seed into a finished run's copy before it is scored.
+``restore`` puts paths back from the seed into a finished run's copy before it is scored;
+``sanitize`` removes what the agent left for the verifier to trip on (links out of the
+workdir, FIFOs, sockets) before it runs.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ import os
 import shutil
 import signal
 import stat
+import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -49,10 +60,18 @@ INSTALL_HINT = "apt-get install bubblewrap, or run scripts/setup.sh"
 # Parts of /proc that uid 0 may write without capabilities (bwrap covers them only for some
 # callers): bound read-only from the host's /proc, where they exist.
 PROC_COVERED = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
-# Where root's services keep their sockets: hidden whole.
-SERVICE_SOCKETS = (Path("/run"), Path("/var/run"))
-# Scanned (and their folders one level down) for sockets of root's sessions.
-TEMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
+# The system's programs and libraries: every sandbox shows them, read-only.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What of /etc a sandbox never shows (and the ssh host keys, /etc/ssh/ssh_host_*key).
+ETC_SECRETS = (
+    "shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssl/private",
+    "security/opasswd",
+)  # fmt: skip
+# The uid (and gid) sandboxes run under when agenttap runs as root: nobody, who owns nothing.
+SANDBOX_UID = 65534
+LAUNCHER = Path(__file__).with_name("launch.py")
+# In the launcher's command, where a staged path goes (capture/rollouts/launch.py).
+PLACEHOLDER = "@STAGED:{}@"
 # How long a sandbox may take to report its PID namespace (bwrap's setup: milliseconds).
 INFO_TIMEOUT_S = 30.0
 
@@ -77,45 +96,21 @@ def find_bwrap() -> str:
     return found
 
 
-def host_sockets(temp_dirs: tuple[Path, ...] = TEMP_DIRS) -> tuple[Path, ...]:
-    """What to hide so that no socket of root's services or sessions is in reach: ``/run``,
-    and each socket in ``temp_dirs`` or in a folder right inside one (``tmux-0/default``,
-    ``ssh-XXXX/agent.N``, ``.X11-unix/X0``): that folder whole."""
-    found = list(SERVICE_SOCKETS)
-    for temp in temp_dirs:
-        try:
-            entries = list(os.scandir(temp))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                mode = entry.stat(follow_symlinks=False).st_mode
-                if stat.S_ISSOCK(mode) or (stat.S_ISDIR(mode) and _holds_socket(entry.path)):
-                    found.append(Path(entry.path))
-            except OSError:
-                continue
-    return tuple(found)
-
-
-def _holds_socket(folder: str) -> bool:
-    try:
-        with os.scandir(folder) as entries:
-            return any(stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode) for e in entries)
-    except OSError:
-        return False
-
-
 @dataclass(frozen=True)
 class SandboxSpec:
     """What one sandboxed process may see: ``work`` (also its working directory), ``home`` and
-    ``tmp`` writable; ``hide`` hidden (folders empty, files empty); ``expose_files`` readable
-    even when inside a hidden folder. Everything else is the host, read-only."""
+    ``tmp`` writable; ``expose`` read-only (files or folders); ``bridge`` at ``/.agenttap``;
+    the system (``SYSTEM_PATHS``, ``/etc`` less ``ETC_SECRETS``) read-only; nothing else.
+    ``hide``: paths hidden again where they lie inside an exposed one."""
 
     work: Path
     home: Path
     tmp: Path
     hide: tuple[Path, ...] = ()
-    expose_files: tuple[Path, ...] = ()
+    expose: tuple[Path, ...] = ()
+    bridge: Path | None = None
+    # The size of the fresh /tmp and /var/tmp (each); None: the kernel's default for a tmpfs.
+    tmp_size_mb: int | None = None
 
 
 def hidden_paths(hide: tuple[Path, ...]) -> list[tuple[Path, bool]]:
@@ -139,34 +134,91 @@ def hidden_paths(hide: tuple[Path, ...]) -> list[tuple[Path, bool]]:
     return sorted(kept, key=lambda item: (len(item[0].parts), str(item[0])))
 
 
+def exposed_paths(expose: tuple[Path, ...]) -> list[Path]:
+    """The real paths of ``expose`` that exist, without those inside another (bound already)
+    or inside the system's folders (shown already), parents first."""
+    system = [Path(p) for p in (*SYSTEM_PATHS, "/etc")]
+    found: set[Path] = set()
+    for path in expose:
+        if not str(path):
+            continue
+        real = Path(os.path.realpath(Path(path).expanduser()))
+        if real.exists() and real != Path("/"):
+            found.add(real)
+    kept = [
+        p
+        for p in found
+        if not any(p.is_relative_to(s) for s in system)
+        and not any(o != p and p.is_relative_to(o) for o in found)
+    ]
+    return sorted(kept, key=lambda p: (len(p.parts), str(p)))
+
+
 def bwrap_argv(
-    spec: SandboxSpec, command: list[str], bwrap: str = "bwrap", info_fd: int | None = None
+    spec: SandboxSpec,
+    command: list[str],
+    bwrap: str = "bwrap",
+    info_fd: int | None = None,
+    root: Path = Path("/"),
+    source: Callable[[str], str] = str,
 ) -> list[str]:
     """The bwrap command line that runs ``command`` in ``spec``'s sandbox (see the module's
-    docstring for the order of its mounts). ``info_fd``: where bwrap writes its JSON with the
-    sandbox's init pid and PID namespace."""
+    docstring for what it shows). ``info_fd``: where bwrap writes its JSON with the sandbox's
+    init pid and PID namespace. ``root``: the host's root, for tests. ``source``: what bwrap
+    is given to bind for an exposed path or a run's folder (capture/rollouts/launch.py stages
+    them where the sandbox's user can reach them)."""
     argv = [
         bwrap,
-        "--ro-bind", "/", "/",
-        "--dev", "/dev",
-        "--proc", "/proc",
-        "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+        "--unshare-user", "--disable-userns",
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+        "--unshare-cgroup-try",
         "--die-with-parent",
         "--new-session",
         "--cap-drop", "ALL",
+        "--dev", "/dev",
+        "--proc", "/proc",
     ]  # fmt: skip
     for covered in PROC_COVERED:
         argv += ["--ro-bind-try", covered, covered]
-    hidden = hidden_paths(spec.hide)
+    for name in SYSTEM_PATHS:
+        host = root / name.lstrip("/")
+        if host.is_symlink():  # merged /usr: /bin -> usr/bin
+            argv += ["--symlink", os.readlink(host), name]
+        elif host.is_dir():
+            argv += ["--ro-bind", str(host), name]
+    etc = root / "etc"
+    argv += ["--ro-bind", str(etc), "/etc"]
+    secrets: list[tuple[str, bool]] = []
+    for name in ETC_SECRETS:
+        host = etc / name
+        if host.is_symlink() or not host.exists():
+            continue
+        secrets.append((f"/etc/{name}", host.is_dir()))
+    for ssh_key in sorted((etc / "ssh").glob("ssh_host_*key")) if (etc / "ssh").is_dir() else []:
+        secrets.append((f"/etc/ssh/{ssh_key.name}", False))
+    for secret, is_dir in secrets:
+        masked = ["--tmpfs", secret, "--remount-ro", secret]
+        argv += masked if is_dir else ["--ro-bind", "/dev/null", secret]
+    for scratch in ("/tmp", "/var/tmp"):
+        if spec.tmp_size_mb is not None:
+            argv += ["--size", str(spec.tmp_size_mb * 1024 * 1024)]
+        argv += ["--tmpfs", scratch]
+    exposed = exposed_paths(spec.expose)
+    for path in exposed:
+        argv += ["--ro-bind", source(str(path)), str(path)]
+    if spec.bridge is not None:
+        argv += ["--ro-bind", source(os.path.realpath(spec.bridge)), "/.agenttap"]
+    # Hidden again where an exposed path holds them (OUT inside an exposed checkout).
+    hidden = [
+        (p, is_dir)
+        for p, is_dir in hidden_paths(spec.hide)
+        if any(p.is_relative_to(e) for e in exposed)
+    ]
     for path, is_dir in hidden:
         argv += ["--tmpfs", str(path)] if is_dir else ["--ro-bind", "/dev/null", str(path)]
-    for path in spec.expose_files:
-        real = os.path.realpath(path)
-        if os.path.isfile(real):
-            argv += ["--ro-bind", real, real]
     for path in (spec.work, spec.home, spec.tmp):
         real = os.path.realpath(path)
-        argv += ["--bind", real, real]
+        argv += ["--bind", source(real), real]
     # Read-only once the mount points in them exist (the binds above stay as they are).
     for path, is_dir in hidden:
         if is_dir:
@@ -175,6 +227,131 @@ def bwrap_argv(
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
     return [*argv, "--", *command]
+
+
+def sandbox_argv(
+    spec: SandboxSpec,
+    command: list[str],
+    bwrap: str = "bwrap",
+    info_fd: int | None = None,
+    *,
+    uid: int | None = None,
+    stage: Path | None = None,
+    cgroups: tuple[str, ...] = (),
+    rlimits: dict[str, int] | None = None,
+) -> list[str]:
+    """The command that runs ``command`` in ``spec``'s sandbox. Without ``uid``: bwrap itself,
+    run as this user. With ``uid`` (agenttap runs as root): capture/rollouts/launch.py, run as
+    root, joins ``cgroups`` (their ``cgroup.procs`` files), stages every path bwrap binds in
+    ``stage`` (an empty folder the sandbox's user can enter), sets ``rlimits`` (``cpu``
+    seconds, ``fsize`` bytes), becomes ``uid`` and execs bwrap."""
+    if uid is None:
+        return bwrap_argv(spec, command, bwrap, info_fd=info_fd)
+    if stage is None:
+        raise ValueError("a sandbox run as another user needs a staging folder")
+    binds: list[str] = []
+
+    def staged(path: str) -> str:
+        binds.append(path)
+        return PLACEHOLDER.format(len(binds) - 1)
+
+    argv = bwrap_argv(spec, command, bwrap, info_fd=info_fd, source=staged)
+    launch = {
+        "cgroups": list(cgroups),
+        "stage": str(stage),
+        "binds": binds,
+        "rlimits": rlimits or {},
+        "uid": uid,
+        "gid": uid,
+        "argv": argv,
+    }
+    return [os.path.realpath(sys.executable), "-I", str(LAUNCHER), json.dumps(launch)]
+
+
+def make_stage() -> Path:
+    """An empty folder for the launcher's staging (``sandbox_argv``): in ``/tmp``, whose
+    folders every user may enter, never in a private TMPDIR; 0711."""
+    stage = Path(tempfile.mkdtemp(prefix="agenttap-stage-", dir="/tmp"))
+    stage.chmod(0o711)
+    return stage
+
+
+def program_paths(command: list[str], path_env: str) -> tuple[Path, ...]:
+    """What a sandbox must show for ``command`` to run: the program's own install, found from
+    its path (``PATH`` lookup) and its real path, and its script interpreter's (a ``#!`` line,
+    ``/usr/bin/env node`` included); each absolute argument naming a file (a script). An
+    install is the top-most ``node_modules`` folder the program is in, or a venv (its
+    ``pyvenv.cfg``) and the Python it was made from, or the prefix above a ``bin`` folder, or
+    the file alone. The system's folders are shown anyway and are left out."""
+    found: list[Path] = []
+    if not command:
+        return ()
+    program = command[0]
+    if "/" not in program:
+        program = shutil.which(program, path=path_env) or program
+    _program_installs(Path(program), path_env, found, depth=0)
+    for arg in command[1:]:
+        if arg.startswith("/") and os.path.isfile(arg):
+            found.append(Path(arg))
+    return tuple(dict.fromkeys(found))
+
+
+def _program_installs(program: Path, path_env: str, found: list[Path], depth: int) -> None:
+    if not program.is_absolute() or not program.exists():
+        return
+    for candidate in (program, Path(os.path.realpath(program))):
+        found.extend(_install_of(candidate))
+    if depth >= 2:
+        return
+    interpreter = _shebang(Path(os.path.realpath(program)))
+    if interpreter:
+        name, *rest = interpreter
+        if os.path.basename(name) == "env" and rest:
+            args = [a for a in rest if not a.startswith("-")]
+            name = (shutil.which(args[0], path=path_env) or "") if args else ""
+        if name:
+            _program_installs(Path(name), path_env, found, depth + 1)
+
+
+def _install_of(path: Path) -> list[Path]:
+    if any(path.is_relative_to(s) for s in (*SYSTEM_PATHS, "/etc")):
+        return []
+    modules = [p for p in path.parents if p.name == "node_modules"]
+    if modules:
+        return [modules[-1]]
+    if path.parent.name == "bin":
+        prefix = path.parent.parent
+        cfg = prefix / "pyvenv.cfg"
+        if cfg.is_file():
+            return [prefix, *_venv_base(cfg)]
+        if prefix != Path("/"):
+            return [prefix]
+    return [path]
+
+
+def _venv_base(cfg: Path) -> list[Path]:
+    """The Python a venv was made from (its ``home`` is that Python's ``bin`` folder)."""
+    try:
+        lines = cfg.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "home":
+            home = Path(os.path.realpath(value.strip()))
+            return _install_of(home / "python3") if home.name == "bin" else [home]
+    return []
+
+
+def _shebang(path: Path) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return []
+    if not head.startswith(b"#!"):
+        return []
+    return head[2:].split(b"\n", 1)[0].decode(errors="replace").split()
 
 
 # -- the sandbox's processes ---------------------------------------------------------------------
@@ -326,6 +503,47 @@ def _walk(real: Path, dest: Path | None, shown: Path, stack: tuple[Path, ...]) -
             )
     if dest is not None:
         shutil.copystat(real, dest)
+
+
+def give_to(uid: int | None, *folders: Path) -> None:
+    """Make ``folders`` and everything in them owned by ``uid`` (and its gid), links
+    themselves and never what they point to; None: left as they are."""
+    if uid is None:
+        return
+    for folder in folders:
+        os.lchown(folder, uid, uid)
+        for base, dirs, files in os.walk(folder):
+            for name in (*dirs, *files):
+                os.lchown(os.path.join(base, name), uid, uid)
+
+
+def sanitize(work: Path) -> list[str]:
+    """Remove from ``work`` each symlink that leads out of it (or through a loop) and each
+    FIFO, socket or device the agent left: a verifier then never reads a host file through a
+    link, nor blocks on a FIFO. Returns the removed paths, relative to ``work``."""
+    root = Path(os.path.realpath(work))
+    removed = []
+    for base, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = Path(base) / name
+            try:
+                mode = path.lstat().st_mode
+            except OSError:
+                continue
+            if stat.S_ISLNK(mode):
+                try:
+                    target = Path(os.path.realpath(path, strict=True))
+                    leaves = not target.is_relative_to(root)
+                except (OSError, RuntimeError):  # dangling, or a loop
+                    leaves = True
+                if not leaves:
+                    continue
+            elif stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(str(path.relative_to(root)))
+    return sorted(removed)
 
 
 def check_restore(paths: object) -> tuple[str, ...]:

@@ -23,6 +23,10 @@ from capture.rollouts.sandbox import check_restore
 # The most a rollout request may ask for at once (the cap applies on top of it).
 MAX_N = 256
 SANDBOXES = ("bwrap", "none")
+# What a sandboxed agent may reach beyond the policy's API hosts, through the proxy: "none"
+# (nothing) or "public" (public hosts; never loopback, private or link-local addresses, the
+# policy servers or the control API).
+EGRESS = ("none", "public")
 
 
 @dataclass
@@ -43,6 +47,9 @@ class RolloutSpec:
     on_error: str = "skip"
     # "bwrap" or "none"; None: the option's (agenttap_sandbox).
     sandbox: str | None = None
+    # Shown read-only in the sandbox, beyond the system, the agent's install and the CA.
+    expose: tuple[Path, ...] = ()
+    egress: str = "none"
     timeout_s: float = 3600.0
     id: str = ""
 
@@ -51,7 +58,10 @@ def parse_rollout(body: Any) -> RolloutSpec:
     """A ``POST /rollouts`` body; ValueError worded for the caller otherwise."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
-    known = ("agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox")
+    known = (
+        "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
+        "expose", "egress",
+    )  # fmt: skip
     reject_unknown(body, (*known, "timeout_s", "wait"))
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -104,6 +114,13 @@ def parse_rollout(body: Any) -> RolloutSpec:
     sandbox = body.get("sandbox")
     if sandbox is not None and sandbox not in SANDBOXES:
         raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
+    expose = parse_expose(body.get("expose"))
+    egress = body.get("egress", "none")
+    if egress not in EGRESS:
+        raise ValueError(
+            '"egress" must be "none" (the agent reaches only the policy) or "public" (public '
+            "hosts too, through the proxy)"
+        )
     timeout = body.get("timeout_s")
     if timeout is None:
         timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
@@ -127,6 +144,26 @@ def parse_rollout(body: Any) -> RolloutSpec:
         restore=restore_paths,
         on_error=on_error,
         sandbox=sandbox,
+        expose=expose,
+        egress=egress,
         timeout_s=float(timeout),
         id=rollout_id or "r-" + uuid.uuid4().hex[:12],
     )
+
+
+def parse_expose(value: Any) -> tuple[Path, ...]:
+    """A rollout's ``"expose"``: absolute paths on the proxy's machine that exist."""
+    if value is None:
+        return ()
+    words = '"expose" must be a list of absolute paths on the proxy\'s machine, shown read-only'
+    if not isinstance(value, list):
+        raise ValueError(words)
+    paths = []
+    for item in value:
+        if not isinstance(item, str) or not item.startswith("/") or "\x00" in item:
+            raise ValueError(f"{words}; not {item!r}")
+        path = Path(item)
+        if not path.exists():
+            raise ValueError(f'"expose": {item!r} does not exist on the proxy\'s machine')
+        paths.append(path)
+    return tuple(paths)

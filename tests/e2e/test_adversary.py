@@ -9,7 +9,12 @@ changes, no process survives, no secret reaches a row, the victim is untouched."
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import sys
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,60 @@ from tests.stub_vllm import StubPolicy
 HOSTILE = Path(__file__).resolve().parents[1] / "hostile_agent.py"
 MARKER = b"hostile-daemon-4321"
 # Reads the task's own check file; a json.py the agent drops in the workdir must not shadow
-# the standard library here, and the check file it overwrote is restored first.
-CHECK = [sys.executable, "-c", "import json; print(json.loads(open('tests/check.txt').read()))"]
+# the standard library here, and the check file it overwrote is restored first. It reads every
+# file the agent left too, as a careless verifier would: a link to a host file or a FIFO the
+# agent planted must not reach it (a FIFO would block it until its timeout).
+CHECK = [
+    sys.executable,
+    "-c",
+    "import json, os\n"
+    "for f in sorted(os.listdir('.')):\n"
+    "    try:\n"
+    "        open(f).read() if os.path.isfile(f) else None\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(json.loads(open('tests/check.txt').read()))",
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def listening_ports() -> set[int]:
+    """The TCP ports listening on this host (its /proc/net/tcp and tcp6)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.fixture
+def canaries(tap: AgentTap, tmp_path: Path) -> Iterator[list[Path]]:
+    """A secret file in each of 12 places a sandbox must not show: the proxy's cwd, OUT's
+    parent, /root, $HOME, /tmp, /var/tmp, /srv, /opt, /mnt, a model folder, a checkpoint
+    folder, a folder beside the checkout."""
+    name = f"agenttap-canary-{uuid.uuid4().hex[:8]}.txt"
+    model = tmp_path / "models" / "policy"
+    ckpt = tmp_path / "checkpoints" / "step-1"
+    beside = REPO.parent / f"agenttap-canary-{uuid.uuid4().hex[:8]}"
+    for folder in (model, ckpt, beside):
+        folder.mkdir(parents=True)
+    home = Path(os.path.expanduser("~")) / ".config"
+    places = [REPO, tap.out.parent, Path("/root"), home, Path("/tmp"), Path("/var/tmp"),
+              Path("/srv"), Path("/opt"), Path("/mnt"), model, ckpt, beside]  # fmt: skip
+    made = []
+    for i, folder in enumerate(places):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        path.write_text(f"AGENTTAP-CANARY {i} {tap.token}\n")
+        made.append(path)
+    try:
+        yield made
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)
+        shutil.rmtree(beside, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +104,26 @@ def victim_untouched(tap: AgentTap, victim: str) -> None:
 
 
 def test_a_hostile_rollout_gains_nothing(
-    tap: AgentTap, confdir: Path, tmp_path: Path, tok: Any
-) -> None:
+    tap: AgentTap, confdir: Path, tmp_path: Path, tok: Any, stub: StubPolicy,
+    canaries: list[Path],
+) -> None:  # fmt: skip
     seed = tmp_path / "task"
     (seed / "tests").mkdir(parents=True)
     (seed / "tests" / "check.txt").write_text("0.25\n")
     outside = tmp_path / "outside.txt"
     victim = tap.open_session(id="victim-hostile").id
-    task = {"api": tap.api_url, "victim": victim, "outside": str(outside)}
+    # A unix socket made on the host (in /tmp, as a tool's server would) after the proxy
+    # started, and every TCP port of the host but the two handed in.
+    host_socket = Path(tempfile.mkdtemp(dir="/tmp")) / "service.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(host_socket))
+    listener.listen()
+    handed_in = {int(u.rstrip("/").rsplit(":", 1)[1]) for u in (tap.api_url, tap.proxy_url)}
+    task = {
+        "api": tap.api_url, "victim": victim, "outside": str(outside),
+        "policy": stub.url, "host_ports": sorted(listening_ports() - handed_in),
+        "canaries": [str(p) for p in canaries], "host_socket": str(host_socket),
+    }  # fmt: skip
     body = {
         "agent": {"command": [sys.executable, str(HOSTILE)]},
         "prompt": json.dumps(task),
@@ -63,7 +132,11 @@ def test_a_hostile_rollout_gains_nothing(
         "verifier": {"command": CHECK, "restore": ["tests/"]},
         "id": "hostile",
     }
-    result = tap.client.request("POST", "/rollouts", body, timeout=None)[0]
+    try:
+        result = tap.client.request("POST", "/rollouts", body, timeout=None)[0]
+    finally:
+        listener.close()
+        shutil.rmtree(host_socket.parent)
     runs = result["rollouts"]
     # The verifier's reward, not the planted 100, the forged 100 nor the shadowed json's 1000.
     assert [r["reward"] for r in runs] == [0.25, 0.25], runs
@@ -96,6 +169,18 @@ def test_a_hostile_rollout_gains_nothing(
         assert report["victim_by_base_url"] == 401
         assert report["victim_by_session_header"] == 200  # counted in its own session
         assert report["own_call_with_ca_key"] == 200
+        # Its own network: nothing of the host's listens there but the two ports handed in;
+        # the policy server cannot be reached, so neither reloaded, paused nor put to sleep.
+        assert set(report["listening_ports"]) == handed_in, report["listening_ports"]
+        assert task["host_ports"] and report["host_ports_reachable"] == []
+        for name in ("policy_reload", "policy_pause", "policy_sleep"):
+            assert report[name].startswith("error: "), (name, report[name])
+        assert report["host_unix_socket"] == "FileNotFoundError"
+        # Files from an allowlist: not one canary of the 12 places is there.
+        assert report["canaries_found"] == [], report["canaries_found"]
+        # What it left for the verifier (links out of the workdir, a FIFO) was removed first.
+        assert report["traps"] == ["answer.txt", "up.txt", "stuck.txt"]
+        assert set(run["sanitized"]) == {"answer.txt", "up.txt", "stuck.txt"}, run["sanitized"]
         # The rollout's rows: its own calls, and no key in them.
         assert run["metrics"]["calls"] == 2
         for row in run["rows"]:
