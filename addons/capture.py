@@ -38,6 +38,7 @@ from addons.credentials import proxy_credentials, strip_secrets  # noqa: E402
 from addons.gateway_start import announce_ready, announce_start, start_gateway  # noqa: E402
 from addons.in_process import InProcessAnswers  # noqa: E402
 from addons.log_filters import quiet_websocket_messages, skip_legacy_log_events  # noqa: E402
+from capture.egress import EgressRefused, public_address  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
     CONTROL_HOST,
@@ -81,6 +82,9 @@ class AgentTap:
         self.gateway: Gateway | None = None
         # client connection id -> proxy username and password given on its CONNECT
         self._tunnel_sessions: dict[str, tuple[str, str]] = {}
+        # Client connections whose tunnel goes to a public host (a rollout's "egress":
+        # "public"), and the address it was pinned to.
+        self._egress: dict[str, str] = {}
         self._options = {o.name: o for o in all_options()}
         # Every option, parsed (capture/options.py); None until configure has read them.
         self.settings: Settings | None = None
@@ -237,7 +241,7 @@ class AgentTap:
         )  # fmt: skip
         return True
 
-    def http_connect(self, flow: http.HTTPFlow) -> None:
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
         # The CONNECT is logged too (flow_detail >= 2 prints its headers): keys go first. A
         # proxyauth the user set has read its credentials already (it runs before scripts).
         user, password = proxy_credentials(flow.request.headers.get("Proxy-Authorization"))
@@ -246,17 +250,41 @@ class AgentTap:
             return  # proxyauth's 407
         host = flow.request.host.lower()
         if host not in self.hosts:
-            if not self._passes(host):
+            if not self._passes(host) and not await self._public_egress(flow, user, password):
                 self._refuse(flow, host)
             return
         if user:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = (user, password)
 
+    async def _public_egress(self, flow: http.HTTPFlow, user: str, password: str) -> bool:
+        """A CONNECT of a session whose rollout asked for ``"egress": "public"``, with that
+        session's secret, to a host whose every address is public: pinned to its address (the
+        one checked is the one dialled) and relayed unread, like a passthrough host."""
+        gateway = self.gateway
+        if gateway is None or not user or user not in gateway.egress_public:
+            return False
+        if gateway.control.credential_refusal(user, [password], required=True) is not None:
+            return False
+        host, port = flow.request.host, flow.request.port
+        try:
+            address = await public_address(host, port)
+        except EgressRefused as exc:
+            logger.warning("agenttap: session %s: a tunnel to %s refused: %s", user, host, exc)
+            return False
+        self._egress[flow.client_conn.id] = address
+        flow.request.host = address  # mitmproxy dials what the request names after this hook
+        return True
+
+    def _egress_to(self, client: connection.Client, address: object) -> bool:
+        """``address`` is the public host ``client``'s tunnel was pinned to."""
+        pinned = self._egress.get(client.id)
+        return pinned is not None and isinstance(address, tuple) and address[0] == pinned
+
     def tls_clienthello(self, data: tls.ClientHelloData) -> None:
         # A passthrough host's TLS is never intercepted: its bytes are relayed as they are.
         address = data.context.server.address
-        if address and self._passes(address[0]):
+        if address and (self._passes(address[0]) or self._egress_to(data.context.client, address)):
             data.ignore_connection = True
 
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
@@ -266,7 +294,7 @@ class AgentTap:
         address = data.server.address
         if self.gateway is not None and address == ("127.0.0.1", self.gateway.port):
             return
-        if address and self._passes(address[0]):
+        if address and (self._passes(address[0]) or self._egress_to(data.client, address)):
             return
         host, port = address or ("?", 0)
         data.server.error = f"agenttap: {host}:{port} is not dialed; only the policy answers here"
@@ -276,7 +304,7 @@ class AgentTap:
         # to the real host: close it instead. Nothing but the policy answers here. A passthrough
         # host's tunnel is relayed (its TLS, not intercepted, arrives here as raw bytes).
         address = flow.server_conn.address
-        if address and self._passes(address[0]):
+        if address and (self._passes(address[0]) or self._egress_to(flow.client_conn, address)):
             return
         logger.warning(
             "agenttap: closed a tunnel from %s that is not TLS or HTTP (raw bytes are never "
@@ -287,6 +315,7 @@ class AgentTap:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._tunnel_sessions.pop(client.id, None)
+        self._egress.pop(client.id, None)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route API calls to the gateway as soon as their headers are in: a body over

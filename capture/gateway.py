@@ -102,6 +102,8 @@ class Gateway:
         self.api_token = config.token or secrets.token_urlsafe(24)
         self.api_port = 0
         self.control = SessionControl()
+        # Sessions whose agent may tunnel to public hosts (capture/egress.py); rollouts set it.
+        self.egress_public: set[str] = set()
         self.metrics = Metrics()
         # Every session counts, opened through the API or first seen on a call (proxy mode).
         self.control.on_new = lambda _sid: self.metrics.sessions_opened.inc()
@@ -367,7 +369,7 @@ class Gateway:
                 f"proxy. It answers {self._served(call)} from the policy.",
             )
         try:
-            return await self._serve(request, call, provider, route)
+            return await self._serve(request, call, provider, route, secrets_given)
         except (web.HTTPException, NeedsLoopback):
             raise
         except Exception:
@@ -379,7 +381,12 @@ class Gateway:
             )
 
     async def _serve(
-        self, request: IncomingRequest, call: Call, provider: Provider[Any], route: Route
+        self,
+        request: IncomingRequest,
+        call: Call,
+        provider: Provider[Any],
+        route: Route,
+        secrets_given: list[str],
     ) -> web.StreamResponse:
         if route.kind is RouteKind.TURN:
             return await self.pipeline.serve_http(request, call, provider)
@@ -392,7 +399,7 @@ class Gateway:
         if route.kind is RouteKind.WEBSOCKET:
             if not isinstance(request, web.Request):
                 raise NeedsLoopback("a WebSocket")
-            return await provider.serve_websocket(request, call, self)
+            return await provider.serve_websocket(request, call, CheckedTurns(self, secrets_given))
         return provider.error(route.status, route.message)
 
     async def _models(
@@ -404,3 +411,35 @@ class Gateway:
             return provider.policy_error(exc)
         names = [model_id] if model_id else self.policies.model_names(info.model, session_id)
         return web.json_response(provider.models_body(names, model_id))
+
+
+class CheckedTurns:
+    """The TurnRunner a WebSocket gets: each turn's session checked again with the secrets its
+    connection gave. A socket opened under an id nobody had opened yet is refused the turns it
+    sends once a trainer opened that id (they would be the opened session's otherwise)."""
+
+    def __init__(self, gateway: Gateway, secrets_given: list[str]) -> None:
+        self.gateway = gateway
+        self.secrets_given = secrets_given
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.gateway.max_body_bytes
+
+    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
+        return self.gateway.session_id(request, provider)
+
+    async def run_turn(
+        self,
+        provider: Provider[Any],
+        parsed: ProviderTurn,
+        send: Callable[[bytes], Awaitable[None]],
+        user_agent: str = "",
+    ) -> web.Response | None:
+        gateway = self.gateway
+        refused = gateway.control.credential_refusal(
+            parsed.session_id, self.secrets_given, required=gateway.config.require_session_secret
+        )
+        if refused is not None:
+            return provider.error(401, refused)
+        return await gateway.run_turn(provider, parsed, send, user_agent)

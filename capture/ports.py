@@ -35,6 +35,8 @@ class GatewayCore(Protocol):
     store: SessionStore
     template: ChatTemplate
     api_token: str
+    # Sessions whose agent may open tunnels to public hosts (a rollout's "egress": "public").
+    egress_public: set[str]
 
     async def flush(self, session_id: str | None = None) -> list[Path]: ...
 
@@ -70,6 +72,7 @@ class RolloutHost(Protocol):
         reward: float | dict[str, float] | None,
         end_reason: str | None = None,
         reward_auxiliary: bool = False,
+        reward_source: str = "close",
     ) -> tuple[Any, list[dict[str, Any]], list[str]] | None: ...
 
     async def body(self, request: web.Request) -> dict[str, Any]: ...

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, parse_limits
+from capture.egress import EGRESS_PUBLIC
 from capture.ports import RolloutHost
 from capture.rollouts.netbridge import INSIDE, NetBridge, inside_url, interpreter, route_for
 from capture.rollouts.processes import Child, stop
@@ -212,6 +213,8 @@ class Rollouts:
             sid = f"{spec.id}-{i}"
             metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
             self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
+            if spec.egress == EGRESS_PUBLIC:
+                self.api.gateway.egress_public.add(sid)
             runs.append(Run(i, sid, self.root / spec.id / str(i)))
         rollout = Rollout(spec, runs, sandbox, bwrap)
         self._rollouts[spec.id] = rollout
@@ -536,6 +539,7 @@ class Rollouts:
         """Close the run's session with its reward (the verifier's: the rows' ``reward_source``
         says so); the rows say how it finished. A session someone else closed (and so could
         reward) before this runner did ends the run ``error``, its rows without a reward."""
+        self.api.gateway.egress_public.discard(run.session_id)
         control = self.api.gateway.control
         sess = control.get(run.session_id)
         taken = self._taken_over(run, sess)
