@@ -15,7 +15,8 @@ Per agent or verifier run (one sandboxed process group):
   (``unmount_keeping``) when the run ends.
 - ``OutputPump``: the agent's stdout and stderr into its log, kept to ``output_mb``.
 - ``watch``: polls the kernel's counters and returns the first limit hit, by its name
-  (``LIMIT_NAMES``), for the rollout's ``finish_reason: "limit"``.
+  (``LIMIT_NAMES``), for the rollout's ``finish_reason: "limit"``; ``limit_hit`` is one look
+  (again once the run ended).
 
 ``mechanism()`` is the start-up log's line saying which of these apply on this host (as root
 with writable cgroups: all; otherwise what is missing and what still applies). cgroups are made
@@ -64,8 +65,9 @@ MAX_CPU_S = 1e9
 class SandboxLimits:
     """One run's limits (an agent's or a verifier's). The defaults, for an agent CLI:
 
-    - ``memory_mb`` 4096: Node CLIs (Claude Code, Codex, Gemini CLI) use 300-600 MB, the tools
-      they run (a test suite, pip, a compiler) more; and the run's tmpfs pages are charged to
+    - ``memory_mb`` 4096: Node CLIs (Claude Code, Codex, Gemini CLI) use 300-600 MB in a
+      session (``gemini --version`` alone peaks at 270 MB), the tools they run (a test suite,
+      pip, a compiler) more; and the run's tmpfs pages are charged to
       the same cgroup (the kernel charges shmem to whoever wrote it), so this must hold
       ``disk_mb`` and the processes at once: 2 GiB of files and 2 GiB of processes.
     - ``pids`` 512: the kernel counts threads (a Node process alone has about a dozen); enough
@@ -903,24 +905,36 @@ async def pump_output(source: asyncio.StreamReader | int, log_path: Path, cap_by
 # ---------------------------------------------------------------- all of them, watched
 
 
+def limit_hit(
+    cgroup: RolloutCgroup | None, quota: DiskQuota | None, output: OutputPump | None
+) -> str | None:
+    """One look at every limit of a run: the first one hit ("output", "memory", "pids",
+    "cpu_s", "disk") or None. Ask again once the run has ended: a limit hit just before its
+    last process exited (an OOM kill of the agent itself) may not have been polled yet."""
+    if output is not None and output.hit:
+        return "output"
+    hit = cgroup.exceeded() if cgroup is not None else None
+    if hit is not None:
+        return hit
+    if quota is not None and quota.full():
+        return "disk"
+    return None
+
+
 async def watch(
     cgroup: RolloutCgroup | None,
     quota: DiskQuota | None,
     output: OutputPump | None,
     interval_s: float = 0.25,
 ) -> str:
-    """The first limit a run hits ("output", "memory", "pids", "cpu_s", "disk"), polled every
-    ``interval_s`` (the output limit at once); runs until one is hit: await it beside the run
-    and cancel it when the run ends. A blocking read of a plain folder's size (a degraded
-    ``DiskQuota``) happens at most every ``DEGRADED_WALK_EVERY_S``."""
+    """The first limit a run hits (``limit_hit``), polled every ``interval_s`` (the output
+    limit at once); runs until one is hit: await it beside the run and cancel it when the run
+    ends. A degraded ``DiskQuota`` (a plain folder) is walked at most every
+    ``DEGRADED_WALK_EVERY_S``."""
     while True:
-        if output is not None and output.hit:
-            return "output"
-        hit = cgroup.exceeded() if cgroup is not None else None
+        hit = limit_hit(cgroup, quota, output)
         if hit is not None:
             return hit
-        if quota is not None and quota.full():
-            return "disk"
         if output is None:
             await asyncio.sleep(interval_s)
         else:

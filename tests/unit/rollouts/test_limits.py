@@ -123,7 +123,7 @@ def test_memory_limit_kills_a_process_past_it(cgroups: Callable) -> None:
     cg = cgroups(memory_mb=128)
     done = run(cg.launch_prefix(), PY, "-c", "b = bytearray(1 << 30); print('survived')")
     assert done.returncode == -9 and "survived" not in done.stdout
-    assert cg.exceeded() == "memory"
+    assert cg.exceeded() == "memory" == L.limit_hit(cg, None, None)
     assert cg.oom_kills() >= 1
     assert cg.usage()["memory_peak_bytes"] <= 128 * MIB
 
