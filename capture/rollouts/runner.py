@@ -24,6 +24,7 @@ capture/rollouts/processes.py (``stop``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -31,12 +32,24 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.ports import RolloutHost
+from capture.rollouts.limits import (
+    MIB,
+    DiskQuota,
+    OutputPump,
+    RolloutCgroup,
+    SandboxLimits,
+    limit_hit,
+    mechanism,
+    release,
+    remove_stale,
+    watch,
+)
 from capture.rollouts.netbridge import INSIDE, NetBridge, inside_url, interpreter, route_for
 from capture.rollouts.processes import Child, stop
 from capture.rollouts.sandbox import (
@@ -63,6 +76,8 @@ logger = logging.getLogger(__name__)
 # Finish reasons beyond the session's own (stop, max_calls, max_tokens, deadline).
 FINISH_ERROR = "error"
 FINISH_CANCELLED = "cancelled"
+# A kernel limit of the sandbox ended it (the run's "limit" names which).
+FINISH_LIMIT = "limit"
 VERIFIER_TIMEOUT_S = 300.0
 OUTPUT_KEPT = 4000
 # The verifier's output read back for its last line.
@@ -89,6 +104,14 @@ class Run:
     wall_time_s: float = 0.0
     # What was removed from the workdir before scoring (links out of it, FIFOs, sockets).
     sanitized: list[str] = field(default_factory=list)
+    # The kernel limit the agent or verifier went past ("memory", "pids", "cpu_s", "disk",
+    # "output"), and what its processes used (peak memory, CPU seconds).
+    limit: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    # Where work/, home/ and tmp/ live while it runs: the run's folder, or the size-capped tmpfs
+    # in it (box/) that holds the disk limit; kept on disk in the run's folder at the end.
+    base: Path | None = None
+    quota: DiskQuota | None = None
     # The process running now: the agent, then the verifier.
     child: Child | None = None
 
@@ -101,10 +124,12 @@ class Run:
             "reward": self.reward,
             "exit_code": self.exit_code,
             "error": self.error,
-            "workdir": str(self.folder / "work"),
+            "workdir": str((self.base or self.folder) / "work"),
             "agent_output": self.agent_output,
             "verifier_output": self.verifier_output,
             "sanitized": self.sanitized,
+            "limit": self.limit,
+            "usage": self.usage,
             "metrics": {**self.metrics, "rollout_wall_time_s": round(self.wall_time_s, 3)},
         }
         if rows:
@@ -169,6 +194,12 @@ class Rollouts:
         # Where the launcher stages what bwrap binds (an empty folder; mounts go on it only in
         # each launcher's own mount namespace).
         self._stage: Path | None = None
+        # What a crashed instance left (its cgroups, its tmpfs) goes; the log says which kernel
+        # limits apply on this host.
+        removed = remove_stale()
+        if removed:
+            logger.info("agenttap: removed what an earlier instance left: %s", ", ".join(removed))
+        logger.info("%s", mechanism())
 
     @property
     def root(self) -> Path:
@@ -256,6 +287,7 @@ class Rollouts:
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage = None
+        release()
 
     async def bridge(self) -> NetBridge:
         """The bridge into sandboxes' networks: the proxy's port (when mitmdump listens) and
@@ -301,8 +333,28 @@ class Rollouts:
             logger.exception("agenttap: rollout %s/%d failed", rollout.id, run.index)
             run.error = f"agenttap: internal error: {exc}"
         finally:
+            await self._keep_files(run)
             await self._close(run)
             run.wall_time_s = time.monotonic() - run.started_at
+
+    async def _keep_files(self, run: Run) -> None:
+        """The run's work/ and HOMEs out of its size-capped tmpfs, onto disk in its folder."""
+        quota, run.quota = run.quota, None
+        if quota is None:
+            return
+        names = ("work", "home", "verifier-home")
+        try:
+            skipped = await asyncio.to_thread(quota.unmount_keeping, names, run.folder)
+        except OSError as exc:
+            logger.error(
+                "agenttap: rollout run %s: its files could not be kept: %s", run.folder, exc
+            )
+            return
+        run.base = run.folder
+        with contextlib.suppress(OSError):
+            quota.path.rmdir()
+        if skipped:
+            logger.info("agenttap: %s: not kept (special files): %s", run.folder, skipped[:5])
 
     def _agent_failure(self, run: Run) -> str | None:
         """Why an agent that ended by itself failed: a non-zero exit (unless its session
@@ -322,8 +374,14 @@ class Rollouts:
 
     async def _agent(self, rollout: Rollout, run: Run) -> None:
         spec = rollout.spec
-        work, home, tmp = run.folder / "work", run.folder / "home", run.folder / "tmp"
         run.folder.mkdir(parents=True, exist_ok=True)
+        # The disk limit: work/, home/ and tmp/ on a tmpfs of that size (a plain folder where
+        # this process may not mount one: see limits.mechanism()).
+        run.quota = await asyncio.to_thread(
+            DiskQuota.mount, run.folder / "box", spec.sandbox_limits.disk_mb
+        )
+        run.base = base = run.quota.path
+        work, home, tmp = base / "work", base / "home", base / "tmp"
         if spec.workdir is not None:
             try:
                 await asyncio.to_thread(copy_seed, spec.workdir, work)
@@ -352,30 +410,75 @@ class Rollouts:
         if rollout.cancelled:
             return
         run.status = "running"
-        with open(log, "wb") as out:
-            try:
-                run.child = await self._spawn(
-                    rollout, spec.command, env, work, home, tmp, out, network=True
-                )
-            except OSError as exc:
-                run.error = f"the agent could not start: {exc}"
-                return
-            timed_out = False
+        try:
+            ended = await self._supervised(
+                rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s
+            )
+        except OSError as exc:
+            run.error = f"the agent could not start: {exc}"
+            return
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            run.agent_output = _tail(log)
+        if ended.timed_out:
+            run.error = f"the agent ran past its timeout ({spec.timeout_s:g} s) and was stopped"
+        elif ended.limit is not None:
+            run.limit = ended.limit
+            run.error = limit_words("agent", ended.limit, spec.sandbox_limits)
+        elif not ended.gone:
+            run.error = "agenttap: the agent's processes did not end; it is not scored"
+
+    async def _supervised(
+        self,
+        rollout: Rollout,
+        run: Run,
+        role: str,
+        command: list[str],
+        env: dict[str, str],
+        folders: tuple[Path, Path, Path],
+        log: Path,
+        timeout_s: float,
+    ) -> Ended:
+        """Run ``command`` (the agent or the verifier) in the rollout's sandbox under the
+        kernel's limits (a cgroup of its own: memory, pids, CPU seconds; rlimits; its output
+        kept to ``output_mb`` in ``log``) until it ends, runs past ``timeout_s``, goes past a
+        limit or the rollout is cancelled; then every process of it is ended."""
+        limits = rollout.spec.sandbox_limits
+        cgroup = RolloutCgroup.create(f"{rollout.id}-{run.index}-{role}", limits)
+        pump = OutputPump(log, limits.output_mb * MIB)
+        timed_out, limit, gone = False, None, True
+        try:
+            run.child = child = await self._spawn(
+                rollout, command, env, *folders, network=role == "agent",
+                prefix=cgroup.launch_prefix(),
+            )  # fmt: skip
+            assert child.proc.stdout is not None
+            pumping = asyncio.ensure_future(pump.run(child.proc.stdout))
+            waiting = asyncio.ensure_future(child.proc.wait())
+            watching = asyncio.ensure_future(watch(cgroup, run.quota, pump))
             try:
                 # A DELETE while it started found no process to stop: it is stopped here.
                 if not rollout.cancelled:
-                    run.exit_code = await asyncio.wait_for(run.child.proc.wait(), spec.timeout_s)
-            except TimeoutError:
-                timed_out = True
-                run.error = f"the agent ran past its timeout ({spec.timeout_s:g} s) and was stopped"
+                    done, _ = await asyncio.wait(
+                        {waiting, watching}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    timed_out = not done
+                    if watching in done:
+                        limit = watching.result()
             finally:
+                watching.cancel()
                 # Whatever it left running (a tool's server, a daemon) ends with it.
-                gone = await stop(run.child, graceful=timed_out or rollout.cancelled)
-                run.exit_code = run.child.proc.returncode
-        if not gone and run.error is None:
-            run.error = "agenttap: the agent's processes did not end; it is not scored"
-        await asyncio.to_thread(shutil.rmtree, tmp, True)
-        run.agent_output = _tail(log)
+                gone = await stop(child, graceful=timed_out or rollout.cancelled)
+                await cgroup.kill_all()
+                await pumping
+            # An agent the kernel killed (out of memory) may have exited before a poll saw it.
+            limit = limit or limit_hit(cgroup, run.quota, pump)
+            if role == "agent":
+                run.exit_code = child.proc.returncode
+            run.usage[role] = cgroup.usage()
+        finally:
+            await cgroup.remove()
+        return Ended(timed_out, limit, gone)
 
     def _session_env(self, run: Run, inside: bool) -> dict[str, str]:
         """The session's environment for its agent (proxy, CA, its secret as the keys);
@@ -405,21 +508,25 @@ class Rollouts:
         work: Path,
         home: Path,
         tmp: Path,
-        out: IO[bytes],
         network: bool,
+        prefix: list[str],
     ) -> Child:
-        """Start ``command`` in ``work`` (its output to ``out``), in the rollout's sandbox: only
+        """Start ``command`` in ``work`` (its output on a pipe), in the rollout's sandbox: only
         ``work``, ``home`` and ``tmp`` writable; with ``network``, the proxy's and the API's
-        ports handed in by the forwarder (the agent), else no network at all (the verifier)."""
+        ports handed in by the forwarder (the agent), else no network at all (the verifier).
+        ``prefix`` runs first, as this process's user (it joins the run's cgroup, sets the
+        rlimits, then execs the rest)."""
         common: dict[str, Any] = {
             "env": env,
             "stdin": asyncio.subprocess.DEVNULL,
-            "stdout": out,
+            "stdout": asyncio.subprocess.PIPE,
             "stderr": asyncio.subprocess.STDOUT,
             "start_new_session": True,
         }
         if rollout.bwrap is None:
-            return Child(await asyncio.create_subprocess_exec(*command, cwd=work, **common))
+            return Child(
+                await asyncio.create_subprocess_exec(*prefix, *command, cwd=work, **common)
+            )
         ends, config = self.api.endpoints, self.api.gateway.config
         path_env = env.get("PATH", "")
         bridge = await self.bridge() if network else None
@@ -447,7 +554,7 @@ class Rollouts:
                 box, inner, rollout.bwrap, info_fd=info_w, uid=user, stage=self._stage
             )
             proc = await asyncio.create_subprocess_exec(
-                *argv, pass_fds=(info_w,), cwd="/", **common
+                *prefix, *argv, pass_fds=(info_w,), cwd="/", **common
             )
         except BaseException:
             os.close(info_r)
@@ -468,8 +575,9 @@ class Rollouts:
         the reward; anything else is an error, its output kept."""
         spec = rollout.spec
         assert spec.verifier is not None
-        work = run.folder / "work"
-        home, tmp = run.folder / "verifier-home", run.folder / "verifier-tmp"
+        base = run.base or run.folder
+        work = base / "work"
+        home, tmp = base / "verifier-home", base / "verifier-tmp"
         if spec.restore and spec.workdir is not None:
             try:
                 await asyncio.to_thread(restore, spec.workdir, work, spec.restore)
@@ -499,29 +607,27 @@ class Rollouts:
             "AGENTTAP_SESSION": run.session_id,
         }
         log = run.folder / "verifier.log"
-        with open(log, "wb") as out:
-            try:
-                run.child = await self._spawn(
-                    rollout, spec.verifier, env, work, home, tmp, out, network=False
-                )
-            except OSError as exc:
-                run.error = f"the verifier could not start: {exc}"
-                return
-            timed_out = False
-            try:
-                if not rollout.cancelled:
-                    await asyncio.wait_for(run.child.proc.wait(), VERIFIER_TIMEOUT_S)
-            except TimeoutError:
-                timed_out = True
-                run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
-            finally:
-                await stop(run.child, graceful=False)
-        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        try:
+            ended = await self._supervised(
+                rollout, run, "verifier", spec.verifier, env, (work, home, tmp), log,
+                VERIFIER_TIMEOUT_S,
+            )  # fmt: skip
+        except OSError as exc:
+            run.error = f"the verifier could not start: {exc}"
+            return
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
         output = _tail(log, VERIFIER_TAIL)
         run.verifier_output = output[-OUTPUT_KEPT:]
+        assert run.child is not None
         returncode = run.child.proc.returncode
-        if timed_out or rollout.cancelled:  # stopped: its output is no score
-            return
+        if ended.timed_out:
+            run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
+        elif ended.limit is not None:
+            run.limit = ended.limit
+            run.error = limit_words("verifier", ended.limit, spec.sandbox_limits)
+        if ended.timed_out or ended.limit is not None or rollout.cancelled:
+            return  # stopped: its output is no score
         if returncode != 0:
             run.error = f"the verifier exited with {returncode}"
             return
@@ -549,6 +655,8 @@ class Rollouts:
         limit = sess.limit_reached if sess is not None else None
         if run.status == "cancelled":
             reason = FINISH_CANCELLED
+        elif run.limit is not None:
+            run.status, reason = "error", FINISH_LIMIT
         elif run.error is not None:
             run.status, reason = "error", FINISH_ERROR
         else:
@@ -604,6 +712,35 @@ class Rollouts:
         if sess.opened_mono > run.started_at:
             return f"session {sid!r} was closed and opened again through the control API"
         return None
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a supervised agent or verifier ended."""
+
+    timed_out: bool
+    limit: str | None
+    gone: bool
+
+
+# Which limit key says what, for the words of an error.
+LIMIT_KEYS = {
+    "memory": ("memory_mb", "MB of memory"),
+    "pids": ("pids", "processes and threads"),
+    "cpu_s": ("cpu_s", "CPU seconds"),
+    "disk": ("disk_mb", "MB of disk (work, HOME and TMPDIR)"),
+    "output": ("output_mb", "MB of output"),
+}
+
+
+def limit_words(role: str, limit: str, limits: SandboxLimits) -> str:
+    """The error of a run ended by a kernel limit: which, and how to raise it."""
+    key, what = LIMIT_KEYS.get(limit, (limit, limit))
+    value = getattr(limits, key, "?")
+    return (
+        f"the {role} went past its limit of {value:g} {what} and was stopped "
+        f'(limits.{key}; raise it in the rollout\'s "limits" if the task needs more)'
+    )
 
 
 def sandbox_user() -> int | None:

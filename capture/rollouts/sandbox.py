@@ -265,7 +265,7 @@ def sandbox_argv(
         "gid": uid,
         "argv": argv,
     }
-    return [os.path.realpath(sys.executable), "-I", str(LAUNCHER), json.dumps(launch)]
+    return [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), json.dumps(launch)]
 
 
 def make_stage() -> Path:
@@ -282,7 +282,8 @@ def program_paths(command: list[str], path_env: str) -> tuple[Path, ...]:
     ``/usr/bin/env node`` included); each absolute argument naming a file (a script). An
     install is the top-most ``node_modules`` folder the program is in, or a venv (its
     ``pyvenv.cfg``) and the Python it was made from, or the prefix above a ``bin`` folder, or
-    the file alone. The system's folders are shown anyway and are left out."""
+    the file alone; an absolute argument that is an executable is resolved as a program too
+    (``env VAR=1 /path/to/cli``). The system's folders are shown anyway and are left out."""
     found: list[Path] = []
     if not command:
         return ()
@@ -292,7 +293,11 @@ def program_paths(command: list[str], path_env: str) -> tuple[Path, ...]:
     _program_installs(Path(program), path_env, found, depth=0)
     for arg in command[1:]:
         if arg.startswith("/") and os.path.isfile(arg):
-            found.append(Path(arg))
+            # An executable is a program too (``env VAR=1 /path/to/cli``, ``timeout 60 cli``).
+            if os.access(arg, os.X_OK):
+                _program_installs(Path(arg), path_env, found, depth=0)
+            else:
+                found.append(Path(arg))
     return tuple(dict.fromkeys(found))
 
 

@@ -18,6 +18,7 @@ from capture.control.sessions import (
     reject_unknown,
 )
 from capture.rollouts.agents import agent_command
+from capture.rollouts.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
 from capture.rollouts.sandbox import check_restore
 
 # The most a rollout request may ask for at once (the cap applies on top of it).
@@ -38,6 +39,8 @@ class RolloutSpec:
     n: int = 1
     workdir: Path | None = None
     limits: dict[str, Any] = field(default_factory=dict)
+    # The kernel's limits on each agent and verifier (memory, pids, disk, CPU, output).
+    sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)
     metadata: dict[str, Any] = field(default_factory=dict)
     verifier: list[str] | None = None
     # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
@@ -81,7 +84,15 @@ def parse_rollout(body: Any) -> RolloutSpec:
         workdir = Path(body["workdir"]).expanduser().resolve()
         if not workdir.is_dir():
             raise ValueError(f'"workdir" {str(workdir)!r} is not a folder on the proxy\'s machine')
-    limits = parse_limits(body.get("limits"))
+    raw_limits = body.get("limits")
+    if raw_limits is not None and not isinstance(raw_limits, dict):
+        raise ValueError(
+            '"limits" must be an object: {"max_calls", "max_tokens", "deadline_s", "memory_mb", '
+            '"pids", "disk_mb", "cpu_s", "output_mb"}'
+        )
+    sandbox_limits = parse_sandbox_limits(raw_limits, SandboxLimits())
+    session_limits = {k: v for k, v in (raw_limits or {}).items() if k not in SANDBOX_LIMIT_KEYS}
+    limits = parse_limits(session_limits)
     verifier = None
     restore_paths: tuple[str, ...] = ()
     on_error = "skip"
@@ -139,6 +150,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
         n=n,
         workdir=workdir,
         limits={k: v for k, v in vars(limits).items() if v is not None},
+        sandbox_limits=sandbox_limits,
         metadata=check_metadata(body.get("metadata")),
         verifier=verifier,
         restore=restore_paths,

@@ -181,6 +181,10 @@ def test_a_program_brings_its_own_install(tmp_path: Path) -> None:
     found = program_paths([str(modules / ".bin" / "cli"), str(arg), "/nonexistent"], "/usr/bin")
     assert found[0] == modules and arg in found
     assert all(not p.is_relative_to("/usr") for p in found)
+    # A program run through another (env, timeout) brings its install all the same.
+    script.chmod(0o755)
+    found = program_paths(["env", "A=1", str(modules / ".bin" / "cli"), "-p"], "/usr/bin")
+    assert found == (modules,)
 
 
 def test_hidden_paths_are_real_paths_parents_first(host: Host, tmp_path: Path) -> None:
