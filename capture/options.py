@@ -77,7 +77,10 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "agenttap_policy_url",
         "",
-        "vLLM server URL(s), comma-separated (http://HOST:PORT,...); a session sticks to one.",
+        "vLLM server URL(s), comma-separated: http://HOST:PORT, or unix:/PATH for one served on a "
+        "unix socket (vllm serve --uds PATH: only the socket folder's owner reaches its dev-mode "
+        "routes; a TCP one whose /pause answers anyone is warned of at start). A session sticks "
+        "to one.",
         parse_urls,
     ),
     Option(
