@@ -1,8 +1,11 @@
 """Rollouts: agenttap runs the agent too. ``runner`` (n agents, each its own session and
 sandbox, the verifier, the close), ``spec`` (a ``/rollouts`` request read and checked),
 ``processes`` (a started agent or verifier, and ending all its processes), ``routes``
-(``/rollouts``), ``agents`` (each CLI's headless command line), ``sandbox`` (bubblewrap, safe
-workdir copies).
+(``/rollouts``), ``agents`` (each CLI's headless command line), ``sandbox`` (bubblewrap from an
+allowlist, safe workdir copies), ``launch`` (bwrap started as a user that owns nothing),
+``netbridge`` and ``bridge`` (a sandbox's own network: the proxy's and the API's ports handed
+in), ``limits`` (a run's hard limits: cgroup, tmpfs, prlimit, output).
 
-May import: ``capture.ports`` (``RolloutHost``), ``capture.control.sessions``. Never
-``capture.gateway`` or ``capture.control.api``."""
+May import: ``capture.ports`` (``RolloutHost``), ``capture.control.sessions``,
+``capture.control.endpoints``, ``capture.egress``. Never ``capture.gateway`` or
+``capture.control.api``."""
