@@ -289,7 +289,7 @@ def canaries() -> list[str]:
             found.append(path)
             keep(text)
     skip = {"/usr", "/proc", "/sys", "/dev"}
-    for root, dirs, files in os.walk("/"):
+    for root, dirs, files in os.walk("/") if TASK.get("walk", True) else ():
         dirs[:] = [d for d in dirs if os.path.join(root, d) not in skip]
         for name in files:
             text = read_text(Path(root) / name, 4096)

@@ -40,7 +40,7 @@ CHECK = [
     "import json, os\n"
     "for f in sorted(os.listdir('.')):\n"
     "    try:\n"
-    "        open(f).read() if os.path.isfile(f) else None\n"
+    "        open(f).read() if not os.path.isdir(f) else None\n"
     "    except OSError:\n"
     "        pass\n"
     "print(json.loads(open('tests/check.txt').read()))",
