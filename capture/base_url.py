@@ -10,11 +10,13 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
+from capture.pipeline.bodies import too_large_message
 from capture.pipeline.session_ids import (
     INTERNAL_PREFIX,
     SECRET_HEADERS,
@@ -112,6 +114,9 @@ async def serve_base_url(
     session_id = urllib.parse.unquote(raw_id)
     given = api_keys(request.headers, request.query)
     if raw_path.rstrip("/") == "generate":
+        read = await _read_whole(request)
+        if read is not None:
+            return read
         refused = control.credential_refusal(session_id, given, required=require_session_secret)
         if refused is not None:
             return web.json_response(
@@ -133,7 +138,31 @@ async def serve_base_url(
     headers[SESSION_HEADER] = quote_session(session_id or "anonymous")
     query = [(k, v) for k, v in request.query.items() if k.lower() not in SECRET_QUERY]
     url = URL.build(path="/" + raw_path, encoded=True).with_query(query)
-    return await answer(request.clone(rel_url=url, headers=headers), host, given)
+    clone = request.clone(rel_url=url, headers=headers)
+    read = await _read_whole(clone)
+    if read is not None:
+        return read
+    return await answer(clone, host, given)
+
+
+async def _read_whole(request: web.Request) -> web.Response | None:
+    """Read the request's body whole (kept by the request for whoever reads it next) before its
+    session's secret is checked: a call let in while its id was not opened yet must not stretch
+    across the time a trainer opens it (a body sent slowly on purpose) and be counted then.
+    None: read (or none); else the error answering a body that cannot be read (larger than
+    agenttap_max_body_bytes, or cut short)."""
+    if not request.can_read_body:
+        return None
+    try:
+        await request.read()
+        return None
+    except web.HTTPRequestEntityTooLarge:
+        status, message = 413, too_large_message(request.client_max_size)
+    except RequestPayloadError as exc:
+        status, message = 400, f"The request body could not be read: {exc}"
+    return web.json_response(
+        {"error": {"message": f"agenttap: {message}", "status": status}}, status=status
+    )
 
 
 def guess_host(request: web.Request, path: str) -> str:

@@ -12,6 +12,12 @@ per-session base URLs) and at ``http://agenttap.local`` through the proxy. Every
   ``Accept: application/vnd.apache.arrow.stream``) with reward (one number: on main and subagent
   rows, on auxiliary rows too with ``reward_auxiliary``), metadata, ``end_reason``, ``metrics``
 - ``POST /sessions/{id}/reward`` ``{"reward"}``: a late reward, after close
+
+Opening an id claims it: calls naming it need its secret from then on, and the rows of calls
+made under it before (a proxy username or base URL nobody had opened) stay apart, as session
+``ID~unopened-HEX`` (capture/control/sessions.py ``open``, SessionStore.detach). Rows say where
+their reward came from (``reward_source``): ``close`` (this close), ``verifier`` (a rollout's),
+``late`` (``/reward``).
 - ``GET /sessions``, ``GET /sessions/{id}``, ``GET /healthz``, ``GET /ready``,
   ``GET /openapi.json``, ``POST /flush[?session=ID]``
 
@@ -51,6 +57,7 @@ from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.storage.sessions import RowAnnotations
+from capture.storage.shards import REWARD_CLOSE
 from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 from rewriter.vllm_client import PolicyError
@@ -106,6 +113,17 @@ class ControlAPI:
         self.replicas = ReplicaRoutes(gateway, self.body)
         self.policy = PolicyRoutes(gateway, self.body)
         self.viewer = live_viewer(gateway)
+        # Opening an id takes it from calls made before (capture/control/sessions.py open).
+        control, store = gateway.control, gateway.store
+        control.on_claim = self._claim
+        store.claimed_at = control.claimed_at
+        store.on_dropped = control.note_dropped
+
+    def _claim(self, sid: str, apart: str) -> None:
+        """What the store holds of ``sid`` from calls before its opening goes under ``apart``
+        (written later when a worker thread is placing a call in its tree now)."""
+        busy = sid in self.gateway.pipeline.busy_sessions()
+        self.gateway.store.detach(sid, apart, write=not busy)
 
     @property
     def out_dir(self) -> Path:
@@ -378,18 +396,22 @@ class ControlAPI:
         reward: float | dict[str, float] | None,
         end_reason: str | None = None,
         reward_auxiliary: bool = False,
+        reward_source: str = REWARD_CLOSE,
     ) -> tuple[ControlledSession, list[dict[str, Any]], list[str]] | None:
         """Close a live session: its rows written with the reward, metadata, end reason
         (``end_reason``, else the limit it reached, else ``stop``) and metrics. Returns the
         session, all its rows (those written before the close included) and the thread ids a
         per-thread reward named that it has no row for; None if it is not live. One number is
         the reward of the main and subagent rows, and of the auxiliary ones only with
-        ``reward_auxiliary``; a per-thread reward is set on the threads it names."""
+        ``reward_auxiliary``; a per-thread reward is set on the threads it names.
+        ``reward_source``: what the rows' ``reward_source`` says (``verifier``: a rollout's
+        runner closing it; the session then records it was the runner)."""
         control = self.gateway.control
         if sid not in {s.id for s in control.live()}:
             return None
         started = time.monotonic()
-        sess = control.close(sid, end_reason)
+        closed_by = "runner" if reward_source != REWARD_CLOSE else "api"
+        sess = control.close(sid, end_reason, closed_by=closed_by, reward=reward)
         self.gateway.metrics.sessions_closed.labels(sess.end_reason or "").inc()
         annotations = RowAnnotations(
             metadata=sess.metadata or None,
@@ -397,6 +419,7 @@ class ControlAPI:
             end_reason=sess.end_reason,
             metrics=sess.metrics.as_dict(),
             reward_auxiliary=reward_auxiliary,
+            reward_source=reward_source,
         )
         new_rows: list[dict[str, Any]] = []
         store = self.gateway.store
@@ -418,7 +441,7 @@ class ControlAPI:
             else:
                 late = {r["thread_id"]: reward for r in earlier if annotations.rewards(r)}
             if late != {}:
-                write_rewards(self.out_dir, sid, late)
+                write_rewards(self.out_dir, sid, late, source=reward_source)
             for row in earlier:
                 annotations.apply(row)
         rows = earlier + new_rows
@@ -447,6 +470,7 @@ class ControlAPI:
                 f"(POST /sessions/{sid}/close), or close it first",
             )
         path = write_rewards(self.out_dir, sid, reward)
+        sess.late_rewards += 1
         return web.json_response({"id": sid, "reward": reward, "written": str(path)})
 
 

@@ -6,6 +6,14 @@ asks it before each call (``refusal``) and tells it what each call did (``note_c
 counted too, so ``GET /sessions`` and the metrics at close cover every session; only an opened
 one has metadata and limits.
 
+An id is claimed when it is opened: from then on every call naming it must carry its secret
+(whatever agenttap_require_session_secret says; that option only decides whether ids nobody
+opened are served at all). What calls made under the id before it was opened recorded never
+joins the opened session: ``open`` starts it empty and hands the earlier activity a name of its
+own (``kept_apart_id``: ``ID~unopened-HEX``), under which the store writes those rows
+(``on_claim``, SessionStore.detach); a call that began before the open and ends after it is not
+recorded at all (``claimed_at``, SessionStore.record).
+
 Limits end an agent's loop: past ``max_calls`` model calls, ``max_tokens`` sampled tokens or
 ``deadline_s`` seconds after opening, the next call is refused with an answer its client treats
 as final (the provider's words, see ``Provider.session_ended``). A call in flight is never cut;
@@ -37,6 +45,9 @@ SPLITS = ("train", "val")
 CLOSED_KEPT = 100_000
 # Sessions nobody opened, idle and written, still answered by GET /sessions/{id}.
 PAST_KEPT = 100_000
+# Rows of calls made under an id before it was opened are kept apart under ID + this + hex: a
+# name no trainer can open (an opened id never holds "~"), unique by its random part.
+KEPT_APART = "~unopened-"
 # What a session id may hold: it names a URL path segment and a journal file.
 # (It is also a proxy URL's username, where ':' and '@' would end it.)
 # Matched whole (fullmatch): "$" would let a trailing newline through.
@@ -95,6 +106,12 @@ def check_session_id(value: Any) -> str:
             f"digit; got {value!r}"
         )
     return value
+
+
+def kept_apart_id(session_id: str) -> str:
+    """The name the rows of calls made under ``session_id`` before it was opened are written
+    under (``ID~unopened-HEX``): unique, and never an id a trainer can open."""
+    return f"{session_id}{KEPT_APART}{secrets.token_hex(4)}"
 
 
 def check_metadata(value: Any) -> dict[str, Any]:
@@ -156,6 +173,16 @@ class ControlledSession:
     secret: str = field(default="", repr=False)
     # The weight version index (WeightHistory.index) when its first call came; None: none yet.
     first_version_index: int | None = None
+    # Unix time of its opening, where that opening took the id from calls made before it (see
+    # the module docstring): a call that started by then is not the session's. None: it did not.
+    claimed_at: float | None = None
+    # Calls the store did not record (begun before the opening): not counted at note_recorded.
+    dropped: int = 0
+    # How it was closed: "runner" (a rollout's runner) or "api" (POST /sessions/ID/close, by
+    # whoever holds the token), with the reward given; late rewards given since (POST .../reward).
+    closed_by: str | None = None
+    close_reward: Any = None
+    late_rewards: int = 0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -185,6 +212,9 @@ class SessionControl:
         self._past: OrderedDict[str, ControlledSession] = OrderedDict()
         # Called once per session this process starts to know (opened, or first called).
         self.on_new: Any = None
+        # Called at every open with (id, kept_apart_id): what the store holds of the id from
+        # before goes under the new name (the gateway's SessionStore.detach).
+        self.on_claim: Any = None
         # Staleness: weight updates a session may fall behind (None: any), and how many
         # updates the policy has had (capture/policy/weights.py WeightHistory.index).
         self.max_staleness: int | None = None
@@ -200,22 +230,51 @@ class SessionControl:
     def open(
         self, session_id: str, metadata: dict[str, Any] | None = None, limits: Limits | None = None
     ) -> ControlledSession:
-        """Open ``session_id``. A session already open through the API is a ValueError (a
-        trainer reusing an id by mistake); one only seen on calls so far takes the metadata."""
+        """Open ``session_id``, empty. A session already open through the API is a ValueError
+        (a trainer reusing an id by mistake). One only seen on calls so far (a proxy username,
+        a base URL named before the trainer opened it: maybe an agent planting rows in a
+        session it guessed) is not continued: its calls, metrics and rows go on under
+        ``kept_apart_id`` (``on_claim``), never with this session's metadata or reward."""
         existing = self._live.get(session_id)
         if existing is not None and existing.opened:
             raise ValueError(f"session {session_id!r} is open already; close it first")
         # Reopening a closed id starts a new session under that name.
         self._closed.pop(session_id, None)
-        sess = existing or self._past.pop(session_id, None) or self._new(session_id)
+        earlier = self._live.pop(session_id, None) or self._past.pop(session_id, None)
+        apart = kept_apart_id(session_id)
+        sess = self._new(session_id)
+        if earlier is not None:
+            earlier.id = apart
+            self._past[apart] = earlier
+            while len(self._past) > PAST_KEPT:
+                self._past.popitem(last=False)
+            # Its calls still running end as this one's (call_finished): counted in flight, so
+            # a limit never lets more through, until they end. They are not recorded.
+            sess.in_flight = earlier.in_flight
         sess.metadata = dict(metadata or {})
         sess.limits = limits or Limits()
         sess.opened = True
         sess.secret = secrets.token_urlsafe(24)
         sess.opened_at = time.time()
         sess.opened_mono = self._clock()
+        if earlier is not None:
+            sess.claimed_at = sess.opened_at
         self._live[session_id] = sess
+        if self.on_claim is not None:
+            self.on_claim(session_id, apart)
         return sess
+
+    def claimed_at(self, session_id: str) -> float | None:
+        """When ``session_id`` was opened over calls made before (None: it was not): a call of
+        it that started by then is not recorded (SessionStore.record)."""
+        sess = self._live.get(session_id) or self._closed.get(session_id)
+        return sess.claimed_at if sess is not None and sess.opened else None
+
+    def note_dropped(self, session_id: str) -> None:
+        """The store did not record a call of ``session_id`` (it began before the opening)."""
+        sess = self._live.get(session_id)
+        if sess is not None:
+            sess.dropped += 1
 
     def get(self, session_id: str) -> ControlledSession | None:
         return (
@@ -227,8 +286,9 @@ class SessionControl:
     ) -> str | None:
         """Why a call naming ``session_id`` and carrying the secrets ``given`` must be refused,
         or None. A session opened through the API (live or closed) wants its own secret; one
-        never opened is open to any caller unless ``required`` (agenttap_require_session_secret).
-        Touches nothing: a refused caller cannot count against the session's limits."""
+        never opened is open to any caller unless ``required`` (agenttap_require_session_secret):
+        once opened, it is not (see ``open``). Touches nothing: a refused caller cannot count
+        against the session's limits."""
         sess = self.get(session_id)  # a past one was never opened: it has no secret
         if sess is None or not sess.secret:
             if required:
@@ -249,11 +309,20 @@ class SessionControl:
     def live(self) -> list[ControlledSession]:
         return list(self._live.values())
 
-    def close(self, session_id: str, end_reason: str | None = None) -> ControlledSession:
+    def close(
+        self,
+        session_id: str,
+        end_reason: str | None = None,
+        closed_by: str = "api",
+        reward: Any = None,
+    ) -> ControlledSession:
         """Mark ``session_id`` closed (KeyError if it is not live); its end reason is
-        ``end_reason`` if given, else the limit it reached, else ``stop``."""
+        ``end_reason`` if given, else the limit it reached, else ``stop``. ``closed_by`` and
+        ``reward``: who closed it with what (a rollout's runner checks it was itself)."""
         sess = self._live.pop(session_id)
         sess.closed = True
+        sess.closed_by = closed_by
+        sess.close_reward = reward
         sess.end_reason = end_reason or sess.limit_reached or END_STOP
         sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
         self._closed[session_id] = sess
@@ -335,6 +404,9 @@ class SessionControl:
         sess = self._live.get(session_id)
         if sess is None:
             return  # closed meanwhile: its metrics were returned already
+        if sess.dropped:  # a call begun before the opening: recorded nowhere, not its call
+            sess.dropped -= 1
+            return
         m = sess.metrics
         m.calls += 1
         m.prompt_tokens += prompt_tokens

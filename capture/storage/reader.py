@@ -76,9 +76,10 @@ def load_threads(
         late = load_rewards(out_dir)
         if late.num_rows:
             rows = join_rewards(rows, late)
-        if columns is not None and read != columns:
-            extra = set(read or ()) - set(columns)
-            rows = [{k: v for k, v in row.items() if k not in extra} for row in rows]
+        if columns is not None:
+            # Only what was asked: not the join's keys, nor the reward_source it sets.
+            wanted = set(columns)
+            rows = [{k: v for k, v in row.items() if k in wanted} for row in rows]
     return rows
 
 

@@ -6,7 +6,11 @@ call of :func:`write_rewards` (written whole under a temporary name, then rename
 thread, or a single row with ``thread_id`` null for a reward of the whole session. Readers join
 them onto the thread rows (:func:`join_rewards`; ``capture.storage.reader.load_threads`` does it by
 default): among the late rewards that apply to a row, the one set last wins and replaces the
-reward the row was written with.
+reward the row was written with, and the row's ``reward_source`` says where it came from (the
+file's ``source``: ``late`` for a reward given after the close, ``close`` or ``verifier`` for the
+close's own reward given to rows written before it). A ``void`` entry (:func:`void_rewards`)
+takes back every reward set before it: the rows it applies to have none (a rollout whose session
+someone else closed or rewarded: its rows carry no reward, capture/rollouts/runner.py).
 
 Only files :func:`write_rewards` wrote count: each is listed, with the SHA-256 of its bytes, in
 ``OUT/rewards/_index.jsonl``, and :func:`load_rewards` ignores (with a warning) a file that is
@@ -33,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from capture.storage.shards import rows_to_table, write_table
+from capture.storage.shards import REWARD_LATE, REWARD_SOURCES, rows_to_table, write_table
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,16 @@ REWARD_SCHEMA = pa.schema(
     [
         ("session_id", pa.string()),
         ("thread_id", pa.string()),  # null: every thread of the session
-        ("reward", pa.float64()),
+        ("reward", pa.float64()),  # null only in a void entry
         ("set_at", pa.float64()),  # unix seconds
+        # Where the reward came from (shards.REWARD_SOURCES, or VOID); null in files written
+        # before the column: late.
+        ("source", pa.string()),
     ]
 )
+
+# A late-rewards entry that takes back every reward set before it for its rows (void_rewards).
+VOID = "void"
 
 _ACCEPTED = (
     "a reward is a finite number (e.g. 1.0) or an object mapping thread ids to finite numbers "
@@ -110,16 +120,20 @@ def write_rewards(
     session_id: str,
     reward: float | dict[str, float],
     set_at: float | None = None,
+    source: str = REWARD_LATE,
 ) -> Path:
     """Record a late reward for ``session_id`` in ``out_dir/rewards/``; returns the file written.
 
     ``reward``: a number (one row, ``thread_id`` null: every thread of the session) or
     ``{thread_id: number}`` (one row per thread). It is validated as by :func:`parse_reward`.
     ``set_at``: unix seconds (default: now); the reward set last wins when several apply.
+    ``source``: what the joined rows' ``reward_source`` says (shards.REWARD_SOURCES).
     The file appears whole (temporary name, fsync, rename), named so that sorting the names
     sorts the files by the time they were written."""
     if not isinstance(session_id, str) or not session_id:
         raise ValueError(f"session_id must be a non-empty string, not {session_id!r}")
+    if source not in REWARD_SOURCES:
+        raise ValueError(f"source must be one of {', '.join(REWARD_SOURCES)}, not {source!r}")
     parsed = parse_reward(reward)
     when = time.time() if set_at is None else _number(set_at, "set_at")
     if isinstance(parsed, dict):
@@ -129,6 +143,26 @@ def write_rewards(
         ]
     else:
         rows = [{"session_id": session_id, "thread_id": None, "reward": parsed, "set_at": when}]
+    return _write(out_dir, [row | {"source": source} for row in rows])
+
+
+def void_rewards(out_dir: Path, session_id: str) -> Path:
+    """Take back every reward set so far for ``session_id``'s rows (at close or late): readers
+    that join late rewards see them without one, until a reward set later. Returns the file
+    written."""
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id must be a non-empty string, not {session_id!r}")
+    row = {
+        "session_id": session_id,
+        "thread_id": None,
+        "reward": None,
+        "set_at": time.time(),
+        "source": VOID,
+    }
+    return _write(out_dir, [row])
+
+
+def _write(out_dir: Path, rows: list[dict[str, Any]]) -> Path:
     name = f"rewards-{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.parquet"
     directory = Path(out_dir) / REWARDS_DIR
     path = write_table(directory, rows_to_table(rows, REWARD_SCHEMA), "rewards", name)
@@ -185,7 +219,9 @@ def load_rewards(out_dir: Path) -> pa.Table:
                 )
                 continue
             try:
-                table = pq.read_table(path, columns=REWARD_SCHEMA.names)
+                table = pq.read_table(path)
+                if "source" not in table.column_names:  # written before the column: late
+                    table = table.append_column("source", pa.nulls(table.num_rows, pa.string()))
                 tables.append(table.select(REWARD_SCHEMA.names).cast(REWARD_SCHEMA))
             except Exception as exc:
                 logger.warning("skipping unreadable rewards file %s (%s)", path, exc)
@@ -201,25 +237,30 @@ def join_rewards(
 
     The late rewards that apply to a row are those for its ``(session_id, thread_id)`` and those
     for its session with ``thread_id`` null. Of these, the one with the greatest ``set_at`` wins
-    (at equal ``set_at``, the one later in ``rewards``) and replaces the row's ``reward``. Rows
-    with none keep theirs. ``rewards``: a table from :func:`load_rewards` or dicts with its
-    columns; entries with a null session, a null or non-finite reward or ``set_at`` are ignored."""
+    (at equal ``set_at``, the one later in ``rewards``) and replaces the row's ``reward``, its
+    ``source`` the row's ``reward_source`` (``late`` where it has none); a ``void`` entry that
+    wins leaves the row without a reward. Rows with none keep theirs. ``rewards``: a table from
+    :func:`load_rewards` or dicts with its columns; entries with a null session, a null or
+    non-finite reward (but a void one) or ``set_at`` are ignored."""
     items = rewards.to_pylist() if isinstance(rewards, pa.Table) else rewards
-    # key -> (set_at, position, reward); a later position wins ties.
-    best: dict[tuple[str, str | None], tuple[float, int, float]] = {}
+    # key -> (set_at, position, reward or None (void), source); a later position wins ties.
+    best: dict[tuple[str, str | None], tuple[float, int, float | None, str]] = {}
     ignored = 0
     for position, item in enumerate(items):
         session_id, thread_id = item.get("session_id"), item.get("thread_id")
         reward, set_at = item.get("reward"), item.get("set_at")
+        source = item.get("source") or REWARD_LATE
+        void = source == VOID and reward is None
         if (
             not isinstance(session_id, str)
             or not (thread_id is None or isinstance(thread_id, str))
-            or not _finite(reward)
+            or not (void or _finite(reward))
             or not _finite(set_at)
         ):
             ignored += 1
             continue
-        candidate = (float(set_at), position, float(reward))
+        number = None if void else float(reward)  # type: ignore[arg-type]
+        candidate = (float(set_at), position, number, str(source))
         key = (session_id, thread_id)
         if key not in best or candidate[:2] > best[key][:2]:
             best[key] = candidate
@@ -228,7 +269,7 @@ def join_rewards(
     out: list[dict[str, Any]] = []
     for row in rows:
         session_id, thread_id = row.get("session_id"), row.get("thread_id")
-        found: list[tuple[float, int, float]] = []
+        found: list[tuple[float, int, float | None, str]] = []
         if isinstance(session_id, str):
             for key in (
                 (session_id, thread_id if isinstance(thread_id, str) else None),
@@ -238,7 +279,9 @@ def join_rewards(
                     found.append(best[key])
         new = dict(row)
         if found:
-            new["reward"] = max(found, key=lambda c: c[:2])[2]
+            _, _, reward, source = max(found, key=lambda c: c[:2])
+            new["reward"] = reward
+            new["reward_source"] = source if reward is not None else None
         out.append(new)
     return out
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture.storage.records import SCHEMA_VERSION, TurnRecord
+from capture.storage.shards import REWARD_CLOSE
 from capture.trajectory import AUXILIARY, ThreadRow
 
 
 @dataclass
 class RowAnnotations:
     """What a trainer said about a session, written into its thread rows (``metadata``,
-    ``reward``, ``end_reason``, ``metrics`` columns)."""
+    ``reward`` and ``reward_source``, ``end_reason``, ``metrics`` columns)."""
 
     metadata: dict[str, Any] | None = None
     # One number for every row, or one per thread id; None: not set (yet).
@@ -26,6 +27,8 @@ class RowAnnotations:
     # One number is set on main and subagent rows; on auxiliary rows (side calls: a title, a
     # router) only with this. A per-thread reward is set on the threads it names, whatever kind.
     reward_auxiliary: bool = False
+    # Who gave ``reward``: the trainer's close, or a rollout's verifier (shards.REWARD_SOURCES).
+    reward_source: str = REWARD_CLOSE
 
     def rewards(self, row: dict[str, Any]) -> bool:
         """Whether one number for the session is the reward of ``row``."""
@@ -36,8 +39,10 @@ class RowAnnotations:
             row["metadata"] = json.dumps(self.metadata, ensure_ascii=False)
         if isinstance(self.reward, dict):
             row["reward"] = self.reward.get(row["thread_id"])
+            row["reward_source"] = self.reward_source if row["reward"] is not None else None
         elif self.reward is not None and self.rewards(row):
             row["reward"] = float(self.reward)
+            row["reward_source"] = self.reward_source
         if self.end_reason is not None:
             row["end_reason"] = self.end_reason
         if self.metrics is not None:
@@ -75,6 +80,7 @@ def thread_row(
         "end_reason": None,
         "metrics": None,
         "weight_versions": row.weight_versions,
+        "reward_source": None,
     }
 
 

@@ -13,6 +13,11 @@ from the journal alone. A session becomes Parquet shards (``turns/`` one row per
 
 A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
 and written to ``failed/``: counted per session, never part of a thread row.
+
+When a trainer opens an id calls were made under before (capture/control/sessions.py ``open``),
+``detach`` gives what they recorded a name of its own (its rows written, and shards written
+already rewritten, under ``ID~unopened-HEX``), and ``record`` leaves out a call of the id that
+began before that opening (``claimed_at``).
 """
 
 from __future__ import annotations
@@ -28,13 +33,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from capture.storage import journal_lines
 from capture.storage.records import FailedCall, TurnRecord
+from capture.storage.rewards import void_rewards
 from capture.storage.rows import RowAnnotations, thread_row, turn_row
 from capture.storage.shards import (
     FAILED_SCHEMA,
     THREAD_SCHEMA,
     TURN_SCHEMA,
+    rewrite_rows,
     write_rows,
     written_turn_counts,
 )
@@ -107,6 +117,12 @@ class SessionStore:
         self.annotations_for: Callable[[str], RowAnnotations | None] = lambda _sid: None
         # Thread shards written per session so far, most recent last (see written_threads).
         self._written_threads: OrderedDict[str, list[Path]] = OrderedDict()
+        # Every shard (turns, threads, failed) written per session so far (see detach).
+        self._written_all: OrderedDict[str, list[Path]] = OrderedDict()
+        # When a session was opened over calls made before it (SessionControl.claimed_at): a
+        # call of it that started by then is not recorded; on_dropped hears of each.
+        self.claimed_at: Callable[[str], float | None] = lambda _sid: None
+        self.on_dropped: Callable[[str], None] = lambda _sid: None
 
     def session(self, session_id: str) -> Session:
         sess = self._sessions.get(session_id)
@@ -173,6 +189,8 @@ class SessionStore:
         line is written but not fsynced; the caller has it fsynced (``JournalSyncer``).
         ``prompt_json``: the JSON text the prompt's ids were sent as (``last_prompt``).
         ``rescored_version``: the weights that gave ``rescored``."""
+        if self._began_before_claim(turn.session_id, turn.started_at, turn.request_id):
+            return self.journal_dir / "not-recorded.jsonl"  # nothing to fsync
         _make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
@@ -211,6 +229,23 @@ class SessionStore:
         sess.last_active = time.monotonic()
         return sess.journal_path
 
+    def _began_before_claim(self, session_id: str, started_at: float, request_id: str) -> bool:
+        """Whether a call of ``session_id`` began before a trainer opened the id over calls
+        made before: it is not that session's, and not recorded (logged, counted dropped)."""
+        claimed = self.claimed_at(session_id)
+        if claimed is None or started_at > claimed:
+            return False
+        logger.warning(
+            "agenttap: call %s of session %r is not recorded: it began before the session was "
+            "opened (POST /sessions or /rollouts), without its secret, and ended after; the "
+            "rows of calls made before the opening are kept apart (session id %r...)",
+            request_id,
+            session_id,
+            session_id + "~unopened-",
+        )
+        self.on_dropped(session_id)
+        return True
+
     def last_prompt(self, session_id: str) -> IdsJson | None:
         """The session's last recorded prompt and its JSON text (None: none yet)."""
         sess = self._sessions.get(session_id)
@@ -219,6 +254,8 @@ class SessionStore:
     def record_failure(self, failed: FailedCall) -> None:
         """Journal a call the policy failed. Nothing of it reaches a thread: its tokens are
         not trained, and the session's trained calls are untouched."""
+        if self._began_before_claim(failed.session_id, failed.started_at, failed.request_id):
+            return
         failed.reason = safe_text(failed.reason)
         failed.user_agent = safe_text(failed.user_agent)
         failed.requested_model = safe_text(failed.requested_model)
@@ -301,13 +338,15 @@ class SessionStore:
                 self._dormant.popitem(last=False)
         stem = sess.journal_path.stem
         paths = self._write(sess.turns, rows, thread_of, stem, annotations, rows_out)
-        self._written_threads.setdefault(session_id, []).extend(
-            p for p in paths if p.parent == self.threads_dir
-        )
-        self._written_threads.move_to_end(session_id)
-        while len(self._written_threads) > WRITTEN_KEPT:
-            self._written_threads.popitem(last=False)
         paths += self._write_failed(sess.failed, stem)
+        for kept, written in (
+            (self._written_threads, [p for p in paths if p.parent == self.threads_dir]),
+            (self._written_all, paths),
+        ):
+            kept.setdefault(session_id, []).extend(written)
+            kept.move_to_end(session_id)
+            while len(kept) > WRITTEN_KEPT:
+                kept.popitem(last=False)
         self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
@@ -320,6 +359,59 @@ class SessionStore:
             self.out_dir,
         )
         return paths
+
+    def detach(self, session_id: str, new_id: str, write: bool = True) -> int:
+        """Keep what calls under ``session_id`` recorded so far (this process) apart, as
+        session ``new_id``: a trainer opened ``session_id`` now, and its session starts empty
+        (no earlier thread extended, no earlier row among its rows, its turns counted on).
+        Calls not written yet are written now as ``new_id``'s rows (``write=False``: a worker
+        thread is placing a call in its tree; the idle sweep writes them); shards written
+        already are rewritten with ``session_id`` ``new_id``. Returns how many calls moved."""
+        moved = 0
+        sess = self._sessions.pop(session_id, None)
+        if sess is not None and (sess.turns or sess.failed):
+            moved += len(sess.turns) + len(sess.failed)
+            sess.session_id = new_id
+            for turn in sess.turns:
+                turn.session_id = new_id
+            for failed in sess.failed:
+                failed.session_id = new_id
+            self._sessions[new_id] = sess
+            if write:
+                self.end_session(new_id, why="kept apart: the id was opened")
+        self._dormant.pop(session_id, None)
+        self._written_threads.pop(session_id, None)
+        schemas = {
+            self.turns_dir: TURN_SCHEMA,
+            self.threads_dir: THREAD_SCHEMA,
+            self.failed_dir: FAILED_SCHEMA,
+        }
+        rewritten: list[Path] = []
+
+        def rename(row: dict[str, Any]) -> None:
+            row["session_id"] = new_id
+
+        for path in self._written_all.pop(session_id, []):
+            rows = rewrite_rows(path, schemas[path.parent], rename)
+            if path.parent == self.turns_dir:
+                moved += rows
+            rewritten.append(path)
+        if rewritten:
+            self._written_all.setdefault(new_id, []).extend(rewritten)
+            self._written_threads.setdefault(new_id, []).extend(
+                p for p in rewritten if p.parent == self.threads_dir
+            )
+        if moved:
+            logger.warning(
+                "agenttap: session %r was opened after %d call(s) were made under its id "
+                "without its secret (a proxy username or base URL nobody had opened): their "
+                "rows are kept apart as session %r, never with the opened session's metadata "
+                "or reward",
+                session_id,
+                moved,
+                new_id,
+            )
+        return moved
 
     def _write(
         self,
@@ -457,3 +549,36 @@ def _make_text_safe(turn: TurnRecord) -> None:
     for name in ("requested_model", "policy_model", "user_agent", "completion_text"):
         setattr(turn, name, safe_text(getattr(turn, name)))
     turn.metadata = json.loads(safe_text(json.dumps(turn.metadata, ensure_ascii=False)))
+
+
+def take_back_rewards(out_dir: Path, session_id: str, since: float) -> list[dict[str, Any]]:
+    """Take back every reward given to ``session_id``'s rows written since ``since`` (unix
+    seconds): its thread shards rewritten with ``reward`` and ``reward_source`` null, and a void
+    late reward (``capture.storage.rewards.void_rewards``) so that none given before now is
+    joined onto them. Returns those rows, as now written. For a rollout whose session someone
+    else closed or rewarded before its verifier ran (capture/rollouts/runner.py): its rows must
+    carry no reward, rather than the one that someone chose."""
+    threads_dir = Path(out_dir) / "threads"
+    rows_out: list[dict[str, Any]] = []
+
+    def take_back(row: dict[str, Any]) -> None:
+        if row.get("session_id") == session_id:
+            row["reward"] = None
+            row["reward_source"] = None
+            rows_out.append(row)
+
+    # A session's shards are named after its journal, which starts with its id made safe (no
+    # character glob reads as a pattern is left in it).
+    prefix = "threads-" + _SAFE.sub("_", session_id)[:80] + "-"
+    for path in sorted(threads_dir.glob(f"{prefix}*.parquet")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            ids = pq.read_table(path, columns=["session_id"]).column("session_id").to_pylist()
+        except (OSError, pa.ArrowException) as exc:
+            logger.warning("could not read %s to take back its rewards (%s)", path, exc)
+            continue
+        if session_id in ids:
+            rewrite_rows(path, THREAD_SCHEMA, take_back)
+    void_rewards(Path(out_dir), session_id)
+    return rows_out

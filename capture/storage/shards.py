@@ -169,8 +169,18 @@ THREAD_SCHEMA = pa.schema(
         # Which weights gave which positions' logprobs (spans over input_ids); null in shards
         # written before it.
         ("weight_versions", WEIGHT_SPANS),
+        # Where ``reward`` came from (REWARD_SOURCES); null while it has none, and in shards
+        # written before the column.
+        ("reward_source", pa.string()),
     ]
 )
+
+# A row's reward_source: its rollout's verifier (POST /rollouts), the trainer's close
+# (POST /sessions/ID/close), a late reward (POST /sessions/ID/reward, write_rewards).
+REWARD_VERIFIER = "verifier"
+REWARD_CLOSE = "close"
+REWARD_LATE = "late"
+REWARD_SOURCES = (REWARD_VERIFIER, REWARD_CLOSE, REWARD_LATE)
 
 # Calls the policy failed (capture.storage.records.FailedCall): never trained, kept to be counted.
 FAILED_SCHEMA = pa.schema(
@@ -248,3 +258,15 @@ def written_turn_counts(directory: Path) -> dict[str, int]:
             if session_id is not None and index is not None:
                 counts[session_id] = max(counts.get(session_id, 0), int(index) + 1)
     return counts
+
+
+def rewrite_rows(path: Path, schema: pa.Schema, change: Any) -> int:
+    """Rewrite the shard ``path`` in place (whole, under a temporary name, then renamed, like
+    every write here): ``change(row)`` edits each row's dict; returns how many rows it holds.
+    Columns of ``schema`` the file lacks (written before they existed) are null."""
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    for row in rows:
+        change(row)
+    write_table(path.parent, rows_to_table(rows, schema), name=path.name)
+    return len(rows)

@@ -129,9 +129,12 @@ def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_kept_visib
     control.note_recorded("user-x", 3, 4, 0.5, retry=True)
     summary = control.get("user-x")
     assert summary is not None and summary.metrics.retries == 1 and not summary.opened
-    # ... opening it later keeps its counts and adds metadata ...
+    # ... opening it later starts it empty (its calls so far stay apart under a name of their
+    # own: an agent must not plant calls in a session the trainer opens later) ...
     control.open("user-x", {"task_id": "t"})
-    assert control.get("user-x").metrics.calls == 1  # type: ignore[union-attr]
+    assert control.get("user-x").metrics.calls == 0  # type: ignore[union-attr]
+    (apart,) = [s for s in control._past.values() if s.id.startswith("user-x~unopened-")]
+    assert apart.metrics.retries == 1 and not apart.opened and apart.metadata == {}
     # ... and one never opened leaves the live ones once the store no longer has it, still
     # answered (GET /sessions/{id}) with its metrics and wall time so far.
     control.refusal("user-y")
@@ -145,7 +148,7 @@ def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_kept_visib
     # A new call makes it live again, the same session (counted once).
     assert control.refusal("user-y") is None and control.get("user-y") is past
     assert "user-y" in {s.id for s in control.live()}
-    assert started == ["a", "user-x", "user-y"]
+    assert started == ["a", "user-x", "user-x", "user-y"]  # the opened user-x is new
     assert control.close("a").end_reason == END_STOP
 
 

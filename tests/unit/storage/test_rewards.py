@@ -90,8 +90,8 @@ def test_write_rewards_per_thread(tmp_path: Path) -> None:
     path = write_rewards(tmp_path, "s1", {"t-a": 1.0, "t-b": 0}, set_at=123.5)
     rows = pq.read_table(path).to_pylist()
     assert rows == [
-        {"session_id": "s1", "thread_id": "t-a", "reward": 1.0, "set_at": 123.5},
-        {"session_id": "s1", "thread_id": "t-b", "reward": 0.0, "set_at": 123.5},
+        {"session_id": "s1", "thread_id": "t-a", "reward": 1.0, "set_at": 123.5, "source": "late"},
+        {"session_id": "s1", "thread_id": "t-b", "reward": 0.0, "set_at": 123.5, "source": "late"},
     ]
 
 
@@ -144,7 +144,7 @@ def test_load_rewards_skips_unreadable_and_temp_files(
     with caplog.at_level(logging.WARNING, logger="capture.storage.rewards"):
         table = load_rewards(tmp_path)
     assert table.to_pylist() == [
-        {"session_id": "s1", "thread_id": None, "reward": 1.0, "set_at": 1.0}
+        {"session_id": "s1", "thread_id": None, "reward": 1.0, "set_at": 1.0, "source": "late"}
     ]
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "rewards-0-garbage.parquet" in warned and "rewards-1-wrong.parquet" in warned
