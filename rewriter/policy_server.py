@@ -312,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or ensure_tiny_model()
         netns: list[str] = []
+        port = 0
         if args.port is not None:
-            url = f"http://127.0.0.1:{args.port or free_port()}"
+            port = args.port or free_port()
+            url = f"http://127.0.0.1:{port}"
         else:
             if args.socket is not None:
                 socket_path = args.socket.absolute()
@@ -351,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         spawning = True
         try:
-            port = int(url.rsplit(":", 1)[1]) if socket_path is None else 0
             proc = start_vllm(
                 model,
                 port,

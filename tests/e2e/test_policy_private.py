@@ -2,14 +2,16 @@
 
 ``python -m rewriter.policy_server`` (the embedded policy of ``scripts/run_proxy.sh``) serves a
 real vLLM on a unix socket in a folder only its owner may open, with no TCP listener on the
-host's network (its workers' torch listeners live in a network namespace of their own), and
-its folder is gone once it stops. A policy on TCP whose dev-mode ``/pause`` answers anyone is
+host's network (its workers' torch listeners live in a network namespace of their own), its
+dev-mode routes reached over the socket by agenttap's weight update, and its folder is gone
+once it stops. A policy on TCP whose dev-mode ``/pause`` answers anyone is
 named in a warning at start. ``run_proxy.sh`` removes its private folder on exit, keeping the
 policy's log (its path printed) only where the policy failed. The run_proxy.sh embedded policy
 answering calls over its socket: tests/e2e/test_run_proxy.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -19,11 +21,16 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from capture.policy.pools import PolicyPools
 from capture.policy.startup import exposure_warning
+from rewriter.canonical import SamplingParams
+from rewriter.policy_server import DEFAULT_MODEL_DIR
 from rewriter.policy_url import parse_policy_url, urlopen
+from rewriter.vllm_answers import Completion
 from tests.conftest import QWEN3, REPO, start_proxy
 from tests.stub_vllm import StubPolicy
 
@@ -119,6 +126,22 @@ def connect_as_nobody(path: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+async def update_and_generate(url: str) -> tuple[list[dict[str, Any]], Completion]:
+    """Over the socket, as the gateway does: new weights (the same folder, reloaded) served as
+    ``step-1``, then a generation."""
+    pools = PolicyPools([url], [], [], timeout_s=120, max_connections=4)
+    pools.open(lambda ids: "")
+    try:
+        assert pools.default is not None
+        outcomes = await pools.weights.update(
+            pools.http, pools.default, DEFAULT_MODEL_DIR, "step-1"
+        )
+        completion = await pools.client_for("s").complete([1, 2, 3], SamplingParams(max_tokens=4))
+        return outcomes, completion
+    finally:
+        await pools.close()
+
+
 @pytest.mark.vllm
 def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> None:
     log = tmp_path / "policy_server.out"
@@ -161,7 +184,11 @@ def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> N
             assert tcp_listeners_of([os.getpid()]), "the scan missed a listener"
         # vLLM's ipc sockets and the workers' file store are in the private folder too.
         assert any(p.is_socket() and p.name != "vllm.sock" for p in folder.iterdir())
-        # Through the socket, the dev-mode routes answer their owner (agenttap).
+        # Through the socket, the dev-mode routes answer their owner (agenttap): a weight
+        # update (pause, reload_weights, label, resume) and a generation labelled with it.
+        outcomes, completion = asyncio.run(update_and_generate(url))
+        assert [o["ok"] for o in outcomes] == [True], outcomes
+        assert completion.token_ids and completion.weight_versions[0][0] == "step-1"
         with urlopen(url, "/is_paused", timeout=30) as resp:
             assert resp.status == 200 and b'"is_paused":false' in resp.read()
         if os.getuid() == 0:
