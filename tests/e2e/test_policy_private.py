@@ -28,7 +28,7 @@ import pytest
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import exposure_warning
 from rewriter.canonical import SamplingParams
-from rewriter.policy_server import DEFAULT_MODEL_DIR
+from rewriter.policy_server import DEFAULT_MODEL_DIR, ensure_tiny_model
 from rewriter.policy_url import parse_policy_url, urlopen
 from rewriter.vllm_answers import Completion
 from tests.conftest import QWEN3, REPO, start_proxy
@@ -246,12 +246,14 @@ def test_a_tcp_policy_whose_pause_answers_anyone_is_warned_of(
         plain.stop()
 
 
+@pytest.mark.vllm
 def test_run_proxy_keeps_the_log_of_a_policy_that_failed_and_removes_its_folder(
     tmp_path: Path, confdir: Path
 ) -> None:
     """The embedded policy fails to start (a vLLM that exits at once, after one line): the
     script says where its log was kept, readable by this user alone, and its private folder
     (token, socket, log) is gone."""
+    ensure_tiny_model(tokenizer=QWEN3)  # built by the real vLLM environment, not the broken one
     broken = tmp_path / "broken-vllm"
     broken.write_text("#!/bin/sh\necho 'vLLM (broken on purpose): no engine'\nexit 3\n")
     broken.chmod(0o755)
