@@ -232,3 +232,83 @@ def write_hostile_session(out: Path, tok: Any) -> dict[str, Any]:
     write_rows(out / "turns", [call], TURN_SCHEMA, "turns", stem="hostile")
     write_rows(out / "threads", [row], THREAD_SCHEMA, "threads", stem="hostile")
     return {"turns": [call], "rows": [row]}
+
+
+RUN_STATUSES = ("stop", "stop", "stop", "max_calls", "limit")
+
+
+def write_run(
+    out: Path, steps: int = 12, groups_per_step: int = 3, n: int = 14, seed: int = 3
+) -> list[dict[str, Any]]:
+    """A GRPO run's shards: ``steps`` trainer steps of ``groups_per_step`` groups of ``n``
+    rollouts, one session each (two calls in one row, sampled under the step's weights
+    ``v{step}``, the second call under ``v{step+1}`` in every fifth session: the weights moved
+    mid-session), metadata as a rollout sets it plus ``trainer_step``, a reward that grows with
+    the step, a status (end reason) of RUN_STATUSES, calls a minute apart per step. Written in
+    one shard per folder; returns one dict per session: id, step, group, index, reward,
+    status, tokens, trained, versions, started_at, ended_at."""
+    rng = random.Random(seed)
+    turns, rows, truth = [], [], []
+    for step in range(steps):
+        for g in range(groups_per_step):
+            gid = f"grpo-{step:02d}-{g}"
+            for i in range(n):
+                sid = f"{gid}-{i}"
+                prompt = [rng.randrange(1000, 30000) for _ in range(20)]
+                first = [rng.randrange(1000, 30000) for _ in range(rng.randrange(5, 30))]
+                tool = [rng.randrange(1000, 30000) for _ in range(8)]
+                second = [rng.randrange(1000, 30000) for _ in range(rng.randrange(5, 30))]
+                t0 = 1_700_000_000.0 + step * 60 + rng.random() * 20
+                c0 = _turn(sid, f"{sid}-r0", 0, prompt, first, "x")
+                p1 = prompt + first + tool
+                c1 = _turn(sid, f"{sid}-r1", 1, p1, second, "y")
+                c0["started_at"], c0["latency_s"] = t0, 1.5
+                c1["started_at"], c1["latency_s"] = t0 + 2.0, 2.5
+                moved = (i % 5) == 4
+                v0, v1 = f"v{step}", f"v{step + 1}" if moved else f"v{step}"
+                s0, e0 = len(prompt), len(prompt) + len(first)
+                s1, e1 = len(p1), len(p1) + len(second)
+                spans = [{"version": v0, "start": s0, "end": e0}]
+                spans.append({"version": v1, "start": s1, "end": e1})
+                c0["weight_versions"] = [{"version": v0, "start": 0, "end": len(first)}]
+                c1["weight_versions"] = [{"version": v1, "start": 0, "end": len(second)}]
+                reward = round(min(1.0, max(0.0, step / steps + rng.uniform(-0.3, 0.3))), 6)
+                status = RUN_STATUSES[rng.randrange(len(RUN_STATUSES))]
+                meta = {
+                    "task": f"task-{g}",
+                    "group_id": gid,
+                    "rollout_id": gid,
+                    "index": i,
+                    "trainer_step": step,
+                    "split": "train",
+                }
+                row = _row(
+                    sid,
+                    f"t-{sid}",
+                    [c0, c1],
+                    reward=reward,
+                    metadata=json.dumps(meta),
+                    end_reason=status,
+                    weight_versions=spans,
+                    metrics=json.dumps({"calls": 2, "wall_time_s": 4.5}),
+                )
+                turns += [c0, c1]
+                rows.append(row)
+                truth.append(
+                    {
+                        "id": sid,
+                        "step": step,
+                        "group": gid,
+                        "index": i,
+                        "reward": reward,
+                        "status": status,
+                        "tokens": len(row["input_ids"]),
+                        "trained": sum(row["loss_mask"]),
+                        "versions": list(dict.fromkeys([v0, v1])),
+                        "started_at": t0,
+                        "ended_at": t0 + 4.5,
+                    }
+                )
+    write_rows(out / "turns", turns, TURN_SCHEMA, "turns", stem="run")
+    write_rows(out / "threads", rows, THREAD_SCHEMA, "threads", stem="run")
+    return truth

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -51,6 +53,7 @@ _ROW_META = (
     "end_reason",
     "metrics",
     "turns",
+    "weight_versions",
 )
 
 Decode = Callable[[Sequence[int]], list[str]]
@@ -132,7 +135,8 @@ class ShardSource:
         return (_files_key(self.out_dir / folder), _files_key(self.out_dir / "rewards"))
 
     def summaries(self) -> list[dict[str, Any]]:
-        key = self._key("threads")
+        # The summaries carry the sessions' call times, read from the turns.
+        key = (self._key("threads"), _files_key(self.out_dir / "turns"))
         with self._lock:
             if self._summary is not None and self._summary[0] == key:
                 return self._summary[1]
@@ -151,9 +155,35 @@ class ShardSource:
                 row["tokens"] = n or 0
                 row["trained_tokens"] = sum(mask or ())
             rows = join_rewards(rows, load_rewards(self.out_dir))
+            times = self._call_times()
+            for row in rows:
+                span = times.get(row["session_id"])
+                if span is not None:
+                    row["started_at"], row["ended_at"] = span
         with self._lock:
             self._summary = (key, rows)
         return rows
+
+    def _call_times(self) -> dict[str, tuple[float, float]]:
+        """Each session's first call's start and last call's end (unix seconds), from its turns:
+        the run view's time per step."""
+        dataset = self._dataset("turns", TURN_SCHEMA)
+        if dataset is None:
+            return {}
+        table = dataset.to_table(columns=["session_id", "started_at", "latency_s"])
+        ends = pc.add(table["started_at"], pc.fill_null(table["latency_s"], 0.0))
+        table = table.append_column("ended_at", ends)
+        spans = table.group_by("session_id").aggregate([("started_at", "min"), ("ended_at", "max")])
+        return {
+            sid: (start, end)
+            for sid, start, end in zip(
+                spans["session_id"].to_pylist(),
+                spans["started_at_min"].to_pylist(),
+                spans["ended_at_max"].to_pylist(),
+                strict=True,
+            )
+            if sid is not None and start is not None and end is not None
+        }
 
     def _session_rows(self, folder: str, session_id: str) -> list[dict[str, Any]]:
         key = (folder, session_id, self._key(folder))
@@ -190,12 +220,28 @@ def _json(text: Any) -> Any:
         return text
 
 
+def _versions(rows: list[dict[str, Any]]) -> list[str]:
+    """The weight versions that sampled a session's tokens, in the order its rows name them."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        for span in row.get("weight_versions") or ():
+            if span.get("version") is not None:
+                seen.setdefault(str(span["version"]), None)
+    return list(seen)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def session_list(
     summaries: list[dict[str, Any]], live: dict[str, dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
     """One entry per session: its rows, calls, tokens, reward(s), metadata and end reason;
     ``live``: the proxy's live sessions (calls, tokens, last activity, backend) by id, listed
-    even before they have rows."""
+    even before they have rows. ``status``: ``live`` while calls can still come, else its end
+    reason (``open``: rows written, never closed); ``versions``: the weight versions that
+    sampled it; ``started_at`` / ``ended_at``: its first call's start, its last call's end."""
     live = live or {}
     by_session: dict[str, list[dict[str, Any]]] = {}
     for row in summaries:
@@ -208,11 +254,20 @@ def session_list(
         state = live.get(sid)
         if metadata is None and state is not None:
             metadata = state.get("metadata") or None
+        is_live = state is not None and not state.get("closed", False)
+        end_reason = next((r["end_reason"] for r in rows if r.get("end_reason")), None)
+        metrics = next((_json(r.get("metrics")) for r in rows if r.get("metrics")), None)
+        starts = [r["started_at"] for r in rows if r.get("started_at") is not None]
+        ends = [r["ended_at"] for r in rows if r.get("ended_at") is not None]
+        if state is not None:
+            starts.append(state.get("opened_at") or 0.0)
+            ends.append(state.get("last_active_at") or 0.0)
         out.append(
             {
                 "id": sid,
-                "live": state is not None and not state.get("closed", False),
+                "live": is_live,
                 "state": state,
+                "status": "live" if is_live else (end_reason or "open"),
                 "rows": len(rows),
                 "dead_rows": sum(1 for r in rows if r.get("dead")),
                 "calls": sum(int(r.get("num_turns") or 0) for r in rows),
@@ -220,11 +275,320 @@ def session_list(
                 "trained_tokens": sum(int(r.get("trained_tokens") or 0) for r in rows),
                 "reward": rewards[0] if len(rewards) == 1 else (rewards or None),
                 "metadata": metadata,
-                "end_reason": next((r["end_reason"] for r in rows if r.get("end_reason")), None),
+                "end_reason": end_reason,
                 "protocols": sorted({r["protocol"] for r in rows if r.get("protocol")}),
+                "versions": _versions(rows),
+                "started_at": min((t for t in starts if t), default=None),
+                "ended_at": max((t for t in ends if t), default=None),
+                "wall_s": metrics.get("wall_time_s") if isinstance(metrics, dict) else None,
             }
         )
     return out
+
+
+def reward_of(session: dict[str, Any]) -> float | None:
+    """One number for a session's reward (its rows' rewards' mean where they differ)."""
+    reward = session.get("reward")
+    if isinstance(reward, list):
+        return _mean(reward)
+    return float(reward) if reward is not None else None
+
+
+# -- finding sessions among thousands ----------------------------------------------------------
+# Keys the list sorts and filters by that are the session's own fields; any other key is read
+# from its metadata (trainer_step, task, group_id...).
+SESSION_FIELDS = (
+    "id",
+    "status",
+    "reward",
+    "rows",
+    "calls",
+    "tokens",
+    "trained_tokens",
+    "end_reason",
+    "started_at",
+    "ended_at",
+    "version",
+)
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
+def session_value(session: dict[str, Any], key: str) -> Any:
+    """``key`` of a session: one of SESSION_FIELDS, else its metadata's ``key`` (None if
+    missing); ``version``: the newest weight version that sampled it."""
+    if key == "reward":
+        return reward_of(session)
+    if key == "version":
+        versions = session.get("versions") or []
+        return versions[-1] if versions else None
+    if key in SESSION_FIELDS:
+        return session.get(key)
+    meta = session.get("metadata")
+    return meta.get(key) if isinstance(meta, dict) else None
+
+
+def _order(value: Any) -> tuple[int, float, tuple[tuple[int, Any], ...]]:
+    """Sorts mixed values: numbers by value (numeric strings too: step "10" after "9"), then
+    text in natural order ("v2" before "v10"), then the missing ones last."""
+    if value is None:
+        return (2, 0.0, ())
+    if isinstance(value, bool | int | float):
+        return (0, float(value), ())
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    try:
+        return (0, float(text), ())
+    except ValueError:
+        parts = re.split(r"(\d+)", text)
+        return (1, 0.0, tuple((1, int(p)) if p.isdecimal() else (0, p) for p in parts))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return json.dumps(value, sort_keys=True)
+
+
+def metadata_keys(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metadata keys the sessions carry, with how many carry each and (up to 50) their
+    distinct values: what the list offers to sort and filter by."""
+    keys: dict[str, dict[str, int]] = {}
+    for session in sessions:
+        meta = session.get("metadata")
+        if not isinstance(meta, dict):
+            continue
+        for key, value in meta.items():
+            values = keys.setdefault(key, {})
+            values[_text(value)] = values.get(_text(value), 0) + 1
+    return [
+        {
+            "key": key,
+            "sessions": sum(values.values()),
+            "values": sorted(values, key=_order)[:50],
+            "distinct": len(values),
+        }
+        for key, values in sorted(keys.items())
+    ]
+
+
+def default_sort(sessions: list[dict[str, Any]]) -> str:
+    """Newest training step first where sessions carry ``trainer_step``, else newest first."""
+    if any(session_value(s, "trainer_step") is not None for s in sessions):
+        return "trainer_step"
+    return "started_at"
+
+
+def query_sessions(
+    sessions: list[dict[str, Any]],
+    sort: str | None = None,
+    descending: bool = True,
+    filters: Sequence[tuple[str, str]] = (),
+    search: str = "",
+    offset: int = 0,
+    limit: int = DEFAULT_PAGE,
+) -> dict[str, Any]:
+    """A page of ``sessions``: those whose every ``(key, value)`` filter matches (the value as
+    the list shows it: ``trainer_step`` ``3``, ``group_id`` ``g-7``) and whose id contains
+    ``search``, sorted by ``sort`` (a field or a metadata key; ties by group, index, id).
+    A ValueError for an offset or limit out of range."""
+    if offset < 0 or limit < 1 or limit > MAX_PAGE:
+        raise ValueError(f"offset must be 0 or more and limit 1..{MAX_PAGE}; got {offset}, {limit}")
+    sort = sort or default_sort(sessions)
+    needle = search.strip().lower()
+    matched = [
+        s
+        for s in sessions
+        if (not needle or needle in s["id"].lower())
+        and all(_text(session_value(s, k)) == v for k, v in filters)
+    ]
+
+    def tie(s: dict[str, Any]) -> tuple[Any, ...]:
+        return (
+            _order(session_value(s, "group_id")),
+            _order(session_value(s, "index")),
+            s["id"],
+        )
+
+    matched.sort(key=tie)
+    # Missing values stay last whichever way the list is sorted.
+    present = [s for s in matched if session_value(s, sort) is not None]
+    missing = [s for s in matched if session_value(s, sort) is None]
+    present.sort(key=lambda s: _order(session_value(s, sort)), reverse=descending)
+    ordered = present + missing
+    return {
+        "total": len(sessions),
+        "matched": len(matched),
+        "offset": offset,
+        "limit": limit,
+        "sort": sort,
+        "descending": descending,
+        "filters": [list(f) for f in filters],
+        "search": search,
+        "sessions": ordered[offset : offset + limit],
+    }
+
+
+# -- the run: per step, per group ---------------------------------------------------------------
+RUN_BY = ("trainer_step", "version")
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return {"mean": mean, "std": var**0.5, "min": min(values), "max": max(values)}
+
+
+def run_by_default(sessions: list[dict[str, Any]]) -> str:
+    """``trainer_step`` where the sessions carry it, else the weight version."""
+    if any(session_value(s, "trainer_step") is not None for s in sessions):
+        return "trainer_step"
+    return "version"
+
+
+def run_summary(sessions: list[dict[str, Any]], by: str | None = None) -> dict[str, Any]:
+    """The run at a glance, one point per step (the sessions' ``by``: ``trainer_step``, the
+    weight ``version``, or any metadata key): its sessions, their reward's mean, spread
+    (standard deviation), min and max, its sessions per status, tokens (all, trained), calls,
+    and time (first call's start to last call's end over its sessions, seconds). Sessions
+    without the key are counted apart (``unstepped``)."""
+    by = by or run_by_default(sessions)
+    steps: dict[str, list[dict[str, Any]]] = {}
+    labels: dict[str, Any] = {}
+    unstepped = 0
+    for session in sessions:
+        value = session_value(session, by)
+        if value is None:
+            unstepped += 1
+            continue
+        steps.setdefault(_text(value), []).append(session)
+        labels[_text(value)] = value
+    statuses: dict[str, int] = {}
+    points = []
+    for key in sorted(steps, key=lambda k: _order(labels[k])):
+        group = steps[key]
+        rewards = [r for r in (reward_of(s) for s in group) if r is not None]
+        count: dict[str, int] = {}
+        for s in group:
+            count[s["status"]] = count.get(s["status"], 0) + 1
+            statuses[s["status"]] = statuses.get(s["status"], 0) + 1
+        starts = [s["started_at"] for s in group if s.get("started_at")]
+        ends = [s["ended_at"] for s in group if s.get("ended_at")]
+        points.append(
+            {
+                "step": key,
+                "sessions": len(group),
+                "rewarded": len(rewards),
+                "reward": _stats(rewards),
+                "statuses": count,
+                "tokens": sum(s["tokens"] for s in group),
+                "trained_tokens": sum(s["trained_tokens"] for s in group),
+                "calls": sum(s["calls"] for s in group),
+                "time_s": max(ends) - min(starts) if starts and ends else None,
+                "groups": len({_text(session_value(s, "group_id")) for s in group}),
+            }
+        )
+    return {
+        "by": by,
+        "sessions": len(sessions),
+        "unstepped": unstepped,
+        "statuses": sorted(statuses, key=lambda k: -statuses[k]),
+        "steps": points,
+    }
+
+
+def group_list(sessions: list[dict[str, Any]], key: str = "group_id") -> list[dict[str, Any]]:
+    """The sessions by group (their metadata's ``group_id``: a GRPO group, one rollout's
+    ``n`` runs): its step, size, reward mean and spread, statuses; newest step first."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for session in sessions:
+        value = session_value(session, key)
+        if value is not None:
+            groups.setdefault(_text(value), []).append(session)
+    out = []
+    for gid, members in groups.items():
+        rewards = [r for r in (reward_of(s) for s in members) if r is not None]
+        steps = {
+            _text(v) for v in (session_value(s, "trainer_step") for s in members) if v is not None
+        }
+        statuses: dict[str, int] = {}
+        for s in members:
+            statuses[s["status"]] = statuses.get(s["status"], 0) + 1
+        out.append(
+            {
+                "id": gid,
+                "trainer_step": ", ".join(sorted(steps, key=_order)) or None,
+                "n": len(members),
+                "reward": _stats(rewards),
+                "statuses": statuses,
+                "started_at": min(
+                    (s["started_at"] for s in members if s.get("started_at")), default=None
+                ),
+            }
+        )
+    # Newest step first; groups without a step after them.
+    out.sort(key=lambda g: (_order(g["started_at"]), g["id"]), reverse=True)
+    stepped = [g for g in out if g["trainer_step"] is not None]
+    stepped.sort(key=lambda g: _order(g["trainer_step"]), reverse=True)
+    out = stepped + [g for g in out if g["trainer_step"] is None]
+    return out
+
+
+def group_view(
+    sessions: list[dict[str, Any]], summaries: list[dict[str, Any]], group_id: str
+) -> dict[str, Any]:
+    """A GRPO group's rollouts side by side: each one's reward, advantage (its reward less the
+    group's mean over the rewarded ones, as GRPO centres it), status, calls, trained tokens,
+    end reason and rows (to open). A LookupError for a group no session is in."""
+    members = [s for s in sessions if _text(session_value(s, "group_id")) == group_id]
+    if not members:
+        raise LookupError(
+            f"no session has group_id {group_id!r} in its metadata (GET /ui/api/run lists groups)"
+        )
+    members.sort(key=lambda s: (_order(session_value(s, "index")), s["id"]))
+    rewards = [r for r in (reward_of(s) for s in members) if r is not None]
+    stats = _stats(rewards)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for row in summaries:
+        rows.setdefault(row["session_id"], []).append(row)
+    rollouts = []
+    for s in members:
+        reward = reward_of(s)
+        mean = stats["mean"]
+        rollouts.append(
+            {
+                "id": s["id"],
+                "index": session_value(s, "index"),
+                "reward": reward,
+                "advantage": reward - mean if reward is not None and mean is not None else None,
+                "status": s["status"],
+                "calls": s["calls"],
+                "tokens": s["tokens"],
+                "trained_tokens": s["trained_tokens"],
+                "end_reason": s["end_reason"],
+                "versions": s["versions"],
+                "rows": [
+                    {
+                        "thread_id": r["thread_id"],
+                        "parent_relation": r.get("parent_relation"),
+                        "dead": bool(r.get("dead")),
+                        "trained_tokens": int(r.get("trained_tokens") or 0),
+                    }
+                    for r in rows.get(s["id"], [])
+                ],
+            }
+        )
+    steps = {_text(v) for v in (session_value(s, "trainer_step") for s in members) if v is not None}
+    return {
+        "id": group_id,
+        "trainer_step": ", ".join(sorted(steps, key=_order)) or None,
+        "metadata": members[0].get("metadata"),
+        "reward": stats,
+        "rollouts": rollouts,
+    }
 
 
 def first_trained(loss_mask: Sequence[int] | None) -> int | None:
@@ -246,6 +610,7 @@ def row_node(row: dict[str, Any]) -> dict[str, Any]:
     trained = row.get("trained_tokens")
     if trained is None:
         trained = sum(row.get("loss_mask") or ())
+    spans = [dict(s) for s in row.get("weight_versions") or ()]
     return {
         "thread_id": row["thread_id"],
         "parent_thread_id": row.get("parent_thread_id"),
@@ -263,8 +628,25 @@ def row_node(row: dict[str, Any]) -> dict[str, Any]:
         "metrics": _json(row.get("metrics")),
         "protocol": row.get("protocol"),
         "pending": bool(row.get("pending")),
-        "turns": [dict(t) for t in row.get("turns") or ()],
+        "weight_versions": spans,
+        "versions": _versions([row]),
+        "turns": [
+            dict(t, versions=versions_in(spans, t.get("start"), t.get("end")))
+            for t in row.get("turns") or ()
+        ],
     }
+
+
+def versions_in(spans: list[dict[str, Any]], start: int | None, end: int | None) -> list[str]:
+    """The weight versions whose spans overlap positions [start, end): which weights sampled a
+    call's tokens."""
+    if start is None or end is None:
+        return []
+    out: dict[str, None] = {}
+    for span in spans:
+        if span["start"] < end and span["end"] > start and span.get("version") is not None:
+            out.setdefault(str(span["version"]), None)
+    return list(out)
 
 
 def row_tree(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,7 +738,7 @@ def token_page(
 
 
 def row_overview(row: dict[str, Any]) -> dict[str, Any]:
-    """A row's counts by provenance and loss mask (the legend's numbers)."""
+    """A row's counts by provenance and loss mask (the legend's numbers), and its ``strip``."""
     prov = row.get("provenance") or []
     mask = row.get("loss_mask") or []
     counts = {name: 0 for name in PROVENANCE}
@@ -368,7 +750,51 @@ def row_overview(row: dict[str, Any]) -> dict[str, Any]:
         "trained": int(sum(mask)),
         "total": len(prov),
         "first_trained": first_trained(mask),
+        "strip": logprob_strip(row),
     }
+
+
+# Points in a row's logprob strip: one per sampled token up to this many, else each point is
+# the mean (and min) of a run of consecutive sampled tokens.
+STRIP_POINTS = 1200
+
+
+def entropy(top_logprobs: Sequence[float] | None) -> float | None:
+    """The entropy (nats) of a position's top-k distribution, renormalised over the k: a lower
+    bound on the policy's whole entropy there; None without top-k."""
+    if not top_logprobs:
+        return None
+    probs = [math.exp(x) for x in top_logprobs if x is not None]
+    total = sum(probs)
+    if total <= 0:
+        return None
+    return -sum(p / total * math.log(p / total) for p in probs if p > 0)
+
+
+def logprob_strip(row: dict[str, Any], points: int = STRIP_POINTS) -> dict[str, Any]:
+    """The logprobs of a row's sampled (and recomputed) tokens, in order, for the strip drawn
+    under the row's header: ``pos`` (each point's first position), ``end`` (one past its last),
+    ``lp`` (mean logprob), ``min``; ``entropy`` where the row carries top-k logprobs
+    (``top_logprobs``, a list per position), else None."""
+    prov = row.get("provenance") or []
+    lps = row.get("logprobs") or []
+    tops = row.get("top_logprobs")
+    sampled = [i for i, p in enumerate(prov) if p in (1, 2) and i < len(lps) and lps[i] is not None]
+    size = max(1, math.ceil(len(sampled) / points))
+    out: dict[str, Any] = {"bucket": size, "pos": [], "end": [], "lp": [], "min": []}
+    ents: list[float | None] = []
+    for k in range(0, len(sampled), size):
+        chunk = sampled[k : k + size]
+        values = [float(lps[i]) for i in chunk]
+        out["pos"].append(chunk[0])
+        out["end"].append(chunk[-1] + 1)
+        out["lp"].append(round(sum(values) / len(values), 4))
+        out["min"].append(round(min(values), 4))
+        if tops is not None:
+            found = [e for e in (entropy(tops[i]) for i in chunk if i < len(tops)) if e is not None]
+            ents.append(round(sum(found) / len(found), 4) if found else None)
+    out["entropy"] = ents if tops is not None and any(e is not None for e in ents) else None
+    return out
 
 
 # -- diff of two calls -------------------------------------------------------------------------

@@ -6,10 +6,15 @@ offline over a folder of shards with one command:
 
     .venv/bin/python -m capture.viewer_http OUT [--tokenizer DIR] [--port 8765]
 
-The page (``/ui/``) and its icon (``/ui/favicon.ico``) hold no data and answer without the
-token; every ``/ui/api/`` route wants it.
+The page (``/ui/``), its scripts (``/ui/viewer.js``, ``/ui/plots.js``) and its icon
+(``/ui/favicon.ico``) hold no data and answer without the token; every ``/ui/api/`` route wants
+it.
 
-Routes: ``GET /ui/api/sessions``, ``GET /ui/api/sessions/{id}`` (its row tree and calls),
+Routes: ``GET /ui/api/sessions?sort=KEY&order=desc&filter=KEY=VALUE&q=TEXT&offset=&limit=`` (a
+page of the session list, sorted and filtered by a field or any metadata key),
+``GET /ui/api/run?by=trainer_step|version|KEY`` (per step: reward mean and spread, sessions per
+status, tokens, time; and the groups), ``GET /ui/api/groups/{group_id}`` (a group's rollouts side
+by side, with advantages), ``GET /ui/api/sessions/{id}`` (its row tree and calls),
 ``GET /ui/api/sessions/{id}/rows/{thread_id}?offset=&limit=[&overview=1]`` (a page of a row's
 tokens; the row's counts with the first page, or with ``overview=1``),
 ``GET /ui/api/sessions/{id}/diff?a=REQUEST_ID&b=REQUEST_ID``.
@@ -39,10 +44,20 @@ logger = logging.getLogger(__name__)
 
 UI_PREFIX = "/ui"
 ICON_PATH = f"{UI_PREFIX}/favicon.ico"
+# Groups the run view lists (newest first); the session list filters by any group beyond.
+GROUPS_SHOWN = 500
 
 
-def _page() -> bytes:
-    return resources.files("capture.viewer").joinpath("ui/index.html").read_bytes()
+# The page's files: they hold no data (the page reads it from /ui/api/ with the token).
+STATIC = {
+    "index.html": "text/html",
+    "viewer.js": "text/javascript",
+    "plots.js": "text/javascript",
+}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("capture.viewer").joinpath(f"ui/{name}").read_bytes()
 
 
 def _png(size: int, colour: Callable[[int, int], bytes]) -> bytes:
@@ -150,8 +165,11 @@ class ViewerRoutes:
 
     @staticmethod
     def is_page(path: str) -> bool:
-        """The paths that answer without the token: the page shell and its icon (no data)."""
-        return path in (UI_PREFIX, f"{UI_PREFIX}/", f"{UI_PREFIX}/index.html", ICON_PATH)
+        """The paths that answer without the token: the page, its scripts and its icon (no
+        data)."""
+        if path in (UI_PREFIX, f"{UI_PREFIX}/", ICON_PATH):
+            return True
+        return path.startswith(f"{UI_PREFIX}/") and path[len(UI_PREFIX) + 1 :] in STATIC
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -162,9 +180,10 @@ class ViewerRoutes:
         if self.is_page(path):
             if path == UI_PREFIX:
                 raise web.HTTPFound(f"{UI_PREFIX}/")
+            name = path[len(UI_PREFIX) + 1 :] or "index.html"
             return web.Response(
-                body=_page(),
-                content_type="text/html",
+                body=_static(name),
+                content_type=STATIC[name],
                 charset="utf-8",
                 headers={"Cache-Control": "no-store"},
             )
@@ -173,7 +192,11 @@ class ViewerRoutes:
         parts = path.removeprefix(f"{UI_PREFIX}/api/").strip("/").split("/")
         try:
             if parts == ["sessions"]:
-                return await self._run(self._sessions)
+                return await self._run(self._sessions, _list_query(request.query))
+            if parts == ["run"]:
+                return await self._run(self._run_view, request.query.get("by") or None)
+            if len(parts) == 2 and parts[0] == "groups":
+                return await self._run(self._group, parts[1])
             if len(parts) == 2 and parts[0] == "sessions":
                 return await self._run(self._session, parts[1])
             if len(parts) == 4 and parts[0] == "sessions" and parts[2] == "rows":
@@ -192,8 +215,9 @@ class ViewerRoutes:
             return _error(404, f"agenttap viewer: {exc.args[0]}")
         return _error(
             404,
-            f"agenttap viewer: no route {path}. It serves /ui/, /ui/api/sessions, "
-            "/ui/api/sessions/ID, /ui/api/sessions/ID/rows/THREAD_ID, /ui/api/sessions/ID/diff",
+            f"agenttap viewer: no route {path}. It serves /ui/, /ui/api/sessions, /ui/api/run, "
+            "/ui/api/groups/GROUP_ID, /ui/api/sessions/ID, /ui/api/sessions/ID/rows/THREAD_ID, "
+            "/ui/api/sessions/ID/diff",
         )
 
     @staticmethod
@@ -206,13 +230,31 @@ class ViewerRoutes:
     def _live(self) -> dict[str, dict[str, Any]]:
         return self.live() if self.live is not None else {}
 
-    def _sessions(self) -> dict[str, Any]:
-        live = self._live()
-        return {
+    def _all_sessions(self) -> list[dict[str, Any]]:
+        return viewer.session_list(self.source.summaries(), self._live())
+
+    def _sessions(self, query: dict[str, Any]) -> dict[str, Any]:
+        sessions = self._all_sessions()
+        page = viewer.query_sessions(sessions, **query)
+        return page | {
             "source": self.describe,
             "live": self.live is not None,
-            "sessions": viewer.session_list(self.source.summaries(), live),
+            "keys": viewer.metadata_keys(sessions),
         }
+
+    def _run_view(self, by: str | None) -> dict[str, Any]:
+        sessions = self._all_sessions()
+        groups = viewer.group_list(sessions)
+        return viewer.run_summary(sessions, by) | {
+            "source": self.describe,
+            "keys": [k["key"] for k in viewer.metadata_keys(sessions)],
+            "groups": groups[:GROUPS_SHOWN],
+            "group_count": len(groups),
+        }
+
+    def _group(self, group_id: str) -> dict[str, Any]:
+        summaries = self.source.summaries()
+        return viewer.group_view(viewer.session_list(summaries, self._live()), summaries, group_id)
 
     def _rows(self, sid: str) -> list[dict[str, Any]]:
         rows = self.source.threads(sid)
@@ -279,6 +321,28 @@ def _icon_response() -> web.Response:
         content_type="image/x-icon",
         headers={"Cache-Control": "public, max-age=86400"},
     )
+
+
+def _list_query(query: Any) -> dict[str, Any]:
+    """The session list's query string as ``query_sessions``' arguments (a ValueError names
+    what is wrong)."""
+    filters = []
+    for item in query.getall("filter", []):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"filter wants KEY=VALUE (e.g. filter=trainer_step=3), not {item!r}")
+        filters.append((key, value))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order is asc or desc, not {order!r}")
+    return {
+        "sort": query.get("sort") or None,
+        "descending": order == "desc",
+        "filters": filters,
+        "search": query.get("q", ""),
+        "offset": _int(query.get("offset", "0"), "offset"),
+        "limit": _int(query.get("limit", str(viewer.DEFAULT_PAGE)), "limit"),
+    }
 
 
 def _int(text: str, name: str) -> int:

@@ -33,6 +33,7 @@ from tests.viewer_data import (
     write_hostile_session,
     write_long_prompt_session,
     write_long_session,
+    write_run,
 )
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -95,17 +96,10 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Iterator[tuple[str, Path]]:
-    """``python -m capture.viewer_http OUT --tokenizer DIR``, as a user runs it."""
-    out = tmp_path_factory.mktemp("viewer-out")
-    write_agent_session(out, tok)
-    write_long_session(out)
-    write_long_prompt_session(out)
-    write_hostile_session(out, tok)
+def serve(out: Path, *extra: str) -> Iterator[str]:
+    """``python -m capture.viewer_http OUT ...``, as a user runs it: yields the URL it prints."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "capture.viewer.http", str(out), "--tokenizer", str(QWEN3)]
-        + ["--port", "0"],
+        [sys.executable, "-m", "capture.viewer_http", str(out), *extra, "--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -117,10 +111,22 @@ def offline(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Iterator[tupl
         line = proc.stdout.readline()
         match = re.search(r"agenttap viewer: (http://\S+/ui/)", line)
         assert match, f"no URL line from the viewer: {line!r}"
-        yield match.group(1), out
+        yield match.group(1)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory: pytest.TempPathFactory, tok: Any) -> Iterator[tuple[str, Path]]:
+    """The offline viewer with a tokenizer over a few sessions of every kind."""
+    out = tmp_path_factory.mktemp("viewer-out")
+    write_agent_session(out, tok)
+    write_long_session(out)
+    write_long_prompt_session(out)
+    write_hostile_session(out, tok)
+    for url in serve(out, "--tokenizer", str(QWEN3)):
+        yield url, out
 
 
 def test_offline_sessions_tree_tokens_and_calls(browser: Any, offline: tuple[str, Path]) -> None:
@@ -132,7 +138,7 @@ def test_offline_sessions_tree_tokens_and_calls(browser: Any, offline: tuple[str
     assert str(out.resolve()) in page.inner_text("#source")
     agent = page.locator("tr.session[data-session='agent-1']")
     text = agent.inner_text()
-    assert "task_id=swe-42" in text and "4 (1 dead)" in text and "stop" in text
+    assert "task_id=swe-42" in text and "4 rows (1 dead)" in text and "stop" in text
     assert agent.locator("td.reward").inner_text() == "1"
     agent.click()
     page.wait_for_selector("#tree .node")
@@ -178,7 +184,7 @@ def test_offline_sessions_tree_tokens_and_calls(browser: Any, offline: tuple[str
     assert page.evaluate("location.hash") == "#session=agent-1"
     assert page.locator("#tree .node[data-thread='t-req-1']").is_visible()
     page.locator("#back-to-list").click()
-    page.wait_for_selector("#pick", state="visible")
+    page.wait_for_selector("#run-view", state="visible")
     assert page.locator("#session-view").is_hidden() and page.locator("#row-view").is_hidden()
     assert page.locator("tr.session.selected").count() == 0
     # Browser history goes the same way back: the session, then the row.
@@ -358,6 +364,15 @@ def test_live_proxy_viewer_shows_live_sessions_and_wants_the_token(
     # The token is kept for the tab and taken out of the address.
     assert "token" not in page.url and stub_tap.token not in page.url
     # Closed, the session's rows come from its shards, with the reward.
+    # Flushed but still open: its rows are in the shards, and it is still live.
+    stub_tap.flush(sess.id)
+    page.reload()
+    row = page.locator(f"tr.session[data-session='{sess.id}']")
+    row.wait_for()
+    assert row.locator(".badge.live").count() == 1
+    row.click()
+    page.wait_for_selector("#tree .node")
+    assert "not written yet" not in page.inner_text("#tree")
     sess.close(reward=3.0)
     page.reload()
     row = page.locator(f"tr.session[data-session='{sess.id}']")
@@ -373,5 +388,248 @@ def test_live_proxy_viewer_shows_live_sessions_and_wants_the_token(
     page.wait_for_selector("#tokens .t.m1")
     page.locator("#back-to-session").click()
     page.wait_for_selector("#session-view", state="visible")
+    watch.assert_clean()
+    page.close()
+
+
+# -- a run: 504 sessions in 36 GRPO groups over 12 trainer steps --------------------------------
+STEPS, GROUPS_PER_STEP, GROUP_SIZE = 12, 3, 14
+
+
+@pytest.fixture(scope="module")
+def run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, list[dict[str, Any]], Path]]:
+    """The offline viewer (no tokenizer) over a run's shards, plus one long row without a step;
+    yields its URL, the sessions written, and a folder for screenshots."""
+    out = tmp_path_factory.mktemp("viewer-run")
+    truth = write_run(out, STEPS, GROUPS_PER_STEP, GROUP_SIZE)
+    write_long_session(out)
+    shots = tmp_path_factory.mktemp("viewer-screenshots")
+    for url in serve(out):
+        yield url, truth, shots
+
+
+def screenshot(page: Any, shots: Path, name: str) -> None:
+    path = shots / f"{name}.png"
+    page.screenshot(path=str(path))
+    assert path.stat().st_size > 10_000
+    print(f"screenshot: {path}")
+
+
+def by_step(truth: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for s in truth:
+        out.setdefault(s["step"], []).append(s)
+    return out
+
+
+def number(text: str) -> float:
+    return float(text.replace("+", "").replace("−", "-"))
+
+
+def test_the_run_view_plots_a_point_per_step(browser: Any, run: Any) -> None:
+    url, truth, shots = run
+    assert len(truth) >= 500 and len({s["group"] for s in truth}) >= 20
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    page.goto(url)
+    page.wait_for_selector("svg[data-plot='reward'] g.step")
+    summary = page.inner_text("#run-summary")
+    assert "505 sessions, 12 trainer_step values, 36 groups" in summary
+    assert "1 sessions without trainer_step" in summary
+    for name in ("reward", "status", "tokens", "time"):
+        assert page.locator(f"svg[data-plot='{name}'] g.step").count() == STEPS, name
+    steps = by_step(truth)
+    # The reward's mean per step, its spread band and min-max whisker; the numbers on hover.
+    means = page.eval_on_selector_all(
+        "svg[data-plot='reward'] circle.pt", "els => els.map(e => Number(e.dataset.value))"
+    )
+    assert len(means) == STEPS
+    for step, mean in enumerate(means):
+        rewards = [s["reward"] for s in steps[step]]
+        assert mean == pytest.approx(sum(rewards) / len(rewards), abs=1e-9)
+    assert page.locator("svg[data-plot='reward'] polygon.band").count() == 1
+    assert page.locator("svg[data-plot='reward'] line.whisker").count() == STEPS
+    hover = page.locator("svg[data-plot='reward'] g.step[data-step='11'] title").text_content()
+    assert hover is not None and "42 of 42 sessions rewarded" in hover and "±" in hover
+    # Sessions per status, stacked: each step's bars add up to its sessions.
+    for step in range(STEPS):
+        values = page.eval_on_selector_all(
+            f"svg[data-plot='status'] g.step[data-step='{step}'] rect.bar",
+            "els => els.map(e => [e.dataset.series, Number(e.dataset.value)])",
+        )
+        want: dict[str, int] = {}
+        for s in steps[step]:
+            want[s["status"]] = want.get(s["status"], 0) + 1
+        assert dict(values) == want
+    # Tokens (all, trained) and time (first call's start to last call's end) per step.
+    tokens = page.eval_on_selector_all(
+        "svg[data-plot='tokens'] rect.bar[data-series='all']",
+        "els => els.map(e => Number(e.dataset.value))",
+    )
+    assert tokens == [sum(s["tokens"] for s in steps[k]) for k in range(STEPS)]
+    trained = page.eval_on_selector_all(
+        "svg[data-plot='tokens'] rect.bar[data-series='trained']",
+        "els => els.map(e => Number(e.dataset.value))",
+    )
+    assert trained == [sum(s["trained"] for s in steps[k]) for k in range(STEPS)]
+    times = page.eval_on_selector_all(
+        "svg[data-plot='time'] rect.bar", "els => els.map(e => Number(e.dataset.value))"
+    )
+    for k, t in enumerate(times):
+        span = max(s["ended_at"] for s in steps[k]) - min(s["started_at"] for s in steps[k])
+        assert t == pytest.approx(span, abs=1e-6)
+    # The groups, newest step first.
+    assert page.locator("#groups tr.group").count() == STEPS * GROUPS_PER_STEP
+    assert page.locator("#groups tr.group").first.locator("td").nth(1).inner_text() == "11"
+    screenshot(page, shots, "run")
+    # Per weight version: the sessions whose weights moved count under the newer one.
+    page.select_option("#run-by", "version")
+    page.wait_for_function(
+        "document.querySelectorAll(\"svg[data-plot='reward'] g.step\").length === 13"
+    )
+    labels = page.eval_on_selector_all(
+        "svg[data-plot='reward'] g.step", "els => els.map(e => e.dataset.step)"
+    )
+    assert labels == [f"v{k}" for k in range(STEPS + 1)]
+    # Clicking a step lists its sessions.
+    page.select_option("#run-by", "trainer_step")
+    page.wait_for_selector("svg[data-plot='reward'] g.step[data-step='3']")
+    page.locator("svg[data-plot='reward'] g.step[data-step='3'] rect.hit").click(force=True)
+    page.wait_for_selector("#filters .chip[data-key='trainer_step']")
+    page.wait_for_function("document.querySelector('#list-count').textContent.includes('42 of')")
+    watch.assert_clean()
+    page.close()
+
+
+def test_a_group_shows_its_rollouts_rewards_and_advantages(browser: Any, run: Any) -> None:
+    url, truth, shots = run
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    page.goto(url)
+    page.locator("#groups tr.group[data-group='grpo-05-1']").click()
+    page.wait_for_selector("#group-view tr.rollout")
+    members = sorted((s for s in truth if s["group"] == "grpo-05-1"), key=lambda s: s["index"])
+    mean = sum(s["reward"] for s in members) / len(members)
+    rows = page.locator("#group-rollouts tr.rollout")
+    assert rows.count() == GROUP_SIZE
+    advantages = []
+    for k, s in enumerate(members):
+        row = rows.nth(k)
+        assert row.get_attribute("data-session") == s["id"]
+        reward = number(row.locator("td.reward").inner_text())
+        advantage = number(row.locator("td.advantage").inner_text() or "0")
+        # Shown to 3 significant digits.
+        assert reward == pytest.approx(s["reward"], rel=5e-3, abs=1e-3)
+        assert advantage == pytest.approx(s["reward"] - mean, rel=5e-3, abs=1e-3)
+        advantages.append(advantage)
+        assert s["status"] in row.inner_text()
+    assert sum(advantages) == pytest.approx(0, abs=0.02)
+    assert "trainer_step 5" in page.inner_text("#group-meta")
+    assert page.locator("svg[data-plot='group'] g.step").count() == GROUP_SIZE
+    screenshot(page, shots, "group")
+    # Each rollout opens its rows.
+    rows.nth(4).locator("a.row-link").click()
+    page.wait_for_selector("#row-view", state="visible")
+    assert page.inner_text("#row-id") == "t-grpo-05-1-4"
+    watch.assert_clean()
+    page.close()
+
+
+def test_the_session_list_sorts_filters_searches_and_pages(browser: Any, run: Any) -> None:
+    url, _, _ = run
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    page.goto(url)
+    page.wait_for_selector("tr.session")
+    # A page of 100 of 505, one line each; newest trainer step first by default.
+    assert page.inner_text("#list-count") == "505 sessions"
+    assert page.inner_text("#page-info") == "1–100 of 505"
+    assert page.locator("tr.session").count() == 100
+    heights = page.eval_on_selector_all("tr.session", "els => els.map(e => e.offsetHeight)")
+    assert max(heights) < 30, heights
+    assert page.inner_text("#key-head") == "trainer_step"
+
+    def keys() -> list[str]:
+        return page.eval_on_selector_all("tr.session td.key", "els => els.map(e => e.textContent)")
+
+    assert set(keys()[:42]) == {"11"}
+    page.select_option("#sort", "trainer_step")
+    page.select_option("#order", "asc")
+    page.wait_for_function("document.querySelector('tr.session td.key').textContent === '0'")
+    first = [int(k) for k in keys()]
+    assert first == sorted(first) and first[0] == 0 and first[-1] == 2
+    page.locator("#next").click()
+    page.wait_for_function("document.querySelector('#page-info').textContent.startsWith('101')")
+    second = [int(k) for k in keys()]
+    assert second == sorted(second) and second[0] >= first[-1]
+    # Rewards show rounded, and sort.
+    page.select_option("#sort", "reward")
+    page.select_option("#order", "desc")
+    page.wait_for_selector("#sessions[data-sort='reward'][data-order='desc'][data-offset='0']")
+    rewards = [number(t) for t in page.locator("tr.session td.reward").all_inner_texts()]
+    assert rewards == sorted(rewards, reverse=True)
+    assert all(len(t.replace("0.", "")) <= 3 for t in page.locator("td.reward").all_inner_texts())
+    # Filter by a metadata key's value, then search by id.
+    page.select_option("#filter-key", "group_id")
+    page.select_option("#filter-value", "grpo-03-1")
+    page.wait_for_function("document.querySelector('#list-count').textContent.startsWith('14 of')")
+    assert page.locator("tr.session").count() == 14
+    page.locator("#filters .chip button").click()
+    page.wait_for_function("document.querySelector('#list-count').textContent === '505 sessions'")
+    page.fill("#search", "grpo-07-2-1")
+    page.wait_for_function("document.querySelector('#list-count').textContent.startsWith('5 of')")
+    ids = sorted(page.eval_on_selector_all("tr.session", "els => els.map(e => e.dataset.session)"))
+    assert ids == ["grpo-07-2-1", "grpo-07-2-10", "grpo-07-2-11", "grpo-07-2-12", "grpo-07-2-13"]
+    watch.assert_clean()
+    page.close()
+
+
+def test_a_row_shows_its_weight_versions_and_keeps_its_header_in_view(
+    browser: Any, run: Any
+) -> None:
+    url, _, shots = run
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    # A session whose weights moved between its two calls: v4, then v5.
+    page.goto(url + "#session=grpo-04-0-4")
+    page.wait_for_selector("#tree .node")
+    assert page.locator("#tree .badge.version").all_inner_texts() == ["v4", "v5"]
+    page.locator("#tree .node").first.click()
+    page.wait_for_selector("#tokens .t.m1")
+    marks = page.locator("#tokens .call-mark[data-start]").all_inner_texts()
+    assert len(marks) == 2 and "weights v4" in marks[0] and "weights v5" in marks[1]
+    assert "weights v4" in page.inner_text("#row-calls")
+    bands = page.eval_on_selector_all("#strip rect.vband", "els => els.map(e => e.dataset.version)")
+    assert bands == ["v4", "v5"]
+    # The strip: a bar per sampled token (44 of them here), under the row's header.
+    trained = page.locator("#tokens .t.m1").count()
+    assert page.locator("#strip path.strip-lp").count() == 1
+    assert (
+        page.evaluate(
+            "document.querySelector('#strip path.strip-lp').getAttribute('d').split('M').length - 1"
+        )
+        == trained
+    )
+    last = page.locator("#tokens .t.m1").last
+    assert "weights v5" in (last.get_attribute("title") or "")
+    screenshot(page, shots, "row")
+    # A long row: it opens scrolled 32,000 tokens in, its header and legend still in view.
+    page.goto(url + "#session=long-1&row=t-long-2")
+    page.wait_for_selector("#tokens .t[data-i='32833']")
+    assert page.evaluate("document.querySelector('#right').scrollTop") > 5_000
+    assert in_view(page, "#legend") and in_view(page, "#row-id") and in_view(page, "#strip")
+    head = page.evaluate(
+        "document.querySelector('#row-head').getBoundingClientRect().top"
+        " - document.querySelector('#right').getBoundingClientRect().top"
+    )
+    assert abs(head) < 2
+    # Clicking the strip's end jumps to the row's last sampled tokens.
+    box = page.locator("#strip").bounding_box()
+    assert box is not None
+    page.mouse.click(box["x"] + box["width"] - 2, box["y"] + 10)
+    page.wait_for_selector("#tokens .t[data-i='99999']")
+    screenshot(page, shots, "long-row")
     watch.assert_clean()
     page.close()
