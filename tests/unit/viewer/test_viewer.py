@@ -5,6 +5,7 @@ token); the page's icon and which of the viewer's paths answer without the token
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 import zlib
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.viewer_data import (
     write_agent_session,
     write_long_prompt_session,
     write_long_session,
+    write_run,
 )
 
 
@@ -181,10 +183,13 @@ def test_the_icon_is_an_ico_holding_a_png() -> None:
     assert kinds == [b"IHDR", b"IDAT", b"IEND"]
 
 
-def test_only_the_page_and_its_icon_are_open() -> None:
-    for path in ("/ui", "/ui/", "/ui/index.html", "/ui/favicon.ico"):
+def test_only_the_page_its_scripts_and_its_icon_are_open() -> None:
+    for path in ("/ui", "/ui/", "/ui/index.html", "/ui/favicon.ico", "/ui/viewer.js"):
         assert ViewerRoutes.is_page(path), path
+    assert ViewerRoutes.is_page("/ui/plots.js")
     for path in ("/ui/api/sessions", "/ui/api/sessions/s/rows/t", "/ui/favicon.ico/x", "/ui/x"):
+        assert not ViewerRoutes.is_page(path), path
+    for path in ("/ui/api/run", "/ui/api/groups/g", "/ui/../viewer.js", "/ui/ui/viewer.js"):
         assert not ViewerRoutes.is_page(path), path
 
 
@@ -209,3 +214,169 @@ def test_the_offline_app_serves_the_icon_and_the_overview_on_request(out: Path) 
             assert asked["overview"]["trained"] == 1500
 
     asyncio.run(run())
+
+
+# -- the run: 504 sessions, 36 groups, 12 steps --------------------------------------------------
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, list[dict[str, Any]]]:
+    truth = write_run(tmp_path / "run")
+    write_long_session(tmp_path / "run", tokens=3000)
+    return tmp_path / "run", truth
+
+
+def test_the_run_per_trainer_step(run: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, truth = run
+    sessions = viewer.session_list(ShardSource(out).summaries())
+    summary = viewer.run_summary(sessions)
+    assert summary["by"] == "trainer_step" and summary["unstepped"] == 1
+    assert [p["step"] for p in summary["steps"]] == [str(k) for k in range(12)]
+    for point in summary["steps"]:
+        members = [s for s in truth if str(s["step"]) == point["step"]]
+        rewards = [s["reward"] for s in members]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        assert point["reward"]["mean"] == pytest.approx(mean)
+        assert point["reward"]["std"] == pytest.approx(std)
+        assert point["reward"]["min"] == min(rewards) and point["reward"]["max"] == max(rewards)
+        statuses: dict[str, int] = {}
+        for s in members:
+            statuses[s["status"]] = statuses.get(s["status"], 0) + 1
+        assert point["statuses"] == statuses and point["sessions"] == 42 and point["groups"] == 3
+        assert point["tokens"] == sum(s["tokens"] for s in members)
+        assert point["trained_tokens"] == sum(s["trained"] for s in members)
+        span = max(s["ended_at"] for s in members) - min(s["started_at"] for s in members)
+        assert point["time_s"] == pytest.approx(span)
+    # Per weight version: a session counts under the newest weights that sampled it.
+    by_version = viewer.run_summary(sessions, "version")
+    assert [p["step"] for p in by_version["steps"]] == [f"v{k}" for k in range(13)]
+    assert sum(p["sessions"] for p in by_version["steps"]) == 504
+    # Any metadata key.
+    by_task = viewer.run_summary(sessions, "task")
+    assert [p["step"] for p in by_task["steps"]] == ["task-0", "task-1", "task-2"]
+
+
+def test_a_group_its_rewards_and_advantages(run: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, truth = run
+    source = ShardSource(out)
+    sessions = viewer.session_list(source.summaries())
+    groups = viewer.group_list(sessions)
+    assert len(groups) == 36 and groups[0]["trainer_step"] == "11" and groups[0]["n"] == 14
+    group = viewer.group_view(sessions, source.summaries(), "grpo-05-1")
+    members = sorted((s for s in truth if s["group"] == "grpo-05-1"), key=lambda s: s["index"])
+    mean = sum(s["reward"] for s in members) / len(members)
+    assert [r["id"] for r in group["rollouts"]] == [s["id"] for s in members]
+    for got, want in zip(group["rollouts"], members, strict=True):
+        assert got["reward"] == want["reward"]
+        assert got["advantage"] == pytest.approx(want["reward"] - mean)
+        assert got["status"] == want["status"] and got["calls"] == 2
+        assert got["trained_tokens"] == want["trained"] and got["versions"] == want["versions"]
+        assert [r["thread_id"] for r in got["rows"]] == ["t-" + want["id"]]
+    assert group["trainer_step"] == "5"
+    with pytest.raises(LookupError, match="group_id"):
+        viewer.group_view(sessions, source.summaries(), "nope")
+
+
+def test_the_list_sorts_filters_searches_and_pages(run: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, _ = run
+    sessions = viewer.session_list(ShardSource(out).summaries())
+    # By default the newest trainer step first; the session without one last.
+    page = viewer.query_sessions(sessions)
+    assert page["sort"] == "trainer_step" and page["matched"] == 505
+    assert len(page["sessions"]) == viewer.DEFAULT_PAGE
+    assert {s["metadata"]["trainer_step"] for s in page["sessions"][:42]} == {11}
+    last = viewer.query_sessions(sessions, offset=500)["sessions"]
+    assert [s["id"] for s in last][-1] == "long-1"
+    up = viewer.query_sessions(sessions, "trainer_step", descending=False, limit=1000)
+    steps = [viewer.session_value(s, "trainer_step") for s in up["sessions"]]
+    assert steps[:-1] == sorted(steps[:-1]) and steps[-1] is None
+    # Ties in a group by its rollouts' index.
+    assert [s["id"] for s in up["sessions"][:3]] == ["grpo-00-0-0", "grpo-00-0-1", "grpo-00-0-2"]
+    by_reward = viewer.query_sessions(sessions, "reward")["sessions"]
+    rewards = [float(viewer.reward_of(s) or 0.0) for s in by_reward]
+    assert rewards == sorted(rewards, reverse=True)
+    group = viewer.query_sessions(sessions, filters=[("group_id", "grpo-03-1")])
+    assert group["matched"] == 14
+    both = viewer.query_sessions(sessions, filters=[("trainer_step", "3"), ("status", "stop")])
+    assert all(s["status"] == "stop" for s in both["sessions"]) and 0 < both["matched"] < 42
+    found = viewer.query_sessions(sessions, search="GRPO-07-2-1")
+    assert found["matched"] == 5
+    with pytest.raises(ValueError, match="limit"):
+        viewer.query_sessions(sessions, limit=viewer.MAX_PAGE + 1)
+    keys = {k["key"]: k for k in viewer.metadata_keys(sessions)}
+    assert keys["trainer_step"]["distinct"] == 12 and keys["trainer_step"]["values"][:3] == [
+        "0",
+        "1",
+        "2",
+    ]
+    assert keys["group_id"]["sessions"] == 504
+
+
+def test_text_sorts_in_natural_order() -> None:
+    values = ("v10", "v2", "v1", None, "3")
+    sessions = [{"id": f"s{k}", "metadata": {"k": v}} for k, v in enumerate(values)]
+    order = viewer.query_sessions(sessions, "k", descending=False)["sessions"]
+    assert [s["metadata"]["k"] for s in order] == ["3", "v1", "v2", "v10", None]
+
+
+def test_a_row_says_which_weights_sampled_each_call(run: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, _ = run
+    row = ShardSource(out).threads("grpo-04-0-4")[0]
+    node = viewer.row_node(row)
+    assert node["versions"] == ["v4", "v5"]
+    assert [t["versions"] for t in node["turns"]] == [["v4"], ["v5"]]
+    assert viewer.versions_in(node["weight_versions"], 0, 3) == []
+
+
+def test_the_logprob_strip(run: tuple[Path, list[dict[str, Any]]], out: Path) -> None:
+    row = ShardSource(run[0]).threads("grpo-04-0-4")[0]
+    strip = viewer.row_overview(row)["strip"]
+    sampled = [i for i, p in enumerate(row["provenance"]) if p == 1]
+    assert strip["bucket"] == 1 and strip["pos"] == sampled and strip["entropy"] is None
+    assert strip["lp"] == [round(row["logprobs"][i], 4) for i in sampled]
+    # 1,500 sampled tokens: two per point, each point their mean and min.
+    long_row = ShardSource(out).threads("long-1")[0]
+    strip = viewer.logprob_strip(long_row)
+    assert strip["bucket"] == 2 and len(strip["pos"]) == 750
+    a, b = strip["pos"][0], strip["pos"][0] + 1
+    lps = long_row["logprobs"]
+    assert strip["lp"][0] == pytest.approx((lps[a] + lps[b]) / 2, abs=1e-4)
+    assert strip["min"][0] == pytest.approx(min(lps[a], lps[b]), abs=1e-4)
+    # With top-k logprobs, the entropy of each point's top-k.
+    top = [[math.log(0.5), math.log(0.5)] if i in sampled else None for i in range(len(lps))]
+    strip = viewer.logprob_strip(dict(row, top_logprobs=top))
+    assert strip["entropy"] == [pytest.approx(math.log(2), abs=1e-4)] * len(sampled)
+    assert viewer.entropy([0.0]) == 0.0 and viewer.entropy(None) is None
+
+
+def test_the_run_routes(run: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, _ = run
+    routes = ViewerRoutes(ShardSource(out), viewer.ids_only, "test")
+
+    async def go() -> None:
+        async with TestClient(TestServer(offline_app(routes))) as client:
+            for name in ("viewer.js", "plots.js"):
+                resp = await client.get(f"/ui/{name}")
+                assert resp.status == 200 and resp.content_type == "text/javascript"
+            query = "sort=trainer_step&order=asc&filter=group_id=grpo-03-1&limit=5&offset=5"
+            page = await (await client.get(f"/ui/api/sessions?{query}")).json()
+            assert page["matched"] == 14 and len(page["sessions"]) == 5 and page["offset"] == 5
+            assert "trainer_step" in {k["key"] for k in page["keys"]}
+            for bad, says in (
+                ("filter=group_id", "KEY=VALUE"),
+                ("order=up", "asc or desc"),
+                ("limit=0", "limit"),
+            ):
+                resp = await client.get(f"/ui/api/sessions?{bad}")
+                assert resp.status == 400 and says in (await resp.json())["error"]["message"]
+            run_view = await (await client.get("/ui/api/run")).json()
+            assert len(run_view["steps"]) == 12 and run_view["group_count"] == 36
+            by = await (await client.get("/ui/api/run?by=version")).json()
+            assert by["by"] == "version" and len(by["steps"]) == 13
+            group = await (await client.get("/ui/api/groups/grpo-03-1")).json()
+            assert len(group["rollouts"]) == 14
+            missing = await client.get("/ui/api/groups/nope")
+            assert (
+                missing.status == 404 and "group_id" in (await missing.json())["error"]["message"]
+            )
+
+    asyncio.run(go())
