@@ -95,7 +95,7 @@ def test_connect_to_another_host_is_refused_and_its_keys_stripped() -> None:
         flow.request.method = "CONNECT"
         flow.request.host = "example.com"
         flow.request.headers["Proxy-Authorization"] = "Basic c2Vzc2lvbjp4"
-        tap.http_connect(flow)
+        asyncio.run(tap.http_connect(flow))
         assert flow.response is not None and flow.response.status_code == 403
         assert "Proxy-Authorization" not in flow.request.headers
 
