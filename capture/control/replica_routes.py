@@ -53,7 +53,9 @@ class ReplicaRoutes:
         reject_unknown(body, ("url",))
         urls = parse_urls(str(body.get("url") or ""))
         if len(urls) != 1:
-            raise ValueError('"url" must be one http(s) URL such as http://127.0.0.1:8000')
+            raise ValueError(
+                '"url" must be one policy URL such as http://127.0.0.1:8000 or unix:/PATH/vllm.sock'
+            )
         policies = self.gateway.policies
         replicas = policies.default
         assert replicas is not None and policies.http is not None
