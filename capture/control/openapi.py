@@ -193,7 +193,7 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "requestBody": body({"url": {"type": "string"}}),
                     "responses": {
                         "200": {"description": "the replicas now"},
-                        "400": {"description": "not one policy URL (http or unix:), or it does not answer"},
+                        "400": {"description": "not one policy URL, or it does not answer"},
                     },
                 },
                 "delete": {
