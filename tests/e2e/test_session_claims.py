@@ -198,3 +198,72 @@ def test_rows_say_where_their_reward_came_from(tap: AgentTap) -> None:
     read = {r["session_id"]: (r["reward"], r["reward_source"]) for r in load_threads(tap.out)}
     assert read[f"{rid}-0"] == (1.0, "verifier")
     assert read[closed.id] == (0.25, "close") and read[late.id] == (2.0, "late")
+
+
+def test_a_websocket_opened_before_the_id_gets_no_turn_once_it_is_opened(tap: AgentTap) -> None:
+    """Codex's WebSocket mode by base URL: a socket let in while nobody had opened its id is
+    refused every turn it sends once the trainer opened the id (a 401 error event)."""
+    import asyncio
+
+    import aiohttp
+
+    sid = f"ws-early-{uuid.uuid4().hex[:6]}"
+    url = f"{tap.api_url.replace('http://', 'ws://')}/sess/{sid}/v1/responses"
+    opened: list[Any] = []
+
+    async def converse() -> list[dict[str, Any]]:
+        last = []
+        auth = {"Authorization": "Bearer sk-anything"}
+        async with aiohttp.ClientSession() as http, http.ws_connect(url, headers=auth) as ws:
+            for text in ["before the open", "after the open"]:
+                message = {"type": "response.create", "model": "gpt-5", "store": False,
+                           "input": text}  # fmt: skip
+                await ws.send_str(json.dumps(message))
+                while True:
+                    event = json.loads(await ws.receive_str(timeout=30))
+                    if event["type"] in ("response.completed", "error", "response.failed"):
+                        break
+                last.append(event)
+                if not opened:
+                    opened.append(await asyncio.to_thread(tap.open_session, sid))
+        return last
+
+    before, after = asyncio.run(converse())
+    assert before["type"] == "response.completed", before
+    assert after["type"] == "error" and after["status"] == 401, after
+    assert "wants its secret" in json.dumps(after)
+    (sess,) = opened
+    assert sess.close().num_rows == 0  # the opened session has nothing of the socket's
+    (kept,) = apart_of(rows_of(tap, sid), sid)
+    assert kept["reward"] is None and kept["protocol"] == "openai.responses"
+
+
+def test_a_base_url_body_sent_slowly_across_the_opening_is_refused(tap: AgentTap) -> None:
+    """A call whose head comes before the trainer opens its id and whose body comes after: the
+    secret is checked once the body is in, so it is refused, never recorded in the session."""
+    import socket
+
+    sid = f"slow-{uuid.uuid4().hex[:6]}"
+    body = json.dumps({"model": "gpt-5", "messages": [{"role": "user", "content": "slow"}]})
+    host, port = tap.api_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = (
+            f"POST /sess/{sid}/openai/v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer sk-x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        # 100 Continue: the head is in and its handler running, waiting for the body.
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(body[:10].encode())
+        sess = tap.open_session(sid)
+        sock.sendall(body[10:].encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 401 " in status_line, answer[:300]
+    assert b"wants its secret" in rest
+    assert sess.close().num_rows == 0 and sess.metrics is not None
+    assert sess.metrics["calls"] == 0
+    assert sid not in rows_of(tap, sid)
