@@ -379,6 +379,8 @@ class SessionStore:
             self._sessions[new_id] = sess
             if write:
                 self.end_session(new_id, why="kept apart: the id was opened")
+            else:  # written by the idle sweep, long after the worker thread is done with it
+                sess.last_active = time.monotonic()
         self._dormant.pop(session_id, None)
         self._written_threads.pop(session_id, None)
         schemas = {

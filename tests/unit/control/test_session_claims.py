@@ -240,3 +240,17 @@ def test_reward_files_written_before_the_source_column_are_late(tmp_path: Path) 
                 "set_at": 3.0, "source": VOID}]  # fmt: skip
     (row,) = join_rewards([{"session_id": "s", "thread_id": "t", "reward": 9.0}], entries)
     assert row["reward"] is None
+
+
+def test_a_busy_session_is_kept_apart_and_written_by_the_idle_sweep(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
+    """A worker thread placing a call in the tree when the id is opened: nothing is written
+    then (the tree is in use), the calls wait under their new name for the idle sweep."""
+    store = SessionStore(tmp_path, ChatTemplate(qwen3_dir), idle_timeout_s=60)
+    call(store, "busy", "early", "one")
+    assert store.detach("busy", "busy~unopened-1", write=False) == 1
+    assert store.session_ids() == ["busy~unopened-1"] and not (tmp_path / "threads").exists()
+    assert store.flush_idle() == []  # not idle yet: the worker may still be at work
+    written = store.flush_idle(now=time.monotonic() + 61)
+    assert written and {r["session_id"] for r in load_threads(tmp_path)} == {"busy~unopened-1"}
