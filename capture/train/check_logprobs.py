@@ -12,8 +12,9 @@ the rows (other weights, another dtype, a different model, or tokens the rows go
 
 DIR must hold the weights that sampled the rows: after a weight update, rows sampled under
 several versions need each version's folder (``--version V`` checks only the tokens a version
-sampled, by the rows' ``weight_versions``). Only the positions scored are put through the output
-layer, so a 13k-token row of a 150k-word vocabulary needs no 8 GB of logits.
+sampled, by the rows' ``weight_versions``); without it, over rows of several versions, it names
+them (with their trained tokens) and suggests ``--version``. Only the positions scored are put
+through the output layer, so a 13k-token row of a 150k-word vocabulary needs no 8 GB of logits.
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ def positions_to_check(row: Mapping[str, Any], version: str | None = None) -> li
         if span.get("version") == version:
             sampled.update(range(int(span["start"]), int(span["end"])))
     return [i for i in wanted if i in sampled]
+
+
+def versions_present(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Each weight version the rows name, with how many of their trained tokens it sampled
+    (``weight_versions``), in the order first named; {} for rows that name none."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        trained = set(positions_to_check(row))
+        for span in row.get("weight_versions") or []:
+            version = span.get("version")
+            if version is None:
+                continue
+            span_positions = range(int(span["start"]), int(span["end"]))
+            counts[str(version)] = counts.get(str(version), 0) + len(
+                trained.intersection(span_positions)
+            )
+    return counts
+
+
+def describe_versions(counts: Mapping[str, int], shown: int = 12) -> str:
+    """``v0 (812 tokens), v1 (790 tokens), ...``: the versions and their trained tokens."""
+    parts = [f"{v} ({n} token{'s' if n != 1 else ''})" for v, n in list(counts.items())[:shown]]
+    if len(counts) > shown:
+        parts.append(f"and {len(counts) - shown} more")
+    return ", ".join(parts)
 
 
 def score_positions(model: Any, input_ids: Sequence[int], positions: Sequence[int]) -> list[float]:
@@ -170,12 +196,41 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"check_logprobs: no thread rows under {args.out}", file=sys.stderr)
         return 2
+    versions = versions_present(rows)
+    if args.version is not None and not versions.get(args.version):
+        print(
+            f"check_logprobs: no trained token under {args.out} was sampled by weight version "
+            f"{args.version!r}; "
+            + (
+                f"the rows name {len(versions)}: {describe_versions(versions)}"
+                if versions
+                else "the rows name no weight version (weight_versions is empty: no "
+                "version was set when they were sampled); leave out --version"
+            ),
+            file=sys.stderr,
+        )
+        return 2
+    several = args.version is None and len(versions) > 1
+    if several:
+        # One --model holds one set of weights: tokens other versions sampled will not agree.
+        print(
+            f"note: these rows were sampled by {len(versions)} weight versions: "
+            f"{describe_versions(versions)}. --model holds one of them: check each with "
+            f"--version V and that version's weights (e.g. --version {next(iter(versions))})",
+            file=sys.stderr,
+        )
     report = check_rows(load_model(args.model), rows, args.version)
     print(format_report(report, args.tolerance, args.version))
     if report.max_diff > args.tolerance:
         print(
             f"FAIL: max |diff| {report.max_diff:.3g} > {args.tolerance:g}: these weights did not "
-            "sample these rows (or were loaded in another dtype)",
+            "sample these rows (or were loaded in another dtype)"
+            + (
+                f"; the rows hold {len(versions)} weight versions ({describe_versions(versions)}): "
+                "pass --version V with the weights of version V"
+                if several
+                else ""
+            ),
             file=sys.stderr,
         )
         return 1
