@@ -23,6 +23,7 @@ import pyarrow.dataset as ds
 
 from capture.storage.rewards import REWARDS_DIR, join_rewards, load_rewards
 from capture.storage.shards import THREAD_SCHEMA
+from capture.trajectory.export import DEAD_EMPTY
 from capture.trajectory.kinds import MAIN, THREAD_KINDS
 
 logger = logging.getLogger(__name__)
@@ -225,11 +226,14 @@ def select_rows(
     kinds: Collection[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The rows :func:`to_rl_batch` batches: those of ``kinds`` (None: all), then, for rows
-    without a reward, what ``missing_reward`` says (see there)."""
+    without a reward, what ``missing_reward`` says (see there). Never a dead end with no visible
+    output (``dead_reason`` ``"empty"``): its client asked again, and the retry's row is the
+    rollout's, so a trainer that groups per row counts the rollout once."""
     if missing_reward not in _MISSING_REWARDS:
         raise ValueError(
             f"missing_reward must be one of {_MISSING_REWARDS}, not {missing_reward!r}"
         )
+    rows = [r for r in rows if r.get("dead_reason") != DEAD_EMPTY]
     if kinds is not None:
         if isinstance(kinds, str):
             kinds = (kinds,)

@@ -34,7 +34,10 @@ before one that was not, then the last sent). Its other rows carry its tokens as
 A call never continued, for which the client sent the same request again (its SDK's retry marker,
 or the resend was continued), is a *dead* branch: never a main child, trained in a row of its own
 flagged ``dead``, never in the live row. Identical calls with no such evidence are parallel calls:
-all live. A call the client's later history removed (a rewrite that dropped turns) is trained in
+all live. An answer with no visible output whose request the client sends again with text appended
+(Claude Code's "[Your previous response had no visible output...]") is such a dead end too
+(``retry_of``: its row's ``dead_reason`` ``empty``, ``parent_relation`` ``retry``). A call the
+client's later history removed (a rewrite that dropped turns) is trained in
 a ``rewritten`` row of the sequence it was removed from.
 
 Modules, one concern each: ``keys`` (message keys, digests, provenance), ``tree`` (the nodes:

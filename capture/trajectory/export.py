@@ -10,6 +10,10 @@ from capture.trajectory.keys import TRAINED, MessageKey, Provenance
 from capture.trajectory.kinds import MAIN, thread_kinds
 from capture.trajectory.tree import CallNode
 
+# A dead row's reason where it is an answer with no visible output its client asked again for:
+# trainers leave it out (capture.storage.reader.to_rl_batch).
+DEAD_EMPTY = "empty"
+
 
 @dataclass
 class ThreadRow:
@@ -25,11 +29,15 @@ class ThreadRow:
     # "branch" (another continuation of the parent row's calls: a retry, a parallel call),
     # "continued" (the parent row was written while the session was idle), "spawn" (a sub-agent
     # the parent's tool call started), "compaction" (opens with the parent's summary),
-    # "rewritten" (calls the client's later history removed from the parent row's conversation).
+    # "rewritten" (calls the client's later history removed from the parent row's conversation),
+    # "retry" (a dead end: an answer with no visible output, hung off the row of the request
+    # that asked again).
     parent_relation: str | None = None
     parent_tool_call_id: str | None = None
     dead: bool = False
-    dead_reason: str | None = None  # "superseded": the same request was sent again and
+    # "superseded": the same request was sent again; "empty": an answer with no visible output
+    # that the client asked again for, with text appended (the retry's row is the rollout's).
+    dead_reason: str | None = None
     superseded_by: str | None = None  # this thread id's answer is the one the client went on with
     trained_request_ids: list[str] = field(default_factory=list)
     # "main", "subagent" or "auxiliary" (a side call: title, router, summary); see kinds.
@@ -58,6 +66,7 @@ def export_rows(calls: list[CallNode]) -> tuple[list[ThreadRow], dict[str, str]]
     ``rewritten`` row of the sequence it was removed from. A call abandoned for a resend is never
     a main child: it ends a dead row of its own."""
     superseded = _supersessions(calls)
+    retried = {c.retry_of.uid for c in calls if c.retry_of is not None}
 
     def main_child(call: CallNode) -> CallNode | None:
         # The continuation a trainer should see: a continued child before one that was not,
@@ -99,7 +108,7 @@ def export_rows(calls: list[CallNode]) -> tuple[list[ThreadRow], dict[str, str]]
         tid = "t-" + end.request_id
         row, removed = _compose(end, mine, tid, row_id)
         top = min(assigned[end_uid], key=lambda c: c.uid)
-        _link(row, top, main_child, row_id, superseded)
+        _link(row, top, main_child, row_id, superseded, retried)
         rows.append(row)
         leaves.append(end)
         for c in assigned[end_uid]:
@@ -286,6 +295,11 @@ def _supersessions(calls: list[CallNode]) -> dict[int, CallNode]:
                 if earlier.written_in is None:
                     out[earlier.uid] = resend
                 break
+    for call in calls:
+        # An answer with no visible output, asked again with text appended: a dead end.
+        empty = call.retry_of
+        if empty is not None and empty.written_in is None and empty.uid not in out:
+            out[empty.uid] = call
     for uid, resend in list(out.items()):
         # Retried again: the last resend is the one that lives.
         while True:
@@ -301,13 +315,23 @@ def _supersessions(calls: list[CallNode]) -> dict[int, CallNode]:
 
 
 def _link(
-    row: ThreadRow, top: CallNode, main_child: Any, row_id: Any, superseded: dict[int, CallNode]
+    row: ThreadRow,
+    top: CallNode,
+    main_child: Any,
+    row_id: Any,
+    superseded: dict[int, CallNode],
+    retried: set[int],
 ) -> None:
     """Parent link and dead flag of a row whose first trained call is ``top``."""
     parent = top.parent
     resend = superseded.get(top.uid)
     if resend is not None:
         row.dead, row.dead_reason, row.superseded_by = True, "superseded", row_id(resend)
+        if top.uid in retried:
+            # The answer nobody saw: hung off the row the client's new request went on in.
+            row.dead_reason = DEAD_EMPTY
+            row.parent_thread_id, row.parent_relation = row_id(resend), "retry"
+            return
     if parent is not None:
         row.parent_thread_id = row_id(parent)
         row.parent_relation = "continued" if main_child(parent) is top else "branch"

@@ -29,6 +29,7 @@ def call_entry(call: CallNode) -> dict[str, Any]:
             else None
         ),
         "compaction_of": call.compaction_of.request_id if call.compaction_of else None,
+        "retry_of": call.retry_of.request_id if call.retry_of else None,
         "request_digest": call.request_digest,
         "conv_digest": call.conv_digest,
         "started": call.started,
@@ -105,6 +106,7 @@ def call_from_entry(
         parent_row=parent_row,
         started=entry.get("started", len(calls) + 1),
         client_retry=bool(entry.get("client_retry")),
+        retry_of=calls.get(entry.get("retry_of") or ""),
     )
     if parent is not None:
         parent.children.append(call)

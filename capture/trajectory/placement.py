@@ -29,6 +29,29 @@ from rewriter.canonical import Message, ToolSpec
 
 # The header key of token-level calls: no message-level request ever matches it.
 TOKENS_HEADER = ("tokens",)
+# The key of an answer with no visible output: no text (whitespace aside), no tool call.
+EMPTY_REPLY: MessageKey = ("assistant", "", ())
+
+
+def appends_to(old: list[MessageKey], new: list[MessageKey]) -> bool:
+    """Whether the request ``new`` is the request ``old`` with text appended: at most one
+    non-assistant message's text extended, and messages other than assistant ones added at the
+    end (how a scaffold asks again after an answer with no visible output)."""
+    if len(new) < len(old):
+        return False
+    changed = 0
+    for a, b in zip(old, new, strict=False):
+        if a == b:
+            continue
+        if a[0] == "assistant" or a[0] != b[0] or len(a) != 2 or len(b) != 2:
+            return False
+        if not (isinstance(a[1], str) and isinstance(b[1], str) and b[1].startswith(a[1])):
+            return False
+        changed += 1
+        if changed > 1:
+            return False
+    added = new[len(old) :]
+    return not any(k[0] == "assistant" for k in added) and changed + len(added) > 0
 
 
 class NotInline(Exception):
@@ -431,6 +454,8 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             call.conv = [intern(k) for k in keys] + [reply_key]
             call.request_digest = fold_keys(fold_keys(0, [assembly.header]), keys)
         call.conv_digest = fold_keys(call.request_digest, [reply_key])
+        if kind in ("new", "extend"):
+            call.retry_of = self._retried_empty(keys, assembly.header, parent)
         self.calls.append(call)
         if parent is not None:
             parent.children.append(call)
@@ -461,6 +486,25 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             self._summaries.append((call, probes))
             del self._summaries[:-256]
         return call
+
+    def _retried_empty(
+        self, keys: list[MessageKey], header: MessageKey, parent: CallNode | None
+    ) -> CallNode | None:
+        """The latest answer with no visible output, in the same place (same parent), not
+        continued, written or retried yet, whose request ``keys`` repeat with text appended."""
+        for call in reversed(self._by_reply.get(EMPTY_REPLY, ())):
+            if (
+                call.parent is not parent
+                or call.children
+                or call.written_in is not None
+                or call.header != header
+                or not appends_to(call.conv[:-1], keys)
+            ):
+                continue
+            if any(c.retry_of is call for c in self.calls):
+                continue
+            return call
+        return None
 
     # -- rows -------------------------------------------------------------------------------
     def export(self) -> tuple[list[ThreadRow], dict[str, str]]:

@@ -64,6 +64,10 @@ class CallNode:
     client_retry: bool = False  # its client marked the request as a retry
     # Recovered from a journal whose earlier calls were written already: the row it continues.
     parent_row: str | None = None
+    # The answer with no visible output (no text, no tool call) whose request this call's
+    # request repeats with text appended (Claude Code's "[Your previous response had no visible
+    # output...]"): that answer is a dead end, its row marked so (export: "empty", "retry").
+    retry_of: CallNode | None = None
 
     @property
     def seq_len(self) -> int:
