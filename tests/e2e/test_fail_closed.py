@@ -188,6 +188,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_require_session_secret": "maybe",
     "agenttap_sandbox": "docker",
     "agenttap_sandbox_hide": None,
+    "agenttap_sandbox_expose": None,
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
     "agenttap_max_staleness": "-1",
