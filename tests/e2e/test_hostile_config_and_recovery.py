@@ -243,13 +243,14 @@ def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_pat
     )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
-    match = re.search(r"127\.0\.0\.1:(\d+)", line)
+    # It serves on a unix socket of its own (rewriter/policy_server.py): the socket names it.
+    match = re.search(r"at unix:(\S+)", line)
     assert match, line
-    port = match.group(1)
+    socket_path = match.group(1)
 
     def vllm_running() -> bool:
         servers = set(processes_with(b"vllm.entrypoints.openai.api_server"))
-        return bool(servers & set(processes_with(f"--port {port} ".encode())))
+        return bool(servers & set(processes_with(socket_path.encode())))
 
     deadline = time.monotonic() + 60
     while not vllm_running() and time.monotonic() < deadline:
