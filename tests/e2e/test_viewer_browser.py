@@ -437,7 +437,7 @@ def test_the_run_view_plots_a_point_per_step(browser: Any, run: Any) -> None:
     page.wait_for_selector("svg[data-plot='reward'] g.step")
     summary = page.inner_text("#run-summary")
     assert "505 sessions, 12 trainer_step values, 36 groups" in summary
-    assert "1 sessions without trainer_step" in summary
+    assert "1 session without trainer_step" in summary
     for name in ("reward", "status", "tokens", "time"):
         assert page.locator(f"svg[data-plot='{name}'] g.step").count() == STEPS, name
     steps = by_step(truth)
@@ -528,6 +528,7 @@ def test_a_group_shows_its_rollouts_rewards_and_advantages(browser: Any, run: An
     assert sum(advantages) == pytest.approx(0, abs=0.02)
     assert "trainer_step 5" in page.inner_text("#group-meta")
     assert page.locator("svg[data-plot='group'] g.step").count() == GROUP_SIZE
+    assert page.locator("svg[data-plot='group'] line.hline").count() == 1
     screenshot(page, shots, "group")
     # Each rollout opens its rows.
     rows.nth(4).locator("a.row-link").click()

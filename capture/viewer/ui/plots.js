@@ -74,6 +74,11 @@ function plot(spec) {
     svg.append(svgEl("text", { x: x(i), y: H - B + 13, class: "tick", "text-anchor": "middle" }, spec.labels[i]));
   }
   svg.append(svgEl("text", { x: (L + W - R) / 2, y: H - 4, class: "axis", "text-anchor": "middle" }, spec.xName || ""));
+  if (spec.hline && spec.hline.value !== null && spec.hline.value !== undefined) {
+    // A reference line (a group's mean reward: each bar's advantage is its distance to it).
+    svg.append(svgEl("line", { class: "hline", x1: L, x2: W - R, y1: y(spec.hline.value), y2: y(spec.hline.value) }));
+    svg.append(svgEl("text", { x: W - R, y: y(spec.hline.value) - 3, class: "tick", "text-anchor": "end" }, spec.hline.label));
+  }
   if (spec.kind === "line") {
     for (const s of spec.series) {
       if (s.lo && s.hi) {

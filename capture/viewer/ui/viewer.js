@@ -224,7 +224,7 @@ function renderRun(data) {
   by.value = data.by;
   const steps = data.steps, labels = steps.map((s) => s.step);
   $("#run-summary").textContent = data.sessions + " sessions, " + steps.length + " " + (data.by === "version" ? "weight versions" : data.by + " values") +
-    ", " + data.group_count + " groups" + (data.unstepped ? "; " + data.unstepped + " sessions without " + data.by : "") +
+    ", " + data.group_count + " groups" + (data.unstepped ? "; " + data.unstepped + (data.unstepped === 1 ? " session" : " sessions") + " without " + data.by : "") +
     (steps.length ? "" : ". No session carries " + data.by + ": set it in the session's metadata (trainer_step) or push weights with a version.");
   const xName = data.by === "version" ? "weight version" : data.by;
   const pick = (i) => addFilter(data.by, labels[i]);
@@ -264,6 +264,7 @@ function renderGroup(g) {
   const labels = g.rollouts.map((r) => String(r.index ?? r.id));
   $("#group-plot").replaceChildren(plot({ name: "group", title: "reward per rollout (advantage on hover)", kind: "bars", labels, xName: "rollout",
     series: [{ name: "reward", colour: "#1565c0", values: g.rollouts.map((r) => r.reward) }],
+    hline: { value: g.reward.mean, label: "mean " + fmtNum(g.reward.mean) },
     extra: (i) => ["advantage " + fmtSigned(g.rollouts[i].advantage), g.rollouts[i].status],
     onclick: (i) => { location.hash = sessionHref(g.rollouts[i].id); } }));
   const body = $("#group-rollouts tbody");
