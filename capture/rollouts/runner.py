@@ -320,9 +320,11 @@ class Rollouts:
             failure = None
             if not rollout.cancelled and run.error is None:
                 failure = run.error = self._agent_failure(run)
+            # A session someone else closed is not scored: its rows get no reward (_close).
+            taken = self._taken_over(run, self.api.gateway.control.get(run.session_id))
             if rollout.cancelled:
                 run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
-            elif spec.verifier is not None and (
+            elif taken is None and spec.verifier is not None and (
                 run.error is None or (failure is not None and spec.on_error == "score")
             ):
                 run.status = "scoring"
