@@ -118,6 +118,8 @@ class Gateway:
             max_in_flight=config.replica_max_inflight,
             max_queue=config.replica_queue,
             health_interval_s=config.health_interval_s,
+            weights_tolerance=config.weights_tolerance,
+            weights_check_s=config.weights_check_s,
         )
         # agenttap_max_staleness counts in the policy's weight updates.
         self.control.max_staleness = config.max_staleness
@@ -177,6 +179,7 @@ class Gateway:
             logger.info("recovered turns of an earlier run into %d shard(s)", len(recovered))
         self.policies.open(partial(self.template.decode, skip_special_tokens=True))
         self.policies.on_health = self._note_health
+        self.policies.on_weights_changed = self._note_weights_changed
         self.policies.start_health_checks()
         # We enforce the body limit ourselves so the client gets its provider's error format.
         self._runner = await app_runner(self._dispatch, self.config.max_body_bytes)
@@ -210,6 +213,13 @@ class Gateway:
 
     def _note_health(self, url: str, healthy: bool) -> None:
         self.metrics.policy_up.labels(url).set(1 if healthy else 0)
+        replica = self.policies.replica(url)
+        if replica is not None:
+            self.metrics.weights_unverified.labels(url).set(1 if replica.unverified else 0)
+
+    def _note_weights_changed(self, url: str, diff: float) -> None:
+        self.metrics.weights_changed.labels(url).inc()
+        self.metrics.weights_unverified.labels(url).set(1)
 
     async def flush(self, session_id: str | None = None) -> list[Path]:
         """Write a session's shards now (all sessions: None). The session may go on: its next
@@ -220,7 +230,7 @@ class Gateway:
         for sid in sessions:
             # Not while a worker thread is placing a call in that session's tree.
             async with self.pipeline.session_lock(sid):
-                written += store.end_session(sid, keep_threads=True, why="flush")
+                written += store.flush(sid)
         return written
 
     async def _sweep(self) -> None:

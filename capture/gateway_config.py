@@ -43,8 +43,13 @@ class GatewayConfig:
     # beyond that; then the provider's retryable error (capture/policy/replicas.py).
     replica_max_inflight: int = 0
     replica_queue: int = 256
-    # Seconds between health checks of the policy servers (GET /health); 0: none.
+    # Seconds between health checks of the policy servers (a 1-token generation that also
+    # compares their weights' fingerprint); 0: only the one at start.
     health_interval_s: float = 5.0
+    # Weight checks: the tolerance of probes and fingerprints, and how often fingerprints are
+    # checked besides health checks (agenttap_weights_tolerance, agenttap_weights_check_s).
+    weights_tolerance: float = 1e-3
+    weights_check_s: float = 60.0
     # The control API and per-session base URLs listen here (port 0: a free one); None: not
     # at all (only the proxy's http://agenttap.local serves the control API).
     api_host: str | None = None

@@ -73,6 +73,14 @@ class Option:
     parse: Callable[[str], Any]
 
 
+def parse_tolerance(text: str) -> float:
+    """A logprob tolerance: a number above 0 (``1e-3``, ``0.05``)."""
+    value = float(parse_seconds(text, positive=True))
+    if value > 100:
+        raise ValueError("is not a logprob tolerance (a number above 0 such as 1e-3)")
+    return value
+
+
 CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "agenttap_policy_url",
@@ -147,6 +155,23 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "Generations at once per policy server (a whole number; 0: unbounded). Calls beyond it "
         "wait (agenttap_replica_queue).",
         parse_whole,
+    ),
+    Option(
+        "agenttap_weights_tolerance",
+        "1e-3",
+        "Largest |logprob difference| between a policy server and the trainer (a weight "
+        "update's probe) or its own fingerprint (later checks) that still counts as the same "
+        "weights (a number above 0). 1e-3 fits fp32 servers; bf16 servers differ from a fp32 "
+        "trainer by about 1e-2 to 5e-2 on the same weights: set 0.1 there.",
+        parse_tolerance,
+    ),
+    Option(
+        "agenttap_weights_check_s",
+        "60",
+        "Seconds between checks of each policy server's weight fingerprint besides its health "
+        "checks (a number, 0 or more; 0: at health checks only). A server whose answers "
+        "changed without a weight update leaves rotation.",
+        parse_seconds,
     ),
     Option(
         "agenttap_replica_queue",
@@ -248,9 +273,10 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "agenttap_sandbox_hide",
         "",
-        "Paths (comma-separated) a rollout's sandbox hides, beyond those it always hides (OUT, "
-        "mitmproxy's confdir with the CA key, agenttap_token_file): the launcher's and "
-        "run_proxy.sh's private folder of logs, your own secrets (~/.ssh, ~/.aws).",
+        "Paths (comma-separated) a rollout's sandbox never shows, beyond OUT, mitmproxy's "
+        "confdir (the CA key) and agenttap_token_file. The sandbox's tree is an allowlist "
+        "already; these are hidden again where they lie inside a folder it shows (an exposed "
+        "checkout holding your private logs), and no rollout may expose them.",
         parse_paths,
     ),
     Option(
@@ -399,6 +425,9 @@ class Settings:
     # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
     recompute_logprobs: bool
     provider_options: dict[str, Any] = field(default_factory=dict)
+    # Weight checks of the policy servers (agenttap_weights_tolerance, _check_s).
+    weights_tolerance: float = 1e-3
+    weights_check_s: float = 60.0
     # The control API and base-URL listener (capture/control/api.py).
     api_host: str = "127.0.0.1"
     api_port: int = 0
@@ -461,6 +490,8 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         policy_connections=values["agenttap_policy_connections"],
         replica_max_inflight=values["agenttap_replica_max_inflight"],
         replica_queue=values["agenttap_replica_queue"],
+        weights_tolerance=values["agenttap_weights_tolerance"],
+        weights_check_s=values["agenttap_weights_check_s"],
         client_timeout_s=values["agenttap_client_timeout"],
         model_map=values["agenttap_model_map"],
         model_names=values["agenttap_model_names"],

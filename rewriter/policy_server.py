@@ -86,6 +86,9 @@ def ensure_tiny_model(
 STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
+# Adds agenttap_reload_weights to vLLM's worker (see rewriter/vllm_worker.py).
+WORKER_EXTENSION = "rewriter.vllm_worker.AgentTapWorker"
+
 SOCKET_NAME = "vllm.sock"
 # A network namespace of the server's own: its loopback is not the host's (see own_network).
 _NETNS = ["bwrap", "--dev-bind", "/", "/", "--unshare-net", "--"]
@@ -141,6 +144,8 @@ def start_vllm(
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /resume: partial rollouts in tests
+    # The worker extension (rewriter/vllm_worker.py) is imported from this checkout.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if socket_path is None:
         env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="agenttap-vllm-cache-"))
         listen = ["--host", "127.0.0.1", "--port", str(port)]
@@ -166,6 +171,8 @@ def start_vllm(
         "--max-model-len", str(max_model_len),
         *listen,
         "--structured-outputs-config", STRUCTURED_OUTPUTS_CONFIG,
+        # agenttap_reload_weights: a reload that refreshes tied output layers on a CPU.
+        "--worker-extension-cls", WORKER_EXTENSION,
         *(extra_args or []),
     ]  # fmt: skip
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115

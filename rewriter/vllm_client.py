@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -122,6 +123,16 @@ class VLLMClient:
         self.failed_versions: set[str] = set()
         # The probe under way: concurrent first calls all wait for this one.
         self._probing: asyncio.Task[PolicyInfo] | None = None
+        # While a weight update loads and verifies: generations (and resubmissions of those
+        # its pause aborted) wait for it here rather than in vLLM's queue, so that none runs
+        # on weights not verified yet (capture/policy/weights.py). None: nothing to wait for.
+        self.hold: asyncio.Event | None = None
+        # Why generations must not run here ("": they may): the server failed an update's
+        # check, or its weights changed without one. A generation waiting here fails over.
+        self.refuse = ""
+        # Whether the server has agenttap's exact reload (rewriter/vllm_worker.py): None
+        # until the first weight update asks.
+        self.exact_reload: bool | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -137,6 +148,17 @@ class VLLMClient:
         ones (the server is paused; a generation that ran before the pause is aborted by it
         and resumed, and each piece keeps the label of the weights it ran under)."""
         return self.incoming_version or self.weight_version
+
+    async def admitted(self) -> None:
+        """Wait while a weight update loads and verifies here; PolicyError (retryable) where
+        this server's weights are not to be used (``refuse``)."""
+        hold = self.hold
+        if hold is not None:
+            await hold.wait()
+        if self.refuse:
+            raise PolicyError(
+                f"the policy server at {self.base_url} is out of rotation: {self.refuse}", 503
+            )
 
     def ran_under(self, label: str) -> str:
         """The weights a piece labelled ``label`` at its start really ran under: the ones this
@@ -252,10 +274,12 @@ class VLLMClient:
         """The endpoint and body for one generation (``prompt_json``: the ids' JSON text)."""
         return generation_body(await self.info(), prompt_ids, params, stream, prompt_json)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def _post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
         try:
             resp = await self._session.post(
-                self.url(path), data=dump_body(body), headers=JSON_CONTENT
+                self.url(path), data=dump_body(body), headers=headers or JSON_CONTENT
             )
         except aiohttp.ServerTimeoutError as exc:
             raise PolicyError(
@@ -318,6 +342,16 @@ class VLLMClient:
         unlabelled: list[WeightSpan] = []
         while True:
             before = len(sampled)
+            try:
+                await current.admitted()
+            except PolicyError as exc:
+                if failover is None or failovers >= MAX_FAILOVERS:
+                    raise
+                replacement = await failover(current, exc)
+                if replacement is None:
+                    raise
+                current, failovers = replacement, failovers + 1
+                continue
             label = current.sampling_version()
             labelled = False
             budget = replace(
@@ -486,8 +520,13 @@ class VLLMClient:
                 "finished (no finish_reason, no [DONE]); the answer is incomplete"
             )
 
-    async def prompt_logprobs(self, ids: list[int]) -> list[float | None]:
-        """Log-probability of each token of ``ids`` given the ones before it (entry 0: None)."""
+    async def prompt_logprobs(self, ids: list[int], check: bool = False) -> list[float | None]:
+        """Log-probability of each token of ``ids`` given the ones before it (entry 0: None).
+        It is a 1-token generation too: agenttap's health checks and weight fingerprints
+        (``check``: its request id says so, ``agenttap-check-...``, in vLLM's logs)."""
+        headers = None
+        if check:
+            headers = {**JSON_CONTENT, "X-Request-Id": f"agenttap-check-{uuid.uuid4().hex[:12]}"}
         info = await self.info()
         body = {
             "model": info.model,
@@ -497,7 +536,7 @@ class VLLMClient:
         }
         try:
             async with asyncio.timeout_at(self._deadline()):
-                resp = await self._post("/v1/completions", body)
+                resp = await self._post("/v1/completions", body, headers)
                 async with resp:
                     raw = await resp.read()
         except TimeoutError as exc:

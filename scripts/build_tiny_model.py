@@ -6,7 +6,11 @@ token id the proxy renders is meaningful to it, but only 2 layers of width 64: v
 a CPU in about a minute. Weights are random with a fixed seed, in float32, so sampled logprobs
 equal prompt_logprobs of the same sequence to the bit.
 
-    .venv-vllm/bin/python scripts/build_tiny_model.py --tokenizer TOKENIZER_DIR --out DIR
+    .venv-vllm/bin/python scripts/build_tiny_model.py --tokenizer TOKENIZER_DIR --out DIR [--tied]
+
+``--tied``: the output layer is the input embedding (``tie_word_embeddings=True``, as Qwen3-0.6B
+to 4B, Qwen2.5-0.5B to 3B and Llama-3.2-1B/3B ship): ``save_pretrained`` writes
+``model.embed_tokens.weight`` and no ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE")
 
 
-def build(tokenizer_dir: Path, out: Path, seed: int) -> None:
+def build(tokenizer_dir: Path, out: Path, seed: int, tied: bool = False) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -35,14 +39,17 @@ def build(tokenizer_dir: Path, out: Path, seed: int) -> None:
         head_dim=32,  # vLLM's CPU attention accepts 32, 64, 80, ...
         max_position_embeddings=32768,
         rope_theta=source.get("rope_theta", 1000000),
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=source.get("bos_token_id"),
         eos_token_id=source.get("eos_token_id"),
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
-    shape_vocabulary(model, config, eos_ids=_eos_ids(source, tokenizer_dir))
+    if tied:
+        shape_tied_vocabulary(model, eos_ids=_eos_ids(source, tokenizer_dir))
+    else:
+        shape_vocabulary(model, config, eos_ids=_eos_ids(source, tokenizer_dir))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -86,11 +93,30 @@ def shape_vocabulary(model, config, eos_ids: list[int], allowed: int = 20000) ->
 EOS_BIAS = 0.9  # measured: replies of ~30 tokens on average, a few hit 200
 
 
+def shape_tied_vocabulary(model, eos_ids: list[int], allowed: int = 20000) -> None:  # type: ignore[no-untyped-def]
+    """The same shaping where the output layer is the embedding: dimension 0 is +4 for the
+    ordinary tokens, -4 for the rest, a little more than +4 for the EOS tokens; every input
+    carries it, so after the final norm it weighs each output token by its own sign."""
+    import torch
+
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.normal_(0.0, 0.3)
+        embed[:allowed, 0] = 4.0
+        embed[allowed:, 0] = -4.0
+        for eos in eos_ids:
+            embed[eos, 1:] = 0.0
+            embed[eos, 0] = 4.0 + EOS_BIAS
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--tied", action="store_true", help="tie the output layer to the input embedding"
+    )
     args = parser.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").exists():
         print(f"error: no tokenizer.json in {args.tokenizer}", file=sys.stderr)
@@ -98,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.out / "config.json").exists():
         print(f"tiny model already built at {args.out}")
         return 0
-    build(args.tokenizer, args.out, args.seed)
+    build(args.tokenizer, args.out, args.seed, tied=args.tied)
     print(f"built tiny Qwen3 model at {args.out}")
     return 0
 

@@ -69,6 +69,18 @@ class StubPolicy:
         # vLLM's shapes: served where ``dev_mode`` is set before start().
         self.dev_mode = False
         self.paused = False
+        self.sleeping = False
+        self._awake = asyncio.Event()  # set while neither paused nor sleeping (its own loop)
+        # Requests of agenttap's own checks (health, fingerprints, probes: X-Request-Id
+        # "agenttap-check-..."), kept apart from ``requests`` so that tests count calls alone.
+        self.checks: list[dict[str, Any]] = []
+        # Weights: every logprob it gives is shifted by ``shift``; a reload of folder P
+        # (dev mode's POST /collective_rpc reload_weights) sets it to ``folders.get(P, 0.0)``.
+        # ``extension``: it has agenttap's worker extension (agenttap_reload_weights).
+        self.shift = 0.0
+        self.folders: dict[str, float] = {}
+        self.extension = True
+        self.reloads: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -104,9 +116,13 @@ class StubPolicy:
             return ids[:max_tokens], "length", None
         return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop", None
 
+    def _logprob(self, i: int, token: int) -> float:
+        return self._logprob_of(i, token, self.shift)
+
     @staticmethod
-    def _logprob(i: int, token: int) -> float:
-        return -((token * 7919 + i * 104729) % 1000) / 997.0 - 1e-3
+    def _logprob_of(i: int, token: int, shift: float = 0.0) -> float:
+        """The logprob the stub gives ``token`` at position ``i`` under weights ``shift``."""
+        return -((token * 7919 + i * 104729) % 1000) / 997.0 - 1e-3 - shift
 
     def _prompt_logprobs(self, prompt: list[int], asked: int | None) -> list[Any] | None:
         """As vLLM: entry 0 null, then per prompt token {"<id>": {logprob, rank, decoded_token}}
@@ -185,8 +201,18 @@ class StubPolicy:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        index = len(self.requests)
-        self.requests.append(body)
+        if request.headers.get("X-Request-Id", "").startswith("agenttap-check-"):
+            self.checks.append(body)
+        else:
+            self.requests.append(body)
+        index = len(self.requests) - 1
+        if not self.healthy:
+            # As a vLLM whose engine died: /health answers 503, generations fail.
+            return _error(503, "ServiceUnavailableError", "The engine is not running.")
+        # As vLLM: a paused or sleeping engine schedules nothing until it is resumed or woken.
+        if self.paused or self.sleeping:
+            self._awake.clear()
+            await self._awake.wait()
         if self.first_delay_s:
             await asyncio.sleep(self.first_delay_s)
             if request.transport is None or request.transport.is_closing():
@@ -417,10 +443,56 @@ class StubPolicy:
 
     async def _resume(self, request: web.Request) -> web.Response:
         self.paused = False
+        self._wake()
         return web.json_response({"status": "resumed"})
+
+    def _wake(self) -> None:
+        if not (self.paused or self.sleeping):
+            self._awake.set()
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause or resume from a test's thread (as POST /pause?mode=keep, /resume)."""
+        assert self._loop is not None
+        self.paused = paused
+        self._loop.call_soon_threadsafe(self._wake)
 
     async def _is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.paused})
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        self.sleeping = True
+        return web.Response(status=200)
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        self.sleeping = False
+        self._wake()
+        return web.Response(status=200)
+
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.sleeping})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        """vLLM's reload (``reload_weights``) and agenttap's worker extension's
+        (``agenttap_reload_weights``): the folder's weights serve from now on (``folders``)."""
+        body = await request.json()
+        method = body.get("method")
+        path = str((body.get("kwargs") or {}).get("weights_path", ""))
+        if method == "agenttap_reload_weights" and not self.extension:
+            return _error(
+                500,
+                "InternalServerError",
+                "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' "
+                "object has no attribute 'agenttap_reload_weights'', please check the stack "
+                "trace above for the root cause",
+            )
+        if method not in ("reload_weights", "agenttap_reload_weights"):
+            return _error(500, "InternalServerError", f"Method {method!r} is not implemented.")
+        self.reloads.append(path)
+        self.shift = self.folders.get(path, 0.0)
+        return web.json_response({"results": [None if method == "reload_weights" else []]})
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
 
     def start(self, socket_path: str | None = None) -> str:
         """Serve on 127.0.0.1 (or on the unix socket ``socket_path``, as vLLM's --uds) from a
@@ -440,6 +512,12 @@ class StubPolicy:
                 app.router.add_post("/pause", self._pause)
                 app.router.add_post("/resume", self._resume)
                 app.router.add_get("/is_paused", self._is_paused)
+                app.router.add_post("/sleep", self._sleep)
+                app.router.add_post("/wake_up", self._wake_up)
+                app.router.add_get("/is_sleeping", self._is_sleeping)
+                app.router.add_post("/collective_rpc", self._collective_rpc)
+                app.router.add_post("/reset_prefix_cache", self._ok)
+                app.router.add_post("/update_weight_version", self._ok)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
             if socket_path is not None:

@@ -240,21 +240,41 @@ class ControlAPI:
         return web.json_response({"ok": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        """Ready once the tokenizer is loaded (it is, or this would not answer) and the policy
-        answers."""
-        client = self.gateway.policies.pool_for("*")[0]
+        """Ready once the tokenizer is loaded (it is, or this would not answer) and a policy
+        server in rotation answers; each server's state (serving, loading, paused, sleeping,
+        unverified, failing: GET /replicas says why)."""
+        replicas = self.gateway.policies.default
+        assert replicas is not None
+        states = [{"url": r.url, "state": r.state} for r in replicas.replicas.values()]
+        serving = [r for r in replicas.replicas.values() if r.serving]
+        if not serving:
+            listed = ", ".join(f"{s['url']} {s['state']}" for s in states)
+            reason = f"no policy server is in rotation ({listed}); GET /replicas says why"
+            return web.json_response(
+                {"ready": False, "reason": reason, "replicas": states}, status=503
+            )
+        client = serving[0].client
         up = self.gateway.metrics.policy_up.labels(client.base_url)
         try:
             info = await client.info()
         except PolicyError as exc:
             up.set(0)
             return web.json_response(
-                {"ready": False, "reason": f"the policy server does not answer: {exc}"},
+                {
+                    "ready": False,
+                    "reason": f"the policy server does not answer: {exc}",
+                    "replicas": states,
+                },
                 status=503,
             )
         up.set(1)
         return web.json_response(
-            {"ready": True, "model": info.model, "max_model_len": info.max_model_len}
+            {
+                "ready": True,
+                "model": info.model,
+                "max_model_len": info.max_model_len,
+                "replicas": states,
+            }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:

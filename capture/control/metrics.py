@@ -77,6 +77,16 @@ class Metrics:
             "agenttap_policy_up", "1 when the policy server answered its last probe, else 0.",
             ["backend"], registry=r,
         )  # fmt: skip
+        self.weights_changed = Counter(
+            "agenttap_policy_weights_changed", "Policy servers found serving weights nobody "
+            "pushed through agenttap (their fingerprint changed without an update).",
+            ["backend"], registry=r,
+        )  # fmt: skip
+        self.weights_unverified = Gauge(
+            "agenttap_policy_weights_unverified", "1 while the policy server is out of rotation "
+            "because its weights are not verified (a failed probe, a changed fingerprint).",
+            ["backend"], registry=r,
+        )  # fmt: skip
 
     def watch(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))

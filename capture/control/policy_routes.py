@@ -1,7 +1,11 @@
 """The policy weight routes of the control API (capture/policy/weights.py does the work):
 
-- ``POST /policy/weights`` ``{"path": DIR, "version": "V"}``: every replica of
-  agenttap_policy_url's pool serves the weights in DIR, labelled V; answers once all do
+- ``POST /policy/weights`` ``{"path": DIR, "version": "V", "probe": {"ids", "logprobs"}}``:
+  every replica of agenttap_policy_url's pool serves the weights in DIR, labelled V; answers
+  once all do. With a probe (the trainer model's logprobs for a short sequence), each
+  replica's logprobs for it must be within agenttap_weights_tolerance: one past it is out of
+  rotation and the route answers 502 naming it and the difference. Without one, the answer
+  says nothing was checked (``"checked": false``)
 - ``POST /policy/version`` ``{"version": "V"}``: the trainer pushed weights to vLLM itself; calls
   from now on are labelled V
 - ``GET /policy/version``: the current label, how many updates came before it, the last ones
@@ -16,7 +20,12 @@ from aiohttp import web
 
 from capture.control.answers import error
 from capture.control.sessions import reject_unknown
-from capture.policy.weights import WeightUpdateError, check_version, check_weights_dir
+from capture.policy.weights import (
+    WeightUpdateError,
+    check_probe,
+    check_version,
+    check_weights_dir,
+)
 from capture.ports import GatewayCore
 
 
@@ -31,16 +40,28 @@ class PolicyRoutes:
 
     async def weights(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        reject_unknown(body, ("path", "version"))
+        reject_unknown(body, ("path", "version", "probe"))
         path = check_weights_dir(body.get("path"))
         version = check_version(body.get("version"))
+        probe = check_probe(body.get("probe"))
         policies = self.gateway.policies
         assert policies.default is not None and policies.http is not None
+        checked = probe is not None
         try:
-            outcomes = await policies.weights.update(policies.http, policies.default, path, version)
+            outcomes = await policies.weights.update(
+                policies.http, policies.default, path, version, probe
+            )
         except WeightUpdateError as exc:
-            return error(502, f"agenttap: {exc}", extra={"replicas": exc.replicas})
-        return web.json_response({"version": version, "replicas": outcomes})
+            return error(
+                502, f"agenttap: {exc}", extra={"replicas": exc.replicas, "checked": checked}
+            )
+        answer: dict[str, Any] = {"version": version, "replicas": outcomes, "checked": checked}
+        if not checked:
+            answer["note"] = (
+                "no probe given: nothing checked that the servers' logprobs are the trainer's "
+                '(pass "probe": capture.train.probe computes it from the model in memory)'
+            )
+        return web.json_response(answer)
 
     async def set_version(self, request: web.Request) -> web.Response:
         body = await self.body(request)

@@ -2,8 +2,8 @@
 (capture/policy/replicas.py), grown and shrunk while agenttap runs.
 
 - ``GET /replicas``: every server's state, ``max_inflight`` and ``queue``
-- ``POST /replicas`` ``{"url": "http://HOST:PORT"}``: a server joins once it answers
-  ``GET /health``
+- ``POST /replicas`` ``{"url": "http://HOST:PORT"}``: a server joins once it completes a
+  1-token generation (its fingerprint taken then)
 - ``DELETE /replicas?url=URL``: no new call goes there
 """
 
@@ -48,7 +48,7 @@ class ReplicaRoutes:
 
     async def add(self, request: web.Request) -> web.Response:
         """``{"url": "http://HOST:PORT"}``: a vLLM server joins agenttap_policy_url's pool once
-        it answers ``GET /health``; new sessions may go there from then on."""
+        it completes a 1-token generation; new sessions may go there from then on."""
         body = await self.body(request)
         reject_unknown(body, ("url",))
         urls = parse_urls(str(body.get("url") or ""))
@@ -68,8 +68,9 @@ class ReplicaRoutes:
             replicas.remove(replica.url)
             return error(
                 400,
-                f"agenttap: the policy server at {replica.url} does not answer GET /health "
-                f"({replica.last_error}); start it first, then add it",
+                f"agenttap: the policy server at {replica.url} did not complete a 1-token "
+                f"generation ({replica.last_error}); start it (and resume it, if paused) "
+                "first, then add it",
             )
         logger.info("agenttap: policy server %s added", replica.url)
         return self.summary()

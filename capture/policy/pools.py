@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,8 @@ POLICY_FAILURES = (aiohttp.ClientError, TimeoutError)
 # Bounds on the remembered model names: a client inventing names must not grow memory.
 MAX_MODELS_PER_SESSION = 32
 MAX_SESSIONS_WITH_MODELS = 10_000
+# Windows of weights nobody verified that are remembered (the oldest forgotten first).
+MAX_UNVERIFIED_WINDOWS = 1024
 
 
 def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
@@ -53,6 +56,8 @@ class PolicyPools:
         max_in_flight: int = 0,
         max_queue: int = 256,
         health_interval_s: float = 5.0,
+        weights_tolerance: float = 1e-3,
+        weights_check_s: float = 60.0,
     ) -> None:
         self.policy_urls = list(policy_urls)
         # (pattern, servers): the first pattern a requested name matches picks its servers.
@@ -67,6 +72,17 @@ class PolicyPools:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.health_interval_s = health_interval_s
+        # Probes and fingerprints compare within this; the fingerprints are checked this
+        # often besides every health check (agenttap_weights_tolerance, _check_s).
+        self.weights_tolerance = weights_tolerance
+        self.weights_check_s = weights_check_s
+        self._weights_check: asyncio.Task[None] | None = None
+        # Told (url, how far its answers moved) when a replica's weights changed without an
+        # update (the gateway's log line and metric).
+        self.on_weights_changed: Callable[[str, float], None] = lambda _url, _diff: None
+        # Replicas whose weights changed without an update: (url, since, found, reason); a
+        # generation that ran there between since and found ran on weights nobody verified.
+        self.unverified_windows: list[tuple[str, float, float, str]] = []
         # One replica set per pool: agenttap_policy_url's (the default), then model_map's.
         self.default: ReplicaSet | None = None
         self._mapped: list[tuple[str, ReplicaSet]] = []
@@ -90,6 +106,31 @@ class PolicyPools:
             (pattern, ReplicaSet(servers, self._client, self.max_in_flight, self.max_queue))
             for pattern, servers in self.model_map
         ]
+        for replicas in self.sets():
+            replicas.tolerance = self.weights_tolerance
+            replicas.on_changed = self._weights_changed
+
+    def _weights_changed(self, replica: Replica, diff: float) -> None:
+        found = time.time()
+        since = replica.verified_at or replica.fingerprint_at
+        self.unverified_windows.append((replica.url, since, found, replica.unverified))
+        del self.unverified_windows[:-MAX_UNVERIFIED_WINDOWS]
+        logger.error(
+            "agenttap: policy server %s left rotation: %s. Generations it ran since %s are "
+            "marked weights_unverified",
+            replica.url,
+            replica.unverified,
+            time.strftime("%H:%M:%S", time.localtime(since)),
+        )
+        self.on_weights_changed(replica.url, diff)
+
+    def weights_unverified(self, backend: str, started_at: float, ended_at: float) -> bool:
+        """Whether a generation ``backend`` ran from ``started_at`` to ``ended_at`` (epoch
+        seconds) overlaps a window in which that replica's weights were not the ones verified."""
+        return any(
+            url == backend and started_at <= found and ended_at >= since
+            for url, since, found, _ in self.unverified_windows
+        )
 
     def _session(self, url: str | None) -> aiohttp.ClientSession:
         """A connection pool: the TCP servers' shared one (``url`` None), or one to the unix
@@ -121,17 +162,26 @@ class PolicyPools:
         return client
 
     def start_health_checks(self) -> None:
-        """Check every replica's health every ``health_interval_s`` (in the running loop)."""
-        if self._health is None and self.health_interval_s > 0:
-            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+        """Check every replica's health every ``health_interval_s``, and its weights'
+        fingerprint then and every ``weights_check_s`` (in the running loop). The first check
+        runs now: it takes each replica's fingerprint at start."""
+        loop = asyncio.get_running_loop()
+        if self._health is None:
+            self._health = loop.create_task(self._check_loop(self.health_interval_s, first=True))
+        if self._weights_check is None and self.weights_check_s > 0:
+            self._weights_check = loop.create_task(self._check_loop(self.weights_check_s))
 
-    async def _health_loop(self) -> None:
+    async def _check_loop(self, interval_s: float, first: bool = False) -> None:
+        if not first:
+            await asyncio.sleep(interval_s)
         while True:
-            await asyncio.sleep(self.health_interval_s)
             try:
                 await self.check_health()
             except Exception:  # a probe must never kill the loop
                 logger.exception("agenttap: the policy health check failed")
+            if interval_s <= 0:
+                return
+            await asyncio.sleep(interval_s)
 
     async def check_health(self) -> dict[str, bool]:
         assert self._http is not None
@@ -142,13 +192,21 @@ class PolicyPools:
             self.on_health(url, ok)
         return out
 
+    def replica(self, url: str) -> Replica | None:
+        """The replica ``url`` names, in whichever pool lists it."""
+        for replicas in self.sets():
+            if url in replicas.replicas:
+                return replicas.replicas[url]
+        return None
+
     def sets(self) -> list[ReplicaSet]:
         assert self.default is not None
         return [self.default, *(r for _, r in self._mapped)]
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        for task in (self._health, self._weights_check):
+            if task is not None:
+                task.cancel()
         if self._http:
             await self._http.close()
         for http in self._unix_http.values():

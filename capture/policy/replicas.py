@@ -7,8 +7,14 @@ that idle proxies in a pool place a session on the same replica. Generations per
 bounded (``agenttap_replica_max_inflight``); calls beyond it wait in a bounded queue
 (``agenttap_replica_queue``) and past that are refused with the provider's retryable error. A
 replica failing mid-generation is marked unhealthy and the generation goes on on another one
-(``failover``; the stitching is ``VLLMClient.stream_resuming``'s). Health checks (vLLM's
-``GET /health``) bring replicas back.
+(``failover``; the stitching is ``VLLMClient.stream_resuming``'s).
+
+A replica is in rotation (``serving``) while it is healthy, not loading weights and its weights
+are verified. Healthy means a 1-token generation completed within ``HEALTH_TIMEOUT_S`` at its
+last check, not that ``GET /health`` answers: a paused or sleeping vLLM answers ``/health``
+and hangs every generation. The check's generation asks for the prompt logprobs of the
+replica's fingerprint sequence too (capture/policy/weights.py): answers that changed without
+an update take the replica out of rotation (``unverified``) until an update verifies it.
 
 No HTTP here beyond the health probe: the clients are given.
 """
@@ -30,7 +36,32 @@ logger = logging.getLogger(__name__)
 
 # Sessions whose replica is remembered (least recently used forgotten first).
 MAX_ASSIGNED_SESSIONS = 100_000
-HEALTH_TIMEOUT_S = 5.0
+# A health check's 1-token generation must complete within this (a loaded CPU server takes a
+# second or two; a paused or sleeping one never completes it).
+HEALTH_TIMEOUT_S = 15.0
+# The state /replicas reports: in rotation, or why not.
+SERVING, LOADING, PAUSED, SLEEPING, UNVERIFIED, FAILING = (
+    "serving",
+    "loading",
+    "paused",
+    "sleeping",
+    "unverified",
+    "failing",
+)
+# How much of the fingerprint's logprobs a summary shows.
+FINGERPRINT_SHOWN = 4
+# agenttap's own fingerprint sequence, where no trainer gave a probe: 32 ids spread over the
+# first thousand (ordinary tokens of any real vocabulary), the same on every replica.
+OWN_FINGERPRINT_IDS = [100 + (i * 7919) % 900 for i in range(32)]
+
+
+def max_abs_diff(got: list[float | None], want: list[float | None]) -> float:
+    """The largest |got - want| over the positions both have a number for (inf where the
+    lengths differ: a different sequence)."""
+    if len(got) != len(want):
+        return float("inf")
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True) if a is not None and b is not None]
+    return max(diffs, default=0.0)
 
 
 @dataclass
@@ -48,20 +79,61 @@ class Replica:
     last_error: str = ""
     last_checked: float = 0.0
     removed: bool = False
+    # Why it is unhealthy: paused, sleeping or failing (its last check's generation).
+    down: str = FAILING
+    # A weight update is loading on it now (capture/policy/weights.py): out of rotation.
+    loading: bool = False
+    # Why its weights are not trusted ("": they are): a probe it failed after an update, or
+    # a fingerprint that changed without one. Out of rotation until an update verifies it.
+    unverified: str = ""
+    # Its answers for the fingerprint sequence (prompt logprobs), taken after each update and
+    # at start; each check compares against them. None: not taken yet.
+    fingerprint_ids: list[int] = field(default_factory=list, repr=False)
+    fingerprint: list[float | None] | None = field(default=None, repr=False)
+    fingerprint_at: float = 0.0
+    # When its weights were last found as fingerprinted (the start of a window that becomes
+    # unverified if the next check finds them changed).
+    verified_at: float = 0.0
+    # Whether the last update's probe was checked on it, and its max |diff| then.
+    probe_diff: float | None = None
     _freed: asyncio.Condition | None = field(default=None, repr=False)
 
     def load(self) -> tuple[int, int]:
         return (self.in_flight + self.waiting, self.sessions)
 
+    @property
+    def serving(self) -> bool:
+        """In rotation: healthy, not loading weights, its weights verified."""
+        return self.healthy and not self.loading and not self.unverified
+
+    @property
+    def state(self) -> str:
+        if self.loading:
+            return LOADING
+        if self.unverified:
+            return UNVERIFIED
+        return SERVING if self.healthy else self.down
+
     def summary(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "state": self.state,
+            "in_rotation": self.serving,
             "healthy": self.healthy,
+            "unverified": self.unverified,
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "sessions": self.sessions,
             "failovers": self.failovers,
             "last_error": self.last_error,
+            "last_checked": self.last_checked or None,
+            "weights": {
+                "version": self.client.weight_version,
+                "fingerprint_at": self.fingerprint_at or None,
+                "verified_at": self.verified_at or None,
+                "probe_diff": self.probe_diff,
+                "fingerprint": (self.fingerprint or [])[1 : 1 + FINGERPRINT_SHOWN],
+            },
         }
 
 
@@ -86,6 +158,13 @@ class ReplicaSet:
         self.max_queue = max_queue
         self.replicas: dict[str, Replica] = {}
         self._assigned: OrderedDict[str, str] = OrderedDict()
+        # The sequence new replicas are fingerprinted with (the last update's probe, if any).
+        self.fingerprint_ids = list(OWN_FINGERPRINT_IDS)
+        # The tolerance fingerprints and probes are compared with (agenttap_weights_tolerance).
+        self.tolerance = 1e-3
+        # Told (replica, how far its answers moved) when a replica's fingerprint changed
+        # without an update (the pools log it, count it and keep the unverified window).
+        self.on_changed: Callable[[Replica, float], None] = lambda _r, _d: None
         for url in urls:
             self.add(url)
 
@@ -98,6 +177,7 @@ class ReplicaSet:
         replica = self.replicas.get(url)
         if replica is None:
             replica = Replica(url, self._make_client(url))
+            replica.fingerprint_ids = list(self.fingerprint_ids)
             self.replicas[url] = replica
         return replica
 
@@ -129,11 +209,11 @@ class ReplicaSet:
         call then fails with the policy's own error."""
         url = self._assigned.get(session_id)
         current = self.replicas.get(url) if url else None
-        if current is not None and current.healthy and current.url not in exclude:
+        if current is not None and current.serving and current.url not in exclude:
             self._assigned.move_to_end(session_id)
             return current
         order = self._hash_order(session_id)
-        healthy = [r for r in order if r.healthy and r.url not in exclude]
+        healthy = [r for r in order if r.serving and r.url not in exclude]
         if not healthy:
             others = [r for r in order if r.url not in exclude]
             return current or (others or order)[0]
@@ -205,8 +285,17 @@ class ReplicaSet:
         failed.healthy = False
         failed.failovers += 1
         failed.last_error = str(error)
+        # Replicas loading a weight update rejoin once it is checked: wait for that rather
+        # than give up (the update that took ``failed`` out loads them too).
+        holds = [
+            r.client.hold
+            for r in self.replicas.values()
+            if r is not failed and r.loading and r.client.hold is not None
+        ]
+        if holds:
+            await asyncio.gather(*(hold.wait() for hold in holds))
         target = self.pick(session_id, exclude=frozenset({failed.url}))
-        if target is failed or not target.healthy or target.url == failed.url:
+        if target is failed or not target.serving or target.url == failed.url:
             return None
         await self.release(failed)
         await self.acquire(target, force=True)
@@ -221,20 +310,34 @@ class ReplicaSet:
 
     # -- health ----------------------------------------------------------------------------
     async def check(self, replica: Replica, http: Any = None) -> bool:
-        """vLLM's ``GET /health``: 200 is healthy; anything else, or no answer, is not. The
-        probe goes through the replica's own client, over its connection pool (TCP, or the
-        unix socket its URL names); ``http``, the pool's shared session some callers pass, is
-        not needed for it."""
+        """A 1-token generation on ``replica`` (through its own client and connection pool;
+        ``http``, the pool's shared session some callers pass, is not needed): healthy when it
+        completes within ``HEALTH_TIMEOUT_S``. It asks for the prompt logprobs of the
+        replica's fingerprint sequence too: answers far from the fingerprint
+        (``on_changed``) take it out of rotation. Where the generation does not complete, the
+        reason is asked of vLLM (paused, sleeping) or the error kept (failing). A replica
+        loading weights is left to its update."""
+        if replica.loading:
+            return replica.healthy
         client = replica.client
+        answers: list[float | None] | None = None
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                async with client.session.get(client.url("/health")) as resp:
-                    ok = bool(resp.status == 200)
-                    why = f"GET /health answered {resp.status}"
-        except Exception as exc:  # refused, reset, timed out: all mean "not now"
-            ok, why = False, f"GET /health failed: {exc or type(exc).__name__}"
+                ids = replica.fingerprint_ids or OWN_FINGERPRINT_IDS
+                answers = await client.prompt_logprobs(ids, check=True)
+            ok, why = True, ""
+        except TimeoutError:
+            ok = False
+            why = f"a 1-token generation did not complete in {HEALTH_TIMEOUT_S:g} s"
+        except Exception as exc:  # refused, reset, an error answer: all mean "not now"
+            ok, why = False, f"a 1-token generation failed: {exc or type(exc).__name__}"
+        if replica.loading:  # an update began meanwhile: what was seen predates it
+            return replica.healthy
         replica.last_checked = time.time()
-        if ok != replica.healthy:
+        if not ok:
+            replica.down = await self.why_down(replica)
+            why = f"{replica.down}: {why}" if replica.down != FAILING else why
+        if ok != replica.healthy or (not ok and why != replica.last_error):
             if ok:
                 logger.info("agenttap: policy server %s is healthy again", replica.url)
             else:
@@ -242,7 +345,48 @@ class ReplicaSet:
         replica.healthy = ok
         if not ok:
             replica.last_error = why
+        elif answers is not None and replica.fingerprint_ids:
+            self.compare_fingerprint(replica, answers)
         return ok
+
+    async def why_down(self, replica: Replica) -> str:
+        """Why a replica's generation did not complete, as vLLM's dev-mode routes tell it
+        (``GET /is_paused``, ``GET /is_sleeping``): paused, sleeping, else failing."""
+        client = replica.client
+        for path, key, state in (
+            ("/is_sleeping", "is_sleeping", SLEEPING),
+            ("/is_paused", "is_paused", PAUSED),
+        ):
+            try:
+                async with asyncio.timeout(HEALTH_TIMEOUT_S / 3):
+                    async with client.session.get(client.url(path)) as resp:
+                        if resp.status == 200 and (await resp.json()).get(key) is True:
+                            return state
+            except Exception:  # noqa: S112 (no such route, no answer: not this state)
+                continue
+        return FAILING
+
+    def compare_fingerprint(self, replica: Replica, answers: list[float | None]) -> bool:
+        """Whether ``answers`` (the replica's prompt logprobs for its fingerprint sequence, now)
+        are its fingerprint within the tolerance; if not, the replica leaves rotation as
+        unverified and ``on_changed`` is told."""
+        if replica.fingerprint is None:
+            replica.fingerprint = answers
+            replica.fingerprint_at = replica.verified_at = time.time()
+            return True
+        diff = max_abs_diff(answers, replica.fingerprint)
+        if diff <= self.tolerance:
+            replica.verified_at = time.time()
+            return True
+        if not replica.unverified:
+            replica.unverified = (
+                f"its answers changed without a weight update (max |logprob diff| {diff:.3g} "
+                f"> agenttap_weights_tolerance {self.tolerance:g} on its fingerprint "
+                "sequence): someone else loaded weights, or it restarted; POST /policy/weights "
+                "loads and verifies the trainer's weights again"
+            )
+            self.on_changed(replica, diff)
+        return False
 
     async def check_all(self, http: Any = None) -> dict[str, bool]:
         reps = list(self.replicas.values())

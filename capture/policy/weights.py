@@ -3,21 +3,34 @@
 A trainer saves its model (``save_pretrained``: safetensors + config) and asks agenttap to serve
 it. Each replica of agenttap_policy_url's pool, all at once:
 
-1. is marked as loading the new version (``VLLMClient.incoming_version``): a generation started
-   from here on is labelled with it, since it can only run once the new weights serve;
+1. leaves rotation (``loading``) and holds new generations agenttap sends it
+   (``VLLMClient.hold``); a generation started from here on is labelled with the new version
+   (``VLLMClient.incoming_version``), since it can only run once the new weights serve;
 2. ``POST /pause?mode=abort``: vLLM ends the generations running there with ``finish_reason:
-   abort`` and every token so far; agenttap resubmits each at once (``stream_resuming``), and
-   the resubmissions wait in vLLM's queue while it is paused. The client's stream never breaks;
-3. ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)``: vLLM loads the folder in place
-   (no restart, its compiled graphs kept; a fraction of a second for a small model);
+   abort`` and every token so far; agenttap resubmits each (``stream_resuming``), and the
+   resubmissions wait in agenttap's hold. The client's stream never breaks;
+3. ``POST /collective_rpc`` ``agenttap_reload_weights(weights_path=DIR)`` where the server has
+   agenttap's worker extension (rewriter/vllm_worker.py: vLLM's reload, then the output layer
+   a tied checkpoint leaves stale on a CPU prepared again), else vLLM's ``reload_weights``: the
+   folder loads in place (no restart, its compiled graphs kept);
 4. ``POST /reset_prefix_cache``: cached prefixes were computed by the old weights;
 5. ``POST /update_weight_version``: vLLM's own label (its generate endpoint reports it);
-6. ``POST /resume``: the waiting generations run, on the new weights, their prompts (the tokens
-   sampled before the update included) prefilled again.
+6. ``POST /resume``, then the check: with a probe (a short token sequence and the trainer's
+   own logprobs for it), the replica's ``prompt_logprobs`` for it must be within
+   ``agenttap_weights_tolerance``; a replica past it stays out of rotation (``unverified``,
+   the difference named in ``/replicas`` and in the route's 502), and the generations held
+   for it go to a replica that passed. Then its fingerprint is taken (the probe's logprobs, or
+   agenttap's own sequence's without a probe) and it rejoins rotation: the held generations
+   run, on the new weights, their prompts (the tokens sampled before the update included)
+   prefilled again.
 
 So a generation that spans an update has two spans in its ``weight_versions``: the tokens before
 the pause under the old label, the rest under the new one. These routes need vLLM's dev mode
 (``VLLM_SERVER_DEV_MODE=1``, which ``python -m rewriter.policy_server`` sets).
+
+The fingerprint is compared again at every health check and every ``agenttap_weights_check_s``
+(capture/policy/replicas.py): weights loaded behind agenttap's back take the replica out of
+rotation, and the window since its last good check is reported (``unverified_windows``).
 
 ``WeightHistory`` counts the versions served, for ``agenttap_max_staleness``.
 """
@@ -33,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from capture.policy.replicas import Replica, ReplicaSet
+from capture.policy.replicas import Replica, ReplicaSet, max_abs_diff
 from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION, VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -43,6 +56,50 @@ RELOAD_TIMEOUT_S = 1800.0
 STEP_TIMEOUT_S = 120.0
 # What a version label may be: it names weights in rows, logs and metrics.
 MAX_VERSION_CHARS = 128
+# A probe's length: long enough to exercise every layer, short enough to check in a moment.
+MIN_PROBE_IDS, MAX_PROBE_IDS = 2, 4096
+# vLLM's answer where the worker has no agenttap extension (rewriter/vllm_worker.py).
+NO_EXTENSION = "has no attribute 'agenttap_reload_weights'"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A short token sequence and the trainer's logprob of each token given the ones before
+    it (entry 0: None, nothing comes before it)."""
+
+    ids: list[int]
+    logprobs: list[float | None]
+
+    def summary(self) -> dict[str, Any]:
+        return {"tokens": len(self.ids)}
+
+
+def check_probe(value: Any) -> Probe | None:
+    """A probe from a request body (None: none given); ValueError says what is wanted."""
+    if value is None:
+        return None
+    shape = (
+        '"probe" must be {"ids": [token ids], "logprobs": [the trainer model\'s logprob of '
+        "each id given the ones before it, the first null]} (capture.train.probe computes it)"
+    )
+    if not isinstance(value, dict) or set(value) - {"ids", "logprobs"}:
+        raise ValueError(shape)
+    ids, logprobs = value.get("ids"), value.get("logprobs")
+    if not isinstance(ids, list) or not isinstance(logprobs, list):
+        raise ValueError(shape)
+    if not MIN_PROBE_IDS <= len(ids) <= MAX_PROBE_IDS or len(logprobs) != len(ids):
+        raise ValueError(
+            f'"probe": {MIN_PROBE_IDS} to {MAX_PROBE_IDS} ids and one logprob per id '
+            f"(got {len(ids)} ids, {len(logprobs)} logprobs)"
+        )
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < 2**31 for i in ids):
+        raise ValueError('"probe": "ids" must be token ids (whole numbers, 0 or more)')
+    out: list[float | None] = [None]
+    for lp in logprobs[1:]:
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not -1e9 < lp <= 0:
+            raise ValueError('"probe": "logprobs" after the first must be numbers, 0 or less')
+        out.append(float(lp))
+    return Probe(list(ids), out)
 
 
 class WeightUpdateError(RuntimeError):
@@ -139,41 +196,131 @@ async def _post(
         raise RuntimeError(f"POST {url} answered {status}: {text[:300]}")
 
 
-async def load_on_replica(replica: Replica, path: Path, version: str) -> dict[str, Any]:
-    """Steps 2-6 of the module docstring on one replica; its outcome (never raises)."""
+async def _reload(client: VLLMClient, path: Path) -> None:
+    """Step 3 of the module docstring: agenttap's exact reload where the server has it, vLLM's
+    own where it does not (then the probe is what says whether the weights serve whole)."""
+    if client.exact_reload is not False:
+        try:
+            await _post(
+                client,
+                "/collective_rpc",
+                {"method": "agenttap_reload_weights", "kwargs": {"weights_path": str(path)}},
+                timeout_s=RELOAD_TIMEOUT_S,
+            )
+            client.exact_reload = True
+            return
+        except RuntimeError as exc:
+            if NO_EXTENSION not in str(exc):
+                raise
+            client.exact_reload = False
+            logger.warning(
+                "agenttap: the policy server at %s has no agenttap_reload_weights (vLLM's "
+                "--worker-extension-cls rewriter.vllm_worker.AgentTapWorker, which python -m "
+                "rewriter.policy_server sets): its weights load with vLLM's reload_weights, "
+                "which on a CPU leaves a tied output layer (tie_word_embeddings) as it was; "
+                "pass a probe to POST /policy/weights to have every update checked",
+                client.base_url,
+            )
+    await _post(
+        client,
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+        timeout_s=RELOAD_TIMEOUT_S,
+    )
+
+
+async def fingerprint(
+    replicas: ReplicaSet, replica: Replica, ids: list[int], timeout_s: float = STEP_TIMEOUT_S
+) -> list[float | None]:
+    """The replica's prompt logprobs for ``ids`` (bypassing its hold: it runs while the
+    replica's generations wait), kept as its fingerprint."""
+    async with asyncio.timeout(timeout_s):
+        answers = await replica.client.prompt_logprobs(ids, check=True)
+    replica.fingerprint_ids = list(ids)
+    replica.fingerprint = answers
+    replica.fingerprint_at = replica.verified_at = time.time()
+    return answers
+
+
+async def load_on_replica(
+    replicas: ReplicaSet, replica: Replica, path: Path, version: str, probe: Probe | None = None
+) -> dict[str, Any]:
+    """Steps 1-6 of the module docstring on one replica; its outcome (never raises)."""
     started = time.monotonic()
     client = replica.client
     outcome: dict[str, Any] = {"url": replica.url, "version": client.weight_version}
+    replica.loading = True
+    hold = client.hold = asyncio.Event()
     try:
-        await _post(client, "/pause?mode=abort")
-    except RuntimeError as exc:
-        replica.client.failed_versions.add(version)
-        outcome.update(ok=False, error=str(exc), seconds=round(time.monotonic() - started, 3))
-        return outcome
-    try:
-        await _post(
-            client,
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-            timeout_s=RELOAD_TIMEOUT_S,
-        )
-        await _post(client, "/reset_prefix_cache")
-        await _post(client, "/update_weight_version", {"new_version": version})
-        replica.client.weight_version = version
-        replica.client.failed_versions.discard(version)
-        outcome.update(ok=True, version=version)
-    except RuntimeError as exc:
-        # Before the resume: what ran meanwhile ran on the weights it kept.
-        replica.client.failed_versions.add(version)
-        outcome.update(ok=False, error=str(exc))
-    finally:
         try:
-            # Never left paused: its queued generations would wait forever.
-            await _post(client, "/resume")
+            await _post(client, "/pause?mode=abort")
         except RuntimeError as exc:
-            outcome.update(ok=False, error=f"{outcome.get('error', '')} {exc}".strip())
-    outcome["seconds"] = round(time.monotonic() - started, 3)
-    return outcome
+            replica.client.failed_versions.add(version)
+            outcome.update(ok=False, error=str(exc))
+            return outcome
+        loaded = False
+        try:
+            await _reload(client, path)
+            await _post(client, "/reset_prefix_cache")
+            await _post(client, "/update_weight_version", {"new_version": version})
+            replica.client.weight_version = version
+            replica.client.failed_versions.discard(version)
+            loaded = True
+            outcome.update(ok=True, version=version)
+        except RuntimeError as exc:
+            # Before the resume: what ran meanwhile ran on the weights it kept.
+            replica.client.failed_versions.add(version)
+            outcome.update(ok=False, error=str(exc))
+        finally:
+            try:
+                # Never left paused: its queued generations would wait forever.
+                await _post(client, "/resume")
+            except RuntimeError as exc:
+                outcome.update(ok=False, error=f"{outcome.get('error', '')} {exc}".strip())
+        outcome["reload_seconds"] = round(time.monotonic() - started, 3)
+        if loaded and outcome["ok"]:
+            await _verify(replicas, replica, probe, outcome)
+        return outcome
+    finally:
+        replica.loading = False
+        client.hold = None
+        hold.set()  # the held generations run here, or fail over where it is refused
+        outcome["seconds"] = round(time.monotonic() - started, 3)
+
+
+async def _verify(
+    replicas: ReplicaSet, replica: Replica, probe: Probe | None, outcome: dict[str, Any]
+) -> None:
+    """Step 6's check and fingerprint; ``outcome`` says what was checked."""
+    client = replica.client
+    ids = probe.ids if probe is not None else replica.fingerprint_ids
+    try:
+        answers = await fingerprint(replicas, replica, ids)
+    except (TimeoutError, Exception) as exc:  # noqa: BLE001 (any failure: not verified)
+        why = f"its prompt logprobs for the probe did not come back ({exc or type(exc).__name__})"
+        replica.unverified = client.refuse = why
+        outcome.update(ok=False, checked=probe is not None, error=why)
+        return
+    if probe is None:
+        replica.unverified = client.refuse = ""
+        replica.probe_diff = None
+        outcome["checked"] = False
+        return
+    diff = max_abs_diff(answers, probe.logprobs)
+    replica.probe_diff = diff
+    outcome.update(checked=True, max_diff=diff)
+    if diff > replicas.tolerance:
+        why = (
+            f"after loading {client.weight_version!r} its logprobs for the probe are "
+            f"{diff:.3g} from the trainer's (agenttap_weights_tolerance {replicas.tolerance:g}): "
+            "it serves other weights than the trainer's (a folder that differs where it reads "
+            "it, a partial load, an output layer a reload left stale)"
+        )
+        replica.unverified = client.refuse = why
+        outcome.update(ok=False, error=why)
+        logger.warning("agenttap: policy server %s is out of rotation: %s", replica.url, why)
+        return
+    replica.unverified = client.refuse = ""
 
 
 class PolicyWeights:
@@ -184,39 +331,52 @@ class PolicyWeights:
         self._lock = asyncio.Lock()
 
     async def update(
-        self, http: aiohttp.ClientSession | None, replicas: ReplicaSet, path: Path, version: str
+        self,
+        http: aiohttp.ClientSession | None,
+        replicas: ReplicaSet,
+        path: Path,
+        version: str,
+        probe: Probe | None = None,
     ) -> list[dict[str, Any]]:
-        """Every replica serves ``path`` as ``version`` once this returns; each one's outcome.
-        Raises WeightUpdateError if one failed (the others serve the new weights). Each
-        replica is reached through its own client's connection pool (a unix socket's
-        server has its own); ``http``, the pool's shared session callers pass, is not needed."""
+        """Every replica serves ``path`` as ``version`` once this returns, checked against
+        ``probe`` where given; each one's outcome. Raises WeightUpdateError if one failed to
+        load or to pass the probe (it is out of rotation; the others serve the new weights).
+        Each replica is reached through its own client's connection pool (a unix socket's
+        server has its own); ``http``, the pool's shared session callers pass, is not
+        needed."""
         async with self._lock:
             targets = list(replicas.replicas.values())
+            if probe is not None:
+                replicas.fingerprint_ids = list(probe.ids)
             for replica in targets:
                 replica.client.incoming_version = version
             try:
                 outcomes = await asyncio.gather(
-                    *(load_on_replica(r, path, version) for r in targets)
+                    *(load_on_replica(replicas, r, path, version, probe) for r in targets)
                 )
             finally:
                 for replica in targets:
                     replica.client.incoming_version = None
-            ok = [o for o in outcomes if o["ok"]]
-            if ok:
+            loaded = [o for o in outcomes if o.get("version") == version]
+            if loaded:
                 self.history.add(version)
             failed = [o for o in outcomes if not o["ok"]]
             if failed:
                 raise WeightUpdateError(
-                    f"{len(failed)} of {len(outcomes)} policy servers did not load {path} "
-                    f"({failed[0]['url']}: {failed[0]['error']}); the others serve {version!r}",
+                    f"{len(failed)} of {len(outcomes)} policy servers do not serve {path} "
+                    f"as checked ({failed[0]['url']}: {failed[0]['error']}); "
+                    f"{len(outcomes) - len(failed)} serve {version!r}",
                     list(outcomes),
                 )
             logger.info(
-                "agenttap: the policy serves weights %r from %s (%d server(s), %.2f s)",
+                "agenttap: the policy serves weights %r from %s (%d server(s), %.2f s, %s)",
                 version,
                 path,
                 len(outcomes),
                 max((o["seconds"] for o in outcomes), default=0.0),
+                "each checked against the trainer's probe"
+                if probe is not None
+                else "no probe given: not checked",
             )
             return list(outcomes)
 

@@ -110,7 +110,7 @@ def test_a_replica_is_added_and_removed_while_running(
     for c in pinned:
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     status, body = http(f"{api}/replicas", "POST", token, {"url": "http://127.0.0.1:1"})
-    assert status == 400 and "does not answer GET /health" in body["error"]["message"]
+    assert status == 400 and "did not complete a 1-token generation" in body["error"]["message"]
     status, body = http(f"{api}/replicas", "POST", token, {"url": stubs[2].url})
     assert status == 200 and stubs[2].url in [r["url"] for r in body["replicas"]]
     # Both old replicas busy with their sessions' long answers: a new session goes to the new one.

@@ -164,7 +164,7 @@ async def test_pools_reach_unix_and_tcp_servers_side_by_side(
         # A replica added while running (POST /replicas) gets its own pool to its socket.
         added = pools.default.add(unix_stub.url + "-gone")
         assert not await pools.default.check(added)
-        assert "GET /health failed" in added.last_error
+        assert "1-token generation failed" in added.last_error
     finally:
         await pools.close()
     assert all(c.session.closed for c in pools._clients.values())

@@ -41,6 +41,7 @@ class DevServer:
         self.streaming = asyncio.Event()
         self.fail_reload = fail_reload
         self.label = "default"
+        self.checks: list[dict[str, Any]] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -62,7 +63,7 @@ class DevServer:
             self.resumed.clear()
             self.paused.set()
         if name == "collective_rpc":
-            assert body["method"] == "reload_weights"
+            assert body["method"] in ("agenttap_reload_weights", "reload_weights")
             if self.fail_reload:
                 return web.json_response({"error": "no such file"}, status=500)
         if name == "update_weight_version":
@@ -77,6 +78,13 @@ class DevServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body.get("prompt_logprobs") is not None:
+            # agenttap's fingerprint of the weights after an update (a 1-token generation).
+            await self.resumed.wait()
+            self.checks.append(body)
+            entries = [None] + [{str(t): {"logprob": -1.0}} for t in body["prompt"][1:]]
+            choice = {"index": 0, "text": "", "prompt_logprobs": entries, "finish_reason": "length"}
+            return web.json_response({"choices": [choice]})
         self.bodies.append(body)
         first = len(self.bodies) == 1
         await self.resumed.wait()
