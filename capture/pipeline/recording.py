@@ -190,7 +190,7 @@ class TurnRecording:
         record = TurnRecord(
             session_id=parsed.session_id,
             request_id=parsed.response_id,
-            turn_index=self.store.next_turn_index(parsed.session_id),
+            turn_index=-1,  # numbered under the session's lock, below
             protocol=turn.provider.name,
             requested_model=turn.chat.model,
             policy_model=turn.policy_model,
@@ -217,6 +217,9 @@ class TurnRecording:
                 {"backend": b, "start": start, "end": end} for b, start, end in completion.backends
             ]
         async with self.session_lock(parsed.session_id):
+            # Numbered here: a flush or another call's record while this one waited for the lock
+            # would otherwise leave two calls of the session with one turn index.
+            record.turn_index = self.store.next_turn_index(parsed.session_id)
             journal = self.store.record(
                 record,
                 turn.assembly,

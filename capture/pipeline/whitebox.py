@@ -162,7 +162,7 @@ async def _generate(
     record = TurnRecord(
         session_id=session_id,
         request_id=request_id,
-        turn_index=pipeline.store.next_turn_index(session_id),
+        turn_index=-1,  # numbered under the session's lock, below
         protocol=PROTOCOL,
         requested_model=model,
         policy_model=info.model,
@@ -183,6 +183,8 @@ async def _generate(
         ],
     )
     async with pipeline.session_lock(session_id):
+        # Numbered here: a flush or another record while this one waited would repeat an index.
+        record.turn_index = pipeline.store.next_turn_index(session_id)
         pipeline.store.record(record, assembly, Message("assistant", completion.text))
     pipeline.control.note_recorded(
         session_id, len(ids), len(completion.token_ids), record.latency_s

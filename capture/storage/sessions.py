@@ -8,7 +8,8 @@ thread, batched (``capture.storage.journal_sync``), right after the response or,
 how it changed its thread (what was kept, what replaced the rest), so threads can be rebuilt
 from the journal alone. A session becomes Parquet shards (``turns/`` one row per call,
 ``threads/`` one training row per thread; ``capture.storage.rows``) when it has been idle for
-``idle_timeout_s`` or the proxy stops; only then is its journal removed. A proxy killed with
+``idle_timeout_s``, is flushed (``flush``: it goes on, its tree kept for the calls in flight and
+the next ones), is closed, or the proxy stops; only then is its journal removed. A proxy killed with
 ``kill -9`` leaves journals behind, and the next start turns them into shards.
 
 A call the policy failed (``FailedCall``) is journaled too, as a line of its own (``failed``),
@@ -58,6 +59,7 @@ from capture.trajectory import (
     export_rows,
 )
 from capture.trajectory.journal import call_entry, call_from_entry
+from capture.trajectory.orphans import as_new_tree, placed_in
 from rewriter.canonical import ChatRequest, Message
 from rewriter.ids_json import IdsJson
 
@@ -204,6 +206,8 @@ class SessionStore:
                 versions = [(rescored_version or "", 0, len(turn.completion_ids))]
             else:
                 versions = [(w["version"], w["start"], w["end"]) for w in turn.weight_versions]
+            if not placed_in(sess.threads, assembly):
+                assembly = self._orphan(turn, assembly)
             call = sess.threads.commit(
                 assembly,
                 reply,
@@ -228,6 +232,19 @@ class SessionStore:
             sess.last_prompt = IdsJson(turn.prompt_ids, prompt_json)
         sess.last_active = time.monotonic()
         return sess.journal_path
+
+    def _orphan(self, turn: TurnRecord, assembly: Assembly) -> Assembly:
+        """A call placed in a tree this session no longer has (written and let go while the call
+        was in flight: the session was closed, or its tree was the least recently used of the
+        idle ones kept): it starts a tree of its own (capture/trajectory/orphans.py)."""
+        logger.warning(
+            "agenttap: call %s of session %r ended after the tree it was placed in was written "
+            "and let go (the session was closed, or idle past agenttap_idle_timeout, while the "
+            "call was in flight): its row starts a new thread, the history before it as context",
+            turn.request_id,
+            turn.session_id,
+        )
+        return as_new_tree(assembly)
 
     def _began_before_claim(self, session_id: str, started_at: float, request_id: str) -> bool:
         """Whether a call of ``session_id`` began before a trainer opened the id over calls
@@ -326,16 +343,45 @@ class SessionStore:
         written into its thread rows (else ``annotations_for`` the session's); the rows written
         are appended to ``rows_out``. ``why`` (idle, flush, close, stop) is said in the log."""
         sess = self._sessions.pop(session_id, None)
-        if sess is None or not (sess.turns or sess.failed):
+        if sess is None:
             return []
-        if annotations is None:
-            annotations = self.annotations_for(session_id)
-        rows, thread_of = sess.threads.export() if sess.threads else ([], {})
         if keep_threads and sess.threads is not None:
+            # Kept even when nothing is left to write: a call in flight was placed in this tree
+            # and is committed to it when it ends (session() takes it back).
             self._dormant[session_id] = sess.threads
             self._dormant.move_to_end(session_id)
             while len(self._dormant) > DORMANT_SESSIONS:
                 self._dormant.popitem(last=False)
+        return self._write_session(sess, annotations, rows_out, why)
+
+    def flush(self, session_id: str) -> list[Path]:
+        """Write what ``session_id``'s calls recorded so far, and go on as before: the session
+        stays live, its tree in memory, so that the calls in flight and the next ones are placed
+        and committed in it as if nothing had been written (a row written now is continued by a
+        row parented to it). The calls written are no longer the journal's: a new one starts."""
+        sess = self._sessions.get(session_id)
+        if sess is None:
+            return []
+        paths = self._write_session(sess, None, None, "flush")
+        if sess.turns or sess.failed:
+            sess.turns, sess.failed = [], []
+            sess.journal_path = self.journal_dir / _journal_name(session_id)
+        return paths
+
+    def _write_session(
+        self,
+        sess: Session,
+        annotations: RowAnnotations | None,
+        rows_out: list[dict[str, Any]] | None,
+        why: str,
+    ) -> list[Path]:
+        """Write the shards of ``sess``'s calls not written yet, then remove its journal."""
+        session_id = sess.session_id
+        if not (sess.turns or sess.failed):
+            return []
+        if annotations is None:
+            annotations = self.annotations_for(session_id)
+        rows, thread_of = sess.threads.export() if sess.threads else ([], {})
         stem = sess.journal_path.stem
         paths = self._write(sess.turns, rows, thread_of, stem, annotations, rows_out)
         paths += self._write_failed(sess.failed, stem)

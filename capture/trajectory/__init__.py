@@ -44,7 +44,8 @@ Modules, one concern each: ``keys`` (message keys, digests, provenance), ``tree`
 :class:`CallNode`, :class:`Assembly`), ``state`` (a session's calls and indexes, limits),
 ``placement`` (:class:`ThreadSet`: extension, retry, claims, commit), ``rewrites`` and
 ``new_threads`` (the other two ways a request is placed), ``export`` (rows), ``kinds`` (a row's
-``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and back).
+``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and back),
+``orphans`` (a call whose tree was let go while it was in flight).
 """
 
 from __future__ import annotations
