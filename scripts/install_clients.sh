@@ -2,6 +2,7 @@
 # Installs the agent CLIs that the end-to-end tests drive, pinned, into .cache/node (git-ignored).
 #   @anthropic-ai/claude-code  -> .cache/node/node_modules/.bin/claude
 #   @google/gemini-cli         -> .cache/node/node_modules/.bin/gemini (engines: node >= 20)
+#   opencode-ai                -> .cache/node/node_modules/.bin/opencode
 # The npm package is a thin wrapper; its postinstall copies the native linux-x64 binary
 # (optional dependency @anthropic-ai/claude-code-linux-x64) over bin/claude.exe, so node
 # is needed only at install time. Its engines field asks for node >= 22; the native binary
@@ -73,3 +74,29 @@ if [ ! -f "$CODEX_MARKER" ]; then
   touch "$CODEX_MARKER"
 fi
 echo "$CODEX_BIN"
+
+#   opencode-ai  -> .cache/node/node_modules/.bin/opencode
+# Its postinstall puts the native binary of its platform optional dependency
+# (opencode-linux-x64 here) at bin/opencode.exe, so node is needed only at install time.
+# --version runs in a scratch HOME: OpenCode writes its data and config folders there.
+OPENCODE_VERSION=1.18.33
+OPENCODE_MARKER="$PREFIX/.agenttap-opencode-$OPENCODE_VERSION"
+OPENCODE_BIN="$PREFIX/node_modules/.bin/opencode"
+if [ ! -f "$OPENCODE_MARKER" ]; then
+  echo "[install_clients] installing opencode-ai@$OPENCODE_VERSION into $PREFIX" >&2
+  rm -f "$PREFIX"/.agenttap-opencode-*
+  npm install --prefix "$PREFIX" --no-audit --no-fund --save-exact --loglevel=error \
+    "opencode-ai@$OPENCODE_VERSION" >&2
+  scratch=$(mktemp -d)
+  # If npm skipped the postinstall (ignore-scripts), run it: it puts the native binary there.
+  if ! HOME="$scratch" "$OPENCODE_BIN" --version >/dev/null 2>&1; then
+    (cd "$PREFIX/node_modules/opencode-ai" && node postinstall.mjs) >&2
+  fi
+  got=$(HOME="$scratch" "$OPENCODE_BIN" --version)
+  rm -rf "$scratch"
+  if [ "$got" != "$OPENCODE_VERSION" ]; then
+    echo "[install_clients] unexpected 'opencode --version': $got" >&2; exit 1
+  fi
+  touch "$OPENCODE_MARKER"
+fi
+echo "$OPENCODE_BIN"

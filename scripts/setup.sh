@@ -69,6 +69,8 @@ fi
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
+  # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
+  bash scripts/setup_agents.sh
 fi
 # The trainer's side (capture/train: TRL, verl, the logprob check) in .venv-train, Python 3.11
 # with the CPU torch: the proxy's .venv stays torch-free.
@@ -82,7 +84,7 @@ if [ "${AGENTTAP_SKIP_PEERS:-0}" != "1" ]; then
 fi
 READY=".venv (proxy)"
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
-[ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node)"
+[ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node, .venv-agents)"
 [ "${AGENTTAP_SKIP_TRAIN:-0}" = "1" ] || READY="$READY, .venv-train (trainer)"
 [ "${AGENTTAP_SKIP_PEERS:-0}" = "1" ] || READY="$READY, .venv-peers (benchmark peers)"
 echo "[setup] done: $READY ready"

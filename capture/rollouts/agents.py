@@ -1,17 +1,21 @@
 """The real CLI agents a rollout runs headless: one place per agent for its command line and the
 flags that make it run without asking (permissions, sandbox, trust).
 
-Checked against the versions ``scripts/install_clients.sh`` pins (Claude Code 2.1.330, Codex
-0.169.0, Gemini CLI 0.61.0) by ``tests/e2e/test_rollouts.py``. Each agent runs in proxy mode:
-the session's ``env`` (capture/control/api.py ``Endpoints.env``) carries the proxy, the CA under
-every name these CLIs read it from, and its session's secret as the keys; each gets a fresh
-``HOME`` so no earlier run's configuration or history leaks in, and runs in the rollout's
-bubblewrap sandbox (capture/rollouts/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR``
-writable), which is why the CLIs' own permission prompts and sandboxes are switched off here.
+Checked against the versions the setup scripts pin (Claude Code 2.1.330, Codex 0.169.0, Gemini
+CLI 0.61.0, OpenCode 1.18.33 in ``scripts/install_clients.sh``; mini-swe-agent 2.4.6 in
+``scripts/setup_agents.sh``) by ``tests/e2e/test_rollouts.py`` and
+``tests/e2e/test_rollouts_scaffolds.py``. Each agent runs in proxy mode: the session's ``env``
+(capture/control/endpoints.py ``Endpoints.env``) carries the proxy, the CA under every name
+these CLIs read it from, and its session's secret as the keys; each gets a fresh ``HOME`` (what
+an agent needs in it before it starts is written by ``prepare_home``) so no earlier run's
+configuration or history leaks in, and runs in the rollout's bubblewrap sandbox
+(capture/rollouts/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR`` writable), which
+is why the CLIs' own permission prompts and sandboxes are switched off here.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Where scripts/install_clients.sh puts the pinned CLIs; else they are looked up on PATH.
 PINNED_BIN = REPO / ".cache" / "node" / "node_modules" / ".bin"
+# Where scripts/setup_agents.sh puts the pinned Python scaffolds (a venv apart from the proxy's).
+AGENTS_VENV_BIN = REPO / ".venv-agents" / "bin"
 
 
 @dataclass(frozen=True)
@@ -32,24 +38,47 @@ class Agent:
     args: Callable[[str], list[str]]
     # Environment the agent needs beyond the session's (switches for headless runs).
     env: dict[str, str] = field(default_factory=dict)
+    # Files written into the run's fresh HOME before it starts: path relative to HOME -> text.
+    home_files: dict[str, str] = field(default_factory=dict)
+    # Where its pinned install puts the binary, and the script that installs it there.
+    pinned: Path = PINNED_BIN
+    installer: str = "scripts/install_clients.sh"
 
     def command(self, prompt: str) -> list[str]:
-        return [resolve(self.binary), *self.args(prompt)]
+        return [resolve(self.binary, self.pinned, self.installer), *self.args(prompt)]
+
+    def prepare(self, home: Path) -> None:
+        """Write the agent's configuration into ``home`` (the run's fresh HOME)."""
+        for relative, text in self.home_files.items():
+            path = home / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
 
 
-def resolve(binary: str) -> str:
+def resolve(
+    binary: str, pinned_bin: Path = PINNED_BIN, installer: str = "scripts/install_clients.sh"
+) -> str:
     """The pinned copy of ``binary`` if installed, else the one on PATH; a clear error if
     neither exists."""
-    pinned = PINNED_BIN / binary
+    pinned = pinned_bin / binary
     if pinned.exists():
         return str(pinned)
     found = shutil.which(binary)
     if found is None:
         raise FileNotFoundError(
-            f"agent CLI {binary!r} is not installed: run scripts/install_clients.sh (puts it in "
-            f"{PINNED_BIN}) or put it on PATH"
+            f"agent CLI {binary!r} is not installed: run {installer} (puts it in "
+            f"{pinned_bin}) or put it on PATH"
         )
     return found
+
+
+# OpenCode's global config (~/.config/opencode/opencode.json): no update check or install, no
+# share links; its permission prompts are answered by --auto.
+OPENCODE_CONFIG = {
+    "$schema": "https://opencode.ai/config.json",
+    "autoupdate": False,
+    "share": "disabled",
+}
 
 
 AGENTS: dict[str, Agent] = {
@@ -83,7 +112,68 @@ AGENTS: dict[str, Agent] = {
         lambda prompt: ["-p", prompt, "--yolo"],
         {"GEMINI_CLI_TRUST_WORKSPACE": "true"},
     ),
+    # run: one message, then exit; --auto approves every permission not denied; --format json
+    # prints its events as JSON lines (agent.log). The anthropic provider (Messages API); the
+    # proxy answers any model name from the policy. The switches keep it from reaching for the
+    # network at start (model list, default plugins from npm, LSP servers, updates): a
+    # rollout's sandbox reaches only the policy.
+    "opencode": Agent(
+        "opencode",
+        "opencode",
+        lambda prompt: [
+            "run",
+            "--format",
+            "json",
+            "--auto",
+            "-m",
+            "anthropic/claude-sonnet-4-5",
+            prompt,
+        ],  # fmt: skip
+        {
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_SHARE": "1",
+        },
+        {".config/opencode/opencode.json": json.dumps(OPENCODE_CONFIG, indent=2) + "\n"},
+    ),
+    # mini: its default tool-calling config (mini.yaml: one bash tool), LiteLLM's OpenAI route
+    # (Chat Completions); -y runs each command without confirmation, --exit-immediately ends
+    # when the agent submits, -l 0 lifts its cost limit (the session's limits bound a run).
+    # MSWEA_CONFIGURED skips its first-run setup prompt; LiteLLM reads its model cost map from
+    # its own copy (no fetch from GitHub) and an unknown model's cost is not an error.
+    "mini-swe-agent": Agent(
+        "mini-swe-agent",
+        "mini",
+        lambda prompt: [
+            "-m",
+            "openai/gpt-4o",
+            "-t",
+            prompt,
+            "-y",
+            "--exit-immediately",
+            "-l",
+            "0",
+            "-c",
+            "mini.yaml",
+        ],  # fmt: skip
+        {
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        },
+        pinned=AGENTS_VENV_BIN,
+        installer="scripts/setup_agents.sh",
+    ),
 }
+
+
+def prepare_home(spec: object, home: Path) -> None:
+    """Write what a rollout's ``agent`` needs in its fresh ``home`` before it starts (nothing
+    for a ``{"command": [...]}`` agent)."""
+    if isinstance(spec, str) and spec in AGENTS:
+        AGENTS[spec].prepare(home)
 
 
 def agent_command(spec: object, prompt: str) -> tuple[list[str], dict[str, str]]:

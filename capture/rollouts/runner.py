@@ -38,6 +38,7 @@ from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.ports import RolloutHost
+from capture.rollouts.agents import prepare_home
 from capture.rollouts.limits import (
     MIB,
     DiskQuota,
@@ -394,6 +395,7 @@ class Rollouts:
             work.mkdir()
         for folder in (home, home / ".codex", tmp):
             folder.mkdir()
+        await asyncio.to_thread(prepare_home, spec.agent, home)  # its config, into its HOME
         if rollout.bwrap is not None:
             await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
         # Built whole, never from os.environ: the proxy's environment may hold the token.
