@@ -153,7 +153,12 @@ def announce_start(gateway: Gateway, hosts: frozenset[str]) -> None:
     # The line a shell sources, on stdout without the log's prefix (whoever started
     # mitmdump holds its stdout: a terminal, the launcher's private log).
     print(
-        export_line(endpoints.api_url, gateway.api_token, str(config.tokenizer_path)),
+        export_line(
+            endpoints.api_url,
+            gateway.api_token,
+            str(config.tokenizer_path),
+            ",".join(config.policy_urls),
+        ),
         flush=True,
     )
 

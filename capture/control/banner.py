@@ -65,9 +65,13 @@ def ready_line(proxy_url: str, hosts: Iterable[str], policy_urls: Iterable[str])
     )
 
 
-def export_line(api_url: str, token: str, tokenizer: str) -> str:
+def export_line(api_url: str, token: str, tokenizer: str, policy_url: str = "") -> str:
     """One line a shell sources as printed (``eval "$(... | grep '^export AGENTTAP_')"``, or
-    copied): the control API, its token and the policy's tokenizer. Printed to standard output
-    alone, without the log's timestamp, and never into a file of agenttap's."""
+    copied): the control API, its token, the policy's tokenizer and, given, the policy's URL
+    (``POLICY_URL``: what a trainer's own ``AgentTap.start`` or weight check points at; the
+    embedded policy's is a unix socket no one could guess). Printed to standard output alone,
+    without the log's timestamp, and never into a file of agenttap's."""
     values = {"AGENTTAP_API": api_url, "AGENTTAP_TOKEN": token, "AGENTTAP_TOKENIZER": tokenizer}
+    if policy_url:
+        values["POLICY_URL"] = policy_url
     return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in values.items())

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import urllib.error
+import urllib.parse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rewriter.policy_url import is_unix, urlopen
@@ -30,6 +32,34 @@ logger = logging.getLogger(__name__)
 # Text whose ids tell tokenizers apart: special tokens, accents, CJK, JSON, whitespace runs.
 PROBE = '<|im_start|>user\nnaïve 日本 {"k": [1, 2]}\n\n  tabs\tand <think>x</think><|im_end|>'
 SKIP_HINT = "or --set agenttap_check_policy=false to start anyway"
+
+
+@dataclass(frozen=True)
+class Flags:
+    """How the user named what the check reads: mitmdump's options, or scripts/run_proxy.sh's
+    flags (``python -m capture.startup``), so an error names what the user typed."""
+
+    policy_url: str = "--set agenttap_policy_url"
+    tokenizer: str = "--set agenttap_tokenizer"
+    skip: str = SKIP_HINT
+
+
+RUN_PROXY_FLAGS = Flags(
+    "--policy-url",
+    "--tokenizer",
+    "or pass -- --set agenttap_check_policy=false to start anyway",
+)
+
+
+def _suffix_hint(url: str) -> str:
+    """A hint where the URL names an API path: agenttap wants the server's root."""
+    if is_unix(url):
+        return ""
+    path = urllib.parse.urlsplit(url).path.rstrip("/")
+    if path.endswith(("/v1", "/v1/models", "/v1/chat/completions")) or path == "/v1":
+        root = url[: url.index(path)] if path else url
+        return f" Give the server's root without {path}, e.g. {root}: agenttap adds /v1 itself."
+    return ""
 
 
 def _get(url: str, path: str, timeout: float, body: Any = None) -> Any:
@@ -114,7 +144,9 @@ def _differs(ours: list[int], served: list[int]) -> str:
     )
 
 
-def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str | None:
+def check_policy(
+    url: str, template: ChatTemplate, timeout: float = 10.0, flags: Flags = Flags()
+) -> str | None:
     """Why the policy server at ``url`` cannot be used with ``template``'s tokenizer, or None
     when it can: it must answer, serve a model, tokenize a probe text holding every special
     token of ours into the same ids (POST /tokenize), and decode ids spread over our whole
@@ -127,15 +159,16 @@ def check_policy(url: str, template: ChatTemplate, timeout: float = 10.0) -> str
         reason = getattr(exc, "reason", exc)
         return (
             f"agenttap: the policy server at {url} does not answer ({reason}). Start it first "
-            f"(it must serve vLLM's OpenAI API), fix --set agenttap_policy_url, {SKIP_HINT}."
+            f"(it must serve vLLM's OpenAI API), fix {flags.policy_url}, {flags.skip}."
+            f"{_suffix_hint(url)}"
         )
     except (KeyError, IndexError, TypeError):
         return (
             f"agenttap: the policy server at {url} answers GET /v1/models with no model: is "
-            f"it a vLLM server? Fix --set agenttap_policy_url, {SKIP_HINT}."
+            f"it a vLLM server? Fix {flags.policy_url}, {flags.skip}.{_suffix_hint(url)}"
         )
     mismatch = (
-        f"agenttap: the tokenizer given (--set agenttap_tokenizer) does not match the model "
+        f"agenttap: the tokenizer given ({flags.tokenizer}) does not match the model "
         f"{model!r} served at {url}:"
     )
     fix = f"Give the folder of the served model's tokenizer, {SKIP_HINT}."
@@ -219,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agenttap: {exc}", file=sys.stderr)
         return 1
     for url in urls:
-        problem = check_policy(url, template)
+        problem = check_policy(url, template, flags=RUN_PROXY_FLAGS)
         if problem:
             print(problem, file=sys.stderr)
             return 1

@@ -480,13 +480,19 @@ def test_the_banner_prints_one_line_a_shell_sources(tap: AgentTap) -> None:
     ]
     assert len(lines) == 1, lines
     shown = subprocess.run(
-        ["bash", "-c", f'{lines[0]}; echo "$AGENTTAP_API $AGENTTAP_TOKEN $AGENTTAP_TOKENIZER"'],
+        [
+            "bash",
+            "-c",
+            f'{lines[0]}; echo "$AGENTTAP_API $AGENTTAP_TOKEN $AGENTTAP_TOKENIZER $POLICY_URL"',
+        ],
         capture_output=True,
         text=True,
         check=True,
         env={"PATH": os.environ["PATH"]},
     ).stdout.split()
-    assert shown == [tap.api_url, tap.token, str(QWEN3.resolve())]
+    # POLICY_URL too: what the proxy answers from (a trainer's weight check points there).
+    assert shown[:3] == [tap.api_url, tap.token, str(QWEN3.resolve())]
+    assert len(shown) == 4 and shown[3].startswith(("http://", "unix:")), shown
 
 
 def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:

@@ -35,7 +35,7 @@ BLOCKS = [
 # Variables the pages export, beyond a session's env: each is read by a client the tests drive.
 CLIENT_VARIABLES = {"CODEX_HOME", "GEMINI_CLI_TRUST_WORKSPACE"}
 # The line the banner prints for a shell to source (export AGENTTAP_API=... AGENTTAP_TOKEN=...).
-BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k"))[1:]}
+BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k", "p"))[1:]}
 # Agent CLIs the README runs, and the end-to-end test that runs each the same way.
 CLI_TESTS = {
     "claude": "tests/e2e/test_claude_code.py",
