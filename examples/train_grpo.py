@@ -1,6 +1,6 @@
 """GRPO on a CPU with TRL, from agenttap rollouts of a real agent, new weights pushed every step.
 
-    scripts/setup.sh && scripts/setup_train.sh      # .venv, .venv-vllm, Claude Code; .venv-train
+    scripts/setup.sh                                 # .venv, .venv-vllm, Claude Code, .venv-train
     .venv-train/bin/python examples/train_grpo.py    # Claude Code, 10 steps, a few minutes
     .venv-train/bin/python examples/train_grpo.py --agent-command "python3 my_agent.py"
 
@@ -163,7 +163,11 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         folder = self.weights / f"step-{state.global_step}"
         pushed = time.monotonic()
         model.save_pretrained(folder)
-        self.tap.update_weights(folder, f"step-{state.global_step}")
+        # With the model in memory, every policy server is checked against its own logprobs.
+        tokenizer = kwargs.get("processing_class")
+        self.tap.update_weights(
+            folder, f"step-{state.global_step}", model=model, tokenizer=tokenizer
+        )
         push_s = time.monotonic() - pushed
         if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
             for old in self.weights.glob("step-*"):
@@ -279,7 +283,11 @@ def main() -> None:
             )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             cpu_friendly(model)  # Claude Code's 12.8k-token rows on a CPU: see its docstring
-            with tqdm(total=args.steps, desc="GRPO", unit="step", file=sys.stdout) as bar:
+            # The bar only on a terminal: into a file its redraws would share lines with the steps'.
+            with tqdm(
+                total=args.steps, desc="GRPO", unit="step", file=sys.stdout,
+                disable=not sys.stdout.isatty(),
+            ) as bar:  # fmt: skip
                 report = StepReport(tap, rollouts, weights, args.keep_weights, bar)
                 trainer = GRPOTrainer(
                     model=model, processing_class=tokenizer, reward_funcs=[agenttap_reward],
