@@ -113,22 +113,17 @@ AGENTS: dict[str, Agent] = {
         {"GEMINI_CLI_TRUST_WORKSPACE": "true"},
     ),
     # run: one message, then exit; --auto approves every permission not denied; --format json
-    # prints its events as JSON lines (agent.log). The anthropic provider (Messages API); the
-    # proxy answers any model name from the policy. The switches keep it from reaching for the
-    # network at start (model list, default plugins from npm, LSP servers, updates): a
-    # rollout's sandbox reaches only the policy.
+    # prints its events as JSON lines (agent.log); after --, a prompt starting with - is text.
+    # The anthropic provider (Messages API); the proxy answers any model name from the policy.
+    # The switches keep it from reaching for the network at start (model list, default plugins
+    # from npm, LSP servers, updates): a rollout's sandbox reaches only the policy.
     "opencode": Agent(
         "opencode",
         "opencode",
         lambda prompt: [
-            "run",
-            "--format",
-            "json",
-            "--auto",
-            "-m",
-            "anthropic/claude-sonnet-4-5",
-            prompt,
-        ],  # fmt: skip
+            *("run", "--format", "json", "--auto", "-m", "anthropic/claude-sonnet-4-5"),
+            *("--", prompt),
+        ],
         {
             "OPENCODE_DISABLE_AUTOUPDATE": "1",
             "OPENCODE_DISABLE_MODELS_FETCH": "1",
@@ -139,25 +134,18 @@ AGENTS: dict[str, Agent] = {
         {".config/opencode/opencode.json": json.dumps(OPENCODE_CONFIG, indent=2) + "\n"},
     ),
     # mini: its default tool-calling config (mini.yaml: one bash tool), LiteLLM's OpenAI route
-    # (Chat Completions); -y runs each command without confirmation, --exit-immediately ends
-    # when the agent submits, -l 0 lifts its cost limit (the session's limits bound a run).
-    # MSWEA_CONFIGURED skips its first-run setup prompt; LiteLLM reads its model cost map from
-    # its own copy (no fetch from GitHub) and an unknown model's cost is not an error.
+    # (Chat Completions); --task=PROMPT keeps a prompt starting with - the task; -y runs each
+    # command without confirmation, --exit-immediately ends when the agent submits, -l 0 lifts
+    # its cost limit (the session's limits bound a run). MSWEA_CONFIGURED skips its first-run
+    # setup prompt; LiteLLM reads its model cost map from its own copy (no fetch from GitHub)
+    # and an unknown model's cost is not an error.
     "mini-swe-agent": Agent(
         "mini-swe-agent",
         "mini",
         lambda prompt: [
-            "-m",
-            "openai/gpt-4o",
-            "-t",
-            prompt,
-            "-y",
-            "--exit-immediately",
-            "-l",
-            "0",
-            "-c",
-            "mini.yaml",
-        ],  # fmt: skip
+            *("-m", "openai/gpt-4o", f"--task={prompt}", "-y", "--exit-immediately"),
+            *("-l", "0", "-c", "mini.yaml"),
+        ],
         {
             "MSWEA_CONFIGURED": "true",
             "MSWEA_COST_TRACKING": "ignore_errors",

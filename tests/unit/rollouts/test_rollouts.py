@@ -27,7 +27,7 @@ def test_each_cli_runs_headless_with_its_switches() -> None:
         ["python", "agent.py", "task"],
         {},
     )
-    assert set(AGENTS) == {"claude-code", "codex", "gemini"}
+    assert set(AGENTS) == {"claude-code", "codex", "gemini", "opencode", "mini-swe-agent"}
 
 
 @pytest.mark.parametrize(
