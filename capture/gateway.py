@@ -15,6 +15,7 @@ Nothing here knows about mitmproxy or any one provider.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -58,6 +59,9 @@ from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError
 
 logger = logging.getLogger(__name__)
+
+# Windows in which a policy server served weights nobody pushed (see _note_weights_changed).
+WEIGHTS_UNVERIFIED_FILE = "weights_unverified.jsonl"
 
 TOKEN_HEADER = "X-Agenttap-Token"
 HOST_HEADER = "X-Agenttap-Host"
@@ -217,9 +221,23 @@ class Gateway:
         if replica is not None:
             self.metrics.weights_unverified.labels(url).set(1 if replica.unverified else 0)
 
-    def _note_weights_changed(self, url: str, diff: float) -> None:
+    def _note_weights_changed(
+        self, url: str, diff: float, window: tuple[str, float, float, str]
+    ) -> None:
+        """A replica served weights nobody pushed: counted, and the window written to
+        ``OUT/weights_unverified.jsonl`` (one line per window: backend, since, found, reason,
+        max_diff), so that the rows a backend sampled in it can be marked weights_unverified
+        (a turn's ``backend`` and its time inside the window)."""
         self.metrics.weights_changed.labels(url).inc()
         self.metrics.weights_unverified.labels(url).set(1)
+        backend, since, found, reason = window
+        line = {"backend": backend, "since": since, "found": found, "reason": reason}
+        line["max_diff"] = diff
+        try:
+            with open(self.config.out_dir / WEIGHTS_UNVERIFIED_FILE, "a") as out:
+                out.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            logger.error("agenttap: could not record the unverified window (%s): %s", line, exc)
 
     async def flush(self, session_id: str | None = None) -> list[Path]:
         """Write a session's shards now (all sessions: None). The session may go on: its next

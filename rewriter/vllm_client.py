@@ -17,6 +17,7 @@ text of a resumed generation): ``rewriter/vllm_stream.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -133,6 +134,8 @@ class VLLMClient:
         # Whether the server has agenttap's exact reload (rewriter/vllm_worker.py): None
         # until the first weight update asks.
         self.exact_reload: bool | None = None
+        # The deadlines generations wait under here (``abandon`` ends them early).
+        self._bounds: set[asyncio.Timeout] = set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -221,6 +224,27 @@ class VLLMClient:
             f"the policy server at {self.base_url} did not answer in time{why}; "
             "option agenttap_policy_timeout"
         )
+
+    @contextlib.asynccontextmanager
+    async def _bounded(self, deadline: float | None) -> AsyncIterator[None]:
+        """``asyncio.timeout_at(deadline)`` for a generation's wait on this server, which
+        ``abandon`` can make expire at once."""
+        async with asyncio.timeout_at(deadline) as bound:
+            self._bounds.add(bound)
+            try:
+                yield
+            finally:
+                self._bounds.discard(bound)
+
+    def abandon(self) -> int:
+        """Every generation waiting on this server now fails as stalled (retryable: with a
+        failover it goes on on another server from its tokens so far): the server was found
+        paused or asleep, where it would wait for the policy timeout. How many were waiting."""
+        now = asyncio.get_running_loop().time()
+        bounds = list(self._bounds)
+        for bound in bounds:
+            bound.reschedule(now)
+        return len(bounds)
 
     def _deadline(self) -> float | None:
         """When a generation that makes no progress from now on fails (None: never)."""
@@ -433,7 +457,7 @@ class VLLMClient:
         # A whole answer's tokens all come at once: the body must be in within the timeout
         # (a server trickling whitespace into it makes no progress).
         try:
-            async with asyncio.timeout_at(self._deadline()):
+            async with self._bounded(self._deadline()):
                 resp = await self._post(path, body)
                 async with resp:
                     raw = await resp.read()
@@ -462,7 +486,7 @@ class VLLMClient:
         parse = generate_delta if path == GENERATE_PATH else completions_delta
         deadline = self._deadline()
         try:
-            async with asyncio.timeout_at(deadline):
+            async with self._bounded(deadline):
                 resp = await self._post(path, body)
         except TimeoutError as exc:
             raise self._stalled() from exc
@@ -473,7 +497,7 @@ class VLLMClient:
                 try:
                     # Bounded per read, never across a yield: the caller's own awaits (writing
                     # to a slow client) are not the policy's time.
-                    async with asyncio.timeout_at(deadline):
+                    async with self._bounded(deadline):
                         data = await resp.content.readany()
                 except TimeoutError as exc:  # ours, or the connection's read timeout
                     raise self._stalled() from exc

@@ -457,7 +457,14 @@ class StubPolicy:
         self._loop.call_soon_threadsafe(self._wake)
 
     async def _is_paused(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": self.paused})
+        # As vLLM: sleeping pauses the scheduler too.
+        return web.json_response({"is_paused": self.paused or self.sleeping})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """vLLM's sleep-state gauge (vLLM's /metrics has it; the rest is left out)."""
+        labels = f'engine="0",model_name="{self.model_name}",sleep_state="awake"'
+        awake = 0.0 if self.sleeping else 1.0
+        return web.Response(text=f"vllm:engine_sleep_state{{{labels}}} {awake}\n")
 
     async def _sleep(self, request: web.Request) -> web.Response:
         self.sleeping = True
@@ -469,7 +476,8 @@ class StubPolicy:
         return web.Response(status=200)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": self.sleeping})
+        # As vLLM: true while paused as well (its engine's is_sleeping is paused or asleep).
+        return web.json_response({"is_sleeping": self.sleeping or self.paused})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         """vLLM's reload (``reload_weights``) and agenttap's worker extension's
@@ -515,6 +523,7 @@ class StubPolicy:
                 app.router.add_post("/sleep", self._sleep)
                 app.router.add_post("/wake_up", self._wake_up)
                 app.router.add_get("/is_sleeping", self._is_sleeping)
+                app.router.add_get("/metrics", self._metrics)
                 app.router.add_post("/collective_rpc", self._collective_rpc)
                 app.router.add_post("/reset_prefix_cache", self._ok)
                 app.router.add_post("/update_weight_version", self._ok)

@@ -318,19 +318,53 @@ class AgentTap:
         return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]
 
     # -- weights: a trainer's new weights, served by every policy replica ---------------------
-    def update_weights(self, path: str | os.PathLike[str], version: str) -> dict[str, Any]:
+    def update_weights(
+        self,
+        path: str | os.PathLike[str],
+        version: str,
+        probe: dict[str, Any] | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> dict[str, Any]:
         """Make every policy replica serve the weights ``path`` holds (a folder
         ``save_pretrained`` wrote, readable by the policy servers) under the label ``version``;
-        returns ``{"version", "replicas": [...]}`` once all serve them. Calls in flight are
-        paused and go on under the new weights: their rows say which tokens each version
-        sampled (``weight_versions``)."""
-        body = {"path": str(Path(path).resolve()), "version": str(version)}
+        returns ``{"version", "replicas": [...], "checked"}`` once all serve them. Calls in
+        flight are paused and go on under the new weights: their rows say which tokens each
+        version sampled (``weight_versions``).
+
+        ``model`` (the trainer's model in memory, with its ``tokenizer``): a probe is computed
+        from it (capture.train.probe, torch) and each replica's logprobs for it must be within
+        agenttap_weights_tolerance, or ``probe`` given as ``{"ids", "logprobs"}``. A replica
+        past it stays out of rotation and this raises AgentTapError (502) naming it and the
+        difference."""
+        body: dict[str, Any] = {"path": str(Path(path).resolve()), "version": str(version)}
+        if probe is None and model is not None:
+            from capture.train.probe import weights_probe
+
+            probe = weights_probe(model, tokenizer)
+        if probe is not None:
+            body["probe"] = probe
         return self.client.request("POST", "/policy/weights", body, timeout=None)[0]
 
-    def set_weight_version(self, version: str) -> dict[str, Any]:
+    def set_weight_version(
+        self,
+        version: str,
+        probe: dict[str, Any] | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> dict[str, Any]:
         """Tell agenttap the trainer pushed weights labelled ``version`` to the policy servers
-        itself: calls from now on are recorded as sampled by them."""
-        return self.client.post("/policy/version", {"version": str(version)})
+        itself (verl's own weight sync): calls from now on are recorded as sampled by them.
+        With ``model`` (or a ``probe``), each server's logprobs are checked against the
+        trainer's, as in ``update_weights``."""
+        body: dict[str, Any] = {"version": str(version)}
+        if probe is None and model is not None:
+            from capture.train.probe import weights_probe
+
+            probe = weights_probe(model, tokenizer)
+        if probe is not None:
+            body["probe"] = probe
+        return self.client.request("POST", "/policy/version", body, timeout=None)[0]
 
     def ready(self) -> bool:
         try:

@@ -6,8 +6,8 @@
   replica's logprobs for it must be within agenttap_weights_tolerance: one past it is out of
   rotation and the route answers 502 naming it and the difference. Without one, the answer
   says nothing was checked (``"checked": false``)
-- ``POST /policy/version`` ``{"version": "V"}``: the trainer pushed weights to vLLM itself; calls
-  from now on are labelled V
+- ``POST /policy/version`` ``{"version": "V", "probe"?}``: the trainer pushed weights to vLLM
+  itself; calls from now on are labelled V (with a probe, each replica checked as above)
 - ``GET /policy/version``: the current label, how many updates came before it, the last ones
 """
 
@@ -65,12 +65,20 @@ class PolicyRoutes:
 
     async def set_version(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        reject_unknown(body, ("version",))
+        reject_unknown(body, ("version", "probe"))
         version = check_version(body.get("version"))
+        probe = check_probe(body.get("probe"))
         policies = self.gateway.policies
         assert policies.default is not None and policies.http is not None
-        outcomes = await policies.weights.set_version(policies.http, policies.default, version)
-        return web.json_response({"version": version, "replicas": outcomes})
+        try:
+            outcomes = await policies.weights.set_version(
+                policies.http, policies.default, version, probe
+            )
+        except WeightUpdateError as exc:
+            return error(502, f"agenttap: {exc}", extra={"replicas": exc.replicas, "checked": True})
+        return web.json_response(
+            {"version": version, "replicas": outcomes, "checked": probe is not None}
+        )
 
     async def get_version(self, request: web.Request) -> web.Response:
         return web.json_response(self.gateway.policies.weights.history.summary())

@@ -31,6 +31,9 @@ MAX_MODELS_PER_SESSION = 32
 MAX_SESSIONS_WITH_MODELS = 10_000
 # Windows of weights nobody verified that are remembered (the oldest forgotten first).
 MAX_UNVERIFIED_WINDOWS = 1024
+# (backend, since, found, why): generations that backend ran between since and found (epoch
+# seconds) ran on weights that were not the ones agenttap verified.
+UnverifiedWindow = tuple[str, float, float, str]
 
 
 def policy_failure(client: VLLMClient, exc: BaseException) -> PolicyError:
@@ -77,12 +80,14 @@ class PolicyPools:
         self.weights_tolerance = weights_tolerance
         self.weights_check_s = weights_check_s
         self._weights_check: asyncio.Task[None] | None = None
-        # Told (url, how far its answers moved) when a replica's weights changed without an
-        # update (the gateway's log line and metric).
-        self.on_weights_changed: Callable[[str, float], None] = lambda _url, _diff: None
+        # Told (url, how far its answers moved, the window) when a replica's weights changed
+        # without an update (the gateway's metric and OUT/weights_unverified.jsonl).
+        self.on_weights_changed: Callable[[str, float, UnverifiedWindow], None] = (
+            lambda _url, _diff, _window: None
+        )
         # Replicas whose weights changed without an update: (url, since, found, reason); a
         # generation that ran there between since and found ran on weights nobody verified.
-        self.unverified_windows: list[tuple[str, float, float, str]] = []
+        self.unverified_windows: list[UnverifiedWindow] = []
         # One replica set per pool: agenttap_policy_url's (the default), then model_map's.
         self.default: ReplicaSet | None = None
         self._mapped: list[tuple[str, ReplicaSet]] = []
@@ -113,7 +118,8 @@ class PolicyPools:
     def _weights_changed(self, replica: Replica, diff: float) -> None:
         found = time.time()
         since = replica.verified_at or replica.fingerprint_at
-        self.unverified_windows.append((replica.url, since, found, replica.unverified))
+        window = (replica.url, since, found, replica.unverified)
+        self.unverified_windows.append(window)
         del self.unverified_windows[:-MAX_UNVERIFIED_WINDOWS]
         logger.error(
             "agenttap: policy server %s left rotation: %s. Generations it ran since %s are "
@@ -122,7 +128,7 @@ class PolicyPools:
             replica.unverified,
             time.strftime("%H:%M:%S", time.localtime(since)),
         )
-        self.on_weights_changed(replica.url, diff)
+        self.on_weights_changed(replica.url, diff, window)
 
     def weights_unverified(self, backend: str, started_at: float, ended_at: float) -> bool:
         """Whether a generation ``backend`` ran from ``started_at`` to ``ended_at`` (epoch

@@ -282,9 +282,10 @@ class ReplicaSet:
     ) -> Replica | None:
         """``failed`` broke mid-generation: mark it unhealthy, move the session to another
         healthy replica and hand over the generation's slot. None: no other replica."""
+        if failed.healthy:  # else its check said why already (paused, sleeping)
+            failed.last_error = str(error)
         failed.healthy = False
         failed.failovers += 1
-        failed.last_error = str(error)
         # Replicas loading a weight update rejoin once it is checked: wait for that rather
         # than give up (the update that took ``failed`` out loads them too).
         holds = [
@@ -320,6 +321,13 @@ class ReplicaSet:
         if replica.loading:
             return replica.healthy
         client = replica.client
+        if not replica.healthy and replica.down in (PAUSED, SLEEPING):
+            # Still paused or asleep: asked without sending a generation it would hold.
+            down = await self.why_down(replica)
+            if down != FAILING:
+                replica.down = down
+                replica.last_checked = time.time()
+                return False
         answers: list[float | None] | None = None
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
@@ -336,7 +344,19 @@ class ReplicaSet:
         replica.last_checked = time.time()
         if not ok:
             replica.down = await self.why_down(replica)
-            why = f"{replica.down}: {why}" if replica.down != FAILING else why
+            if replica.down != FAILING:
+                why = f"{replica.down}: {why}"
+                # Its generations would wait there for the policy timeout: they go on on
+                # another replica now. agenttap resumes only what it paused itself.
+                moved = client.abandon()
+                if moved:
+                    logger.warning(
+                        "agenttap: policy server %s is %s; its %d generation(s) move to "
+                        "another server",
+                        replica.url,
+                        replica.down,
+                        moved,
+                    )
         if ok != replica.healthy or (not ok and why != replica.last_error):
             if ok:
                 logger.info("agenttap: policy server %s is healthy again", replica.url)
@@ -350,21 +370,37 @@ class ReplicaSet:
         return ok
 
     async def why_down(self, replica: Replica) -> str:
-        """Why a replica's generation did not complete, as vLLM's dev-mode routes tell it
-        (``GET /is_paused``, ``GET /is_sleeping``): paused, sleeping, else failing."""
-        client = replica.client
-        for path, key, state in (
-            ("/is_sleeping", "is_sleeping", SLEEPING),
-            ("/is_paused", "is_paused", PAUSED),
-        ):
-            try:
-                async with asyncio.timeout(HEALTH_TIMEOUT_S / 3):
-                    async with client.session.get(client.url(path)) as resp:
-                        if resp.status == 200 and (await resp.json()).get(key) is True:
-                            return state
-            except Exception:  # noqa: S112 (no such route, no answer: not this state)
-                continue
+        """Why a replica's generation did not complete, as vLLM's dev-mode routes tell it:
+        ``GET /is_paused`` true is paused, or sleeping where its metrics say the engine is not
+        awake (``vllm:engine_sleep_state{sleep_state="awake"} 0``: vLLM's sleep pauses the
+        scheduler too, and its ``/is_sleeping`` is true while merely paused); else failing."""
+        if await self._dev_flag(replica, "/is_paused", "is_paused"):
+            return SLEEPING if await self._asleep(replica) else PAUSED
+        if await self._dev_flag(replica, "/is_sleeping", "is_sleeping"):
+            return SLEEPING
         return FAILING
+
+    async def _dev_flag(self, replica: Replica, path: str, key: str) -> bool:
+        client = replica.client
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S / 3):
+                async with client.session.get(client.url(path)) as resp:
+                    return resp.status == 200 and (await resp.json()).get(key) is True
+        except Exception:  # no such route (not in dev mode), no answer: not known to be so
+            return False
+
+    async def _asleep(self, replica: Replica) -> bool:
+        client = replica.client
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S / 3):
+                async with client.session.get(client.url("/metrics")) as resp:
+                    text = await resp.text() if resp.status == 200 else ""
+        except Exception:  # no metrics: paused is all that is known
+            return False
+        for line in text.splitlines():
+            if line.startswith("vllm:engine_sleep_state{") and 'sleep_state="awake"' in line:
+                return line.rsplit(" ", 1)[-1].strip() in ("0", "0.0")
+        return False
 
     def compare_fingerprint(self, replica: Replica, answers: list[float | None]) -> bool:
         """Whether ``answers`` (the replica's prompt logprobs for its fingerprint sequence, now)

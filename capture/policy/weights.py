@@ -381,19 +381,43 @@ class PolicyWeights:
             return list(outcomes)
 
     async def set_version(
-        self, http: aiohttp.ClientSession | None, replicas: ReplicaSet, version: str
+        self,
+        http: aiohttp.ClientSession | None,
+        replicas: ReplicaSet,
+        version: str,
+        probe: Probe | None = None,
     ) -> list[dict[str, Any]]:
-        """A trainer pushed weights to the servers itself: calls from now on are labelled
-        ``version``. vLLM's own label is set too where it has the route (best effort; through
-        each replica's client, as in ``update``)."""
+        """A trainer pushed weights to the servers itself (verl's own sync, NCCL): calls from
+        now on are labelled ``version``. vLLM's own label is set too where it has the route
+        (best effort; through each replica's client, as in ``update``). With ``probe`` each
+        replica is checked as after an update (WeightUpdateError: one is past the
+        tolerance, out of rotation); either way each is fingerprinted anew, so that the
+        trainer's own push is not taken for weights nobody pushed."""
         async with self._lock:
             outcomes: list[dict[str, Any]] = []
-            for replica in replicas.replicas.values():
+            if probe is not None:
+                replicas.fingerprint_ids = list(probe.ids)
+            for replica in list(replicas.replicas.values()):
                 replica.client.weight_version = version
                 try:
                     await _post(replica.client, "/update_weight_version", {"new_version": version})
-                    outcomes.append({"url": replica.url, "version": version, "vllm_label": True})
+                    labelled = True
                 except RuntimeError:
-                    outcomes.append({"url": replica.url, "version": version, "vllm_label": False})
+                    labelled = False
+                outcome: dict[str, Any] = {
+                    "url": replica.url,
+                    "version": version,
+                    "vllm_label": labelled,
+                    "ok": True,
+                }
+                await _verify(replicas, replica, probe, outcome)
+                outcomes.append(outcome)
             self.history.add(version)
+            failed = [o for o in outcomes if not o["ok"]]
+            if failed:
+                raise WeightUpdateError(
+                    f"{len(failed)} of {len(outcomes)} policy servers do not serve the "
+                    f"trainer's weights {version!r} ({failed[0]['url']}: {failed[0]['error']})",
+                    outcomes,
+                )
             return outcomes

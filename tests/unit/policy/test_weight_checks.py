@@ -170,7 +170,7 @@ async def test_weights_swapped_behind_agenttaps_back_are_found_by_the_next_check
 ) -> None:
     changed: list[tuple[str, float]] = []
     pools = pools_of(stubs)
-    pools.on_weights_changed = lambda url, diff: changed.append((url, diff))
+    pools.on_weights_changed = lambda url, diff, _window: changed.append((url, diff))
     assert pools.default is not None
     try:
         assert await pools.check_health() == {s.url: True for s in stubs}  # the fingerprint
@@ -208,12 +208,24 @@ async def test_a_paused_or_sleeping_server_is_unhealthy_and_no_call_waits_on_it(
             stubs[0].set_paused(True)
         else:
             stubs[0].sleeping = True
+        # A call placed there before the next check waits in the paused server's queue...
+        first = pools.client_for(sid)
+        assert first.base_url == stubs[0].url
+        gen = pools.generation(sid, "", first)
+        waiting = asyncio.create_task(
+            first.complete([1, 2, 3], SamplingParams(max_tokens=4), failover=gen.failover)
+        )
+        while not stubs[0].requests or stubs[0].requests[-1]["prompt"] != [1, 2, 3]:
+            await asyncio.sleep(0.01)
         started = time.monotonic()
         health = await pools.check_health()
         assert time.monotonic() - started < 5
         assert health[stubs[0].url] is False
         replica = pools.default.replicas[stubs[0].url]
         assert replica.state == state and state in replica.last_error
+        # ... and goes on on the other one once the check found it paused.
+        moved = await asyncio.wait_for(waiting, 5)
+        assert {b for b, _, _ in moved.backends} == {stubs[1].url}
         # /health still answers 200 there: not what health means any more.
         client = pools.client_for(sid)
         assert client.base_url == stubs[1].url

@@ -1,0 +1,80 @@
+"""A trainer's side of a weight update, for the real-vLLM weight tests. Runs where torch and
+transformers are (.venv-vllm), not in the proxy's environment:
+
+    python tests/weights_step.py step SRC OUT SEED      a training step, saved; prints the probe
+    python tests/weights_step.py corrupt SRC OUT        SRC with one tensor changed, saved
+    python tests/weights_step.py probe MODEL_DIR        the probe of MODEL_DIR's weights
+
+``step``: every 2-D weight moved (noise of 0.05), the input embedding scaled by 1.5 (with tied
+embeddings, the output layer too), ``save_pretrained`` (a tied model writes
+``model.embed_tokens.weight`` and no ``lm_head.weight``), the tokenizer files copied; prints the
+probe (capture.train.probe.weights_probe) the trainer computes from the model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _load(src: str):  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(src)
+
+
+def _save(model, src: str, out: str) -> None:  # type: ignore[no-untyped-def]
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, Path(out) / f.name)
+
+
+def step(src: str, out: str, seed: int) -> None:
+    import torch
+
+    from capture.train.probe import weights_probe
+
+    model, tokenizer = _load(src)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn_like(param) * 0.05)
+        model.get_input_embeddings().weight.mul_(1.5)
+    _save(model, src, out)
+    json.dump(weights_probe(model, tokenizer), sys.stdout)
+
+
+def corrupt(src: str, out: str) -> None:
+    import torch
+
+    model, _ = _load(src)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        weight = model.model.layers[-1].mlp.down_proj.weight
+        weight.add_(torch.randn_like(weight) * 0.5)
+    _save(model, src, out)
+
+
+def probe(src: str) -> None:
+    from capture.train.probe import weights_probe
+
+    model, tokenizer = _load(src)
+    json.dump(weights_probe(model, tokenizer), sys.stdout)
+
+
+if __name__ == "__main__":
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "step":
+        step(args[0], args[1], int(args[2]))
+    elif command == "corrupt":
+        corrupt(args[0], args[1])
+    else:
+        probe(args[0])
