@@ -10,11 +10,22 @@ compared, max |diff| (and its importance ratio, exp(max |diff|)), the worst rows
 max |diff| is over ``--tolerance``: the trainer would not be training the policy that sampled
 the rows (other weights, another dtype, a different model, or tokens the rows got wrong).
 
-DIR must hold the weights that sampled the rows: after a weight update, rows sampled under
-several versions need each version's folder (``--version V`` checks only the tokens a version
-sampled, by the rows' ``weight_versions``); without it, over rows of several versions, it names
-them (with their trained tokens) and suggests ``--version``. Only the positions scored are put
-through the output layer, so a 13k-token row of a 150k-word vocabulary needs no 8 GB of logits.
+DIR must hold the weights that sampled the rows. After weight updates, rows sampled under
+several versions are checked span by span against the weights their ``weight_versions`` name:
+
+    ... check_logprobs OUT --model DIR                  DIR holds one folder per version
+                                                        (DIR/step-1, DIR/step-2, ...)
+    ... check_logprobs OUT --models step-1=A,step-2=B   the folder of each version named
+    ... check_logprobs OUT --model DIR --version V      only the tokens version V sampled
+
+Each version's tokens are scored by that version's weights (one model loaded at a time), so a
+policy that served other weights than the label its rows carry (a mixed policy: rows labelled
+``2`` whose tokens version 1's weights sampled) fails, naming the version and its worst rows.
+A version the rows name with no folder given is an error naming it (and the folders there are);
+DIR holding one model over rows of several versions is checked as it is, with a note naming the
+versions and the flags. Trained tokens that name no version are counted, not checked, when the
+weights are given per version. Only the positions scored are put through the output layer, so a
+13k-token row of a 150k-word vocabulary needs no 8 GB of logits.
 """
 
 from __future__ import annotations
@@ -141,6 +152,88 @@ def check_rows(model: Any, rows: Iterable[Mapping[str, Any]], version: str | Non
     return report
 
 
+class WeightsError(ValueError):
+    """The weights given do not cover the rows' versions; the message names the fix."""
+
+
+def is_model_dir(path: Path) -> bool:
+    """Whether ``path`` holds a transformers model (its ``config.json``)."""
+    return (path / "config.json").is_file()
+
+
+def parse_models(spec: str) -> dict[str, Path]:
+    """``--models VERSION=DIR,VERSION=DIR`` as {version: folder}."""
+    mapping: dict[str, Path] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        version, eq, folder = part.partition("=")
+        if not eq or not version.strip() or not folder.strip():
+            raise WeightsError(
+                f"--models takes VERSION=DIR pairs separated by commas (e.g. "
+                f"--models step-1=weights/step-1,step-2=weights/step-2); {part!r} is not one"
+            )
+        if version.strip() in mapping:
+            raise WeightsError(f"--models names weight version {version.strip()!r} twice")
+        mapping[version.strip()] = Path(folder.strip())
+    if not mapping:
+        raise WeightsError("--models is empty: give VERSION=DIR pairs separated by commas")
+    return mapping
+
+
+def weights_plan(
+    model: str | None,
+    models: str | None,
+    versions: Mapping[str, int],
+    only: str | None = None,
+) -> tuple[list[tuple[str | None, Path]], bool]:
+    """Which weights score which tokens: [(version, folder)] (version None: every trained token,
+    by the one model given), and whether the weights were given per version. ``versions``: the
+    rows' (``versions_present``); ``only``: ``--version``. WeightsError names what is missing."""
+    if (model is None) == (models is None):
+        raise WeightsError(
+            "give the weights that sampled the rows: --model DIR (one model, or a folder of one "
+            "folder per weight version) or --models VERSION=DIR,..."
+        )
+    if model is not None and (is_model_dir(Path(model)) or not Path(model).is_dir()):
+        # One model (or what from_pretrained takes that is no folder here: a hub id).
+        return [(only, Path(model))], False
+    wanted = [only] if only is not None else list(versions)
+    if models is not None:
+        given = parse_models(models)
+        where = "--models"
+    else:
+        assert model is not None
+        root = Path(model)
+        given = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and is_model_dir(p)}
+        if not given:
+            raise WeightsError(
+                f"--model {model} holds no model (no config.json) and no folder of one per "
+                f"weight version: give the weights' folder (save_pretrained's), or a folder "
+                f"holding one such folder per version, named as the rows name them"
+            )
+        where = f"--model {model} (its folders: {', '.join(given)})"
+    if not wanted:
+        raise WeightsError(
+            f"the rows name no weight version (weight_versions is empty: none was set when "
+            f"they were sampled), so {where} maps nothing to them: give the one model that "
+            f"sampled them, --model DIR"
+        )
+    missing = [v for v in wanted if v not in given]
+    if missing:
+        named = describe_versions({v: versions.get(v, 0) for v in missing})
+        raise WeightsError(
+            f"no weights for weight version{'s' if len(missing) > 1 else ''} {named} in "
+            f"{where}; the rows name {describe_versions(versions)}. Give each version's weights "
+            f"(a folder named after it under --model DIR, or VERSION=DIR in --models), or check "
+            f"one version alone with --version V"
+        )
+    for version in wanted:
+        if not is_model_dir(given[version]):
+            raise WeightsError(
+                f"{given[version]} (weight version {version!r}) holds no model: no config.json"
+            )
+    return [(version, given[version]) for version in wanted], True
+
+
 def load_model(model_dir: str | Path) -> Any:
     """The model in float32, in eval mode, with the CPU attention of
     ``capture.train.cpu_attention`` (long rows score in seconds)."""
@@ -172,13 +265,73 @@ def format_report(report: Report, tolerance: float, version: str | None = None) 
     return "\n".join(lines)
 
 
+def unlabelled_tokens(rows: Iterable[Mapping[str, Any]]) -> int:
+    """Trained tokens (``positions_to_check``) that no span of ``weight_versions`` names."""
+    count = 0
+    for row in rows:
+        named: set[int] = set()
+        for span in row.get("weight_versions") or []:
+            if span.get("version") is not None:
+                named.update(range(int(span["start"]), int(span["end"])))
+        count += sum(1 for p in positions_to_check(row) if p not in named)
+    return count
+
+
+def check_versions(
+    rows: Sequence[Mapping[str, Any]], plan: Sequence[tuple[str | None, Path]], tolerance: float
+) -> int:
+    """Each version's tokens against that version's weights (one model loaded at a time);
+    the exit code: 1 where a version's tokens are past ``tolerance`` under its weights."""
+    failed: list[tuple[str | None, Path, Report]] = []
+    for version, folder in plan:
+        report = check_rows(load_model(folder), rows, version)
+        print(f"weight version {version!r}, weights {folder}:")
+        print(
+            "\n".join(
+                "  " + line for line in format_report(report, tolerance, version).splitlines()
+            )
+        )
+        if report.max_diff > tolerance:
+            failed.append((version, folder, report))
+    unlabelled = unlabelled_tokens(rows)
+    if unlabelled:
+        print(
+            f"note: {unlabelled} trained token{'s' if unlabelled != 1 else ''} name no weight "
+            f"version (weight_versions): not checked; check them with --model and the one model "
+            f"that sampled them",
+            file=sys.stderr,
+        )
+    for version, folder, report in failed:
+        worst = report.worst(1)[0]
+        print(
+            f"FAIL: weight version {version!r}: max |diff| {report.max_diff:.3g} > {tolerance:g} "
+            f"under the weights in {folder} (worst: session {worst.session_id} thread "
+            f"{worst.thread_id}, position {worst.worst_position}): these weights did not sample "
+            f"the tokens the rows label {version!r}; the policy served other weights under that "
+            f"label (a mixed policy), or {folder} does not hold version {version!r}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m capture.train.check_logprobs",
         description="Compare an HF model's logprobs with the thread rows' (float32 forward).",
     )
     parser.add_argument("out", help="OUT (agenttap_out), OUT/threads, or one thread shard")
-    parser.add_argument("--model", required=True, help="the weights that sampled the rows")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the weights that sampled the rows, or a folder holding one folder of weights per "
+        "weight version, named as the rows' weight_versions name them",
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        metavar="VERSION=DIR,...",
+        help="the weights of each weight version the rows name",
+    )
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     parser.add_argument(
         "--version", default=None, help="check only tokens this weight version sampled"
@@ -210,16 +363,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        plan, per_version = weights_plan(args.model, args.models, versions, args.version)
+    except WeightsError as exc:
+        print(f"check_logprobs: {exc}", file=sys.stderr)
+        return 2
+    if per_version:
+        return check_versions(rows, plan, args.tolerance)
     several = args.version is None and len(versions) > 1
     if several:
         # One --model holds one set of weights: tokens other versions sampled will not agree.
         print(
             f"note: these rows were sampled by {len(versions)} weight versions: "
             f"{describe_versions(versions)}. --model holds one of them: check each with "
-            f"--version V and that version's weights (e.g. --version {next(iter(versions))})",
+            f"--version V and that version's weights (e.g. --version {next(iter(versions))}), "
+            f"or all at once: --model DIR holding one folder per version (DIR/"
+            f"{next(iter(versions))}, ...) or --models {next(iter(versions))}=DIR,...",
             file=sys.stderr,
         )
-    report = check_rows(load_model(args.model), rows, args.version)
+    report = check_rows(load_model(plan[0][1]), rows, args.version)
     print(format_report(report, args.tolerance, args.version))
     if report.max_diff > args.tolerance:
         print(
@@ -227,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             "sample these rows (or were loaded in another dtype)"
             + (
                 f"; the rows hold {len(versions)} weight versions ({describe_versions(versions)}): "
-                "pass --version V with the weights of version V"
+                "pass --version V with the weights of version V, or every version's weights "
+                "(--model DIR of one folder per version, or --models VERSION=DIR,...)"
                 if several
                 else ""
             ),
