@@ -8,7 +8,6 @@ The seed is ``notes.txt`` holding ``alpha`` and ``beta``; the task replaces ``be
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tests.conftest import IM_END
+from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_conservation_e2e import conservation
 from tests.stub_vllm import StubPolicy
 
@@ -28,11 +28,6 @@ VERIFIER = [
     "-c",
     'echo checking; if [ "$(cat notes.txt)" = "$(printf \'alpha\\ngamma\')" ]; then echo 1; else echo 0; fi',
 ]
-
-
-def hermes(name: str, arguments: dict[str, Any]) -> str:
-    """A tool call as Qwen3's chat template writes one."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # OpenCode's tools: read and edit take a file path (a relative one is resolved in its working

@@ -1,7 +1,7 @@
 """The real OpenCode CLI (``opencode run``) through the real proxy, answered by the scripted
 stub: a four-turn task (read a file, run a command, edit the file, finish) on its Anthropic
-provider (Messages API) and on its OpenAI provider (Responses API). OpenCode is installed by
-scripts/install_clients.sh.
+provider (Messages API) and on its OpenAI provider (Responses API), and a task it hands to a
+sub-agent (its ``task`` tool). OpenCode is installed by scripts/install_clients.sh.
 
 OpenCode runs as a user runs it: only HTTPS_PROXY (the session as the proxy username),
 NODE_EXTRA_CA_CERTS and the provider's key are set, with a fresh HOME. At start it asks
@@ -15,15 +15,18 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import REPO, Proxy
+from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.scaffold_task import (
     DONE,
     OPENCODE_STEPS,
     TASK,
     TITLE,
+    TITLE_PROMPT,
     check_trained_exactly_once,
     sampled,
     seed,
@@ -113,3 +116,43 @@ def test_opencode_does_a_four_turn_task(
     # What OpenCode fetched at start was refused, not sent out.
     log = stub_proxy.log.read_text(errors="replace")
     assert "CONNECT models.opencode.ai:443" in log or "CONNECT registry.npmjs.org:443" in log
+
+
+def test_opencode_sub_agent_is_its_own_thread(
+    opencode: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """The ``task`` tool runs a sub-agent in a session of its own: its calls are a
+    ``subagent`` row hung off the call that spawned it, the parent's row goes on."""
+    workdir = seed(tmp_path / "work")
+    session = "opencode-subagent"
+    job = "In notes.txt replace beta with gamma, then say done."
+    spawn = hermes(
+        "task", {"description": "Edit the notes", "prompt": job, "subagent_type": "general"}
+    )
+    edit = hermes("edit", {"filePath": "notes.txt", "oldString": "beta", "newString": "gamma"})
+
+    def title(body: dict[str, Any]) -> str | None:
+        return TITLE if TITLE_PROMPT in stub.tok.decode(body["prompt"]) else None
+
+    stub.replies.clear()
+    stub.script(spawn, edit, "Sub-agent: done.", "The sub-agent edited notes.txt.")
+    stub.rules.insert(0, title)
+    try:
+        done = run_opencode(
+            opencode, stub_proxy, session, workdir, "anthropic/claude-sonnet-4-5",
+            "Use a sub-agent to edit notes.txt",
+        )  # fmt: skip
+    finally:
+        stub.rules.remove(title)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE and not stub.replies
+    turns = stub_proxy.turns(session, expect=5)
+    threads = stub_proxy.threads(session, expect=3)
+    check_trained_exactly_once(threads, turns)
+    by_kind = {r["thread_kind"]: r for r in threads}
+    assert sorted(by_kind) == ["auxiliary", "main", "subagent"] and len(threads) == 3
+    main, sub = by_kind["main"], by_kind["subagent"]
+    assert main["num_turns"] == 2 and sub["num_turns"] == 2
+    assert sub["parent_thread_id"] == main["thread_id"]
+    assert sub["parent_tool_call_id"].startswith("toolu_")
+    assert job in stub.tok.decode(sub["input_ids"])
