@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Proxy
+from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import (
     DONE,
     MINI_STEPS,
@@ -127,3 +128,40 @@ def test_a_dropped_answer_is_a_branch_trained_once(
     assert branch["turns"][0]["trained_in"] == main["thread_id"]
     assert branch["thread_kind"] == "main" and not branch["dead"]
     assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 4
+
+
+@pytest.mark.vllm
+def test_mini_swe_agent_against_the_real_policy(
+    mini: Path, vllm_proxy: Proxy, vllm_url: str, tmp_path: Path
+) -> None:
+    """The random tiny policy calls no tool: each answer is dropped and asked again with the
+    format error, until the step limit. Every row holds vLLM's own logprobs (re-scored here;
+    the trainer's forward at the session's end)."""
+    session = "mini-vllm"
+    home = tmp_path / "home"
+    home.mkdir()
+    workdir = seed(tmp_path / "work")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{vllm_proxy.port}",
+        "SSL_CERT_FILE": str(vllm_proxy.ca),
+        "OPENAI_API_KEY": "sk-agenttap-mini-key",
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    done = subprocess.run(
+        [
+            str(mini), "-m", "openai/gpt-4o", "-t", "Say hello.", "-y", "--exit-immediately",
+            "-c", "mini.yaml", "-c", "agent.step_limit=2", "-c", "model.model_kwargs.max_tokens=64",
+        ],
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    turns = vllm_proxy.turns(session, expect=1)
+    rows = vllm_proxy.threads(session, expect=1)
+    assert len(turns) >= 1
+    for row in rows:
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5

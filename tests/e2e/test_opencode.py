@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import REPO, Proxy
 from tests.e2e.test_anthropic_sdk_stub import hermes
+from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import (
     DONE,
     OPENCODE_STEPS,
@@ -156,3 +157,23 @@ def test_opencode_sub_agent_is_its_own_thread(
     assert sub["parent_thread_id"] == main["thread_id"]
     assert sub["parent_tool_call_id"].startswith("toolu_")
     assert job in stub.tok.decode(sub["input_ids"])
+
+
+@pytest.mark.vllm
+def test_opencode_against_the_real_policy(
+    opencode: Path, vllm_proxy: Proxy, vllm_url: str, tmp_path: Path
+) -> None:
+    """The random tiny policy answers (text, no tool call): the title and the conversation's
+    rows hold vLLM's own logprobs (re-scored here; the trainer's forward at the session's end)."""
+    workdir = seed(tmp_path / "work")
+    session = "opencode-vllm"
+    done = run_opencode(
+        opencode, vllm_proxy, session, workdir, "anthropic/claude-sonnet-4-5", "Say hello."
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    turns = vllm_proxy.turns(session, expect=2)
+    rows = vllm_proxy.threads(session, expect=2)
+    assert {r["thread_kind"] for r in rows} == {"main", "auxiliary"}
+    for row in rows:
+        # OpenCode's prompt is ~7k tokens: see _assert_exact on fp32 at long context.
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
