@@ -17,6 +17,7 @@ where the folder ``pushes/`` is another one, as a node whose copy of a checkpoin
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tempfile
 import time
@@ -51,8 +52,9 @@ def trainer(*args: str) -> Any:
 
 
 def policy_post(url: str, path: str, body: Any = None) -> int:
-    """A request straight to a policy server (behind agenttap's back), its status."""
-    data = json.dumps(body if body is not None else {}).encode()
+    """A request straight to a policy server (behind agenttap's back), its status. Routes
+    that take no body get none: vLLM answers those before reading one, and closes."""
+    data = json.dumps(body).encode() if body is not None else b""
     with urlopen(url, path, data=data, headers={"Content-Type": "application/json"}) as resp:
         return int(resp.status)
 
@@ -117,6 +119,7 @@ def tied() -> Iterator[Tied]:
     finally:
         for proc in procs:
             policy_server.stop(proc)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
