@@ -346,9 +346,11 @@ class ReplicaSet:
             replica.down = await self.why_down(replica)
             if replica.down != FAILING:
                 why = f"{replica.down}: {why}"
-                # Its generations would wait there for the policy timeout: they go on on
-                # another replica now. agenttap resumes only what it paused itself.
-                moved = client.abandon()
+                # Its generations would wait there until someone resumes it: where another
+                # replica serves, they go on there now (with none, they wait: a trainer that
+                # paused its only server resumes it). agenttap resumes only what it paused.
+                others = any(r.serving for r in self.replicas.values() if r is not replica)
+                moved = client.abandon() if others else 0
                 if moved:
                     logger.warning(
                         "agenttap: policy server %s is %s; its %d generation(s) move to "

@@ -235,3 +235,30 @@ async def test_a_paused_or_sleeping_server_is_unhealthy_and_no_call_waits_on_it(
         stubs[0].sleeping = False
         stubs[0].set_paused(False)
         await pools.close()
+
+
+async def test_a_lone_paused_server_keeps_its_generations_for_its_resume(
+    stubs: list[StubPolicy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no other server to move to, a generation waiting on a paused server (a trainer's
+    own pause for its weight sync) is left to run once it resumes, not failed."""
+    monkeypatch.setattr(replicas_module, "HEALTH_TIMEOUT_S", 1.0)
+    pools = pools_of(stubs[:1])
+    assert pools.default is not None
+    try:
+        stubs[0].set_paused(True)
+        client = pools.client_for("s0")
+        gen = pools.generation("s0", "", client)
+        waiting = asyncio.create_task(
+            client.complete([1, 2, 3], SamplingParams(max_tokens=4), failover=gen.failover)
+        )
+        health = await pools.check_health()
+        assert health == {stubs[0].url: False}
+        assert pools.default.replicas[stubs[0].url].state == PAUSED
+        assert not waiting.done()
+        stubs[0].set_paused(False)
+        done = await asyncio.wait_for(waiting, 5)
+        assert {b for b, _, _ in done.backends} == {stubs[0].url}
+    finally:
+        stubs[0].set_paused(False)
+        await pools.close()
