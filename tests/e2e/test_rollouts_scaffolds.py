@@ -14,6 +14,7 @@ import pytest
 
 from capture.client.launcher import AgentTap
 from capture.rollouts.agents import AGENTS
+from tests.conftest import read_threads, read_turns
 from tests.e2e.test_rollouts import agent_processes
 from tests.scaffold_task import (
     DONE,
@@ -70,17 +71,6 @@ def test_a_rollout_of_each_scaffold_is_scored_into_its_rows(
     # The rows as written, every call trained once at the stub's ids and logprobs.
     for run in result["rollouts"]:
         sid = run["session_id"]
-        turns = sorted(
-            (t for t in _read(stub_tap.out / "turns") if t["session_id"] == sid),
-            key=lambda t: t["turn_index"],
-        )
-        threads = [t for t in _read(stub_tap.out / "threads") if t["session_id"] == sid]
-        check_trained_exactly_once(threads, turns)
+        check_trained_exactly_once(read_threads(stub_tap.out, sid), read_turns(stub_tap.out, sid))
     assert (task / "notes.txt").read_text() == SEED  # each run worked on its own copy
     assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
-
-
-def _read(folder: Path) -> list[dict]:
-    from tests.conftest import _read_shards
-
-    return _read_shards(folder, None)
