@@ -105,7 +105,16 @@ def openapi_spec(server: str) -> dict[str, Any]:
                         {
                             "agent": {
                                 "oneOf": [
-                                    {"type": "string", "enum": ["claude-code", "codex", "gemini"]},
+                                    {
+                                        "type": "string",
+                                        "enum": [
+                                            "claude-code",
+                                            "codex",
+                                            "gemini",
+                                            "opencode",
+                                            "mini-swe-agent",
+                                        ],
+                                    },
                                     {
                                         "type": "object",
                                         "properties": {

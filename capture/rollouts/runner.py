@@ -325,8 +325,10 @@ class Rollouts:
             taken = self._taken_over(run, self.api.gateway.control.get(run.session_id))
             if rollout.cancelled:
                 run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
-            elif taken is None and spec.verifier is not None and (
-                run.error is None or (failure is not None and spec.on_error == "score")
+            elif (
+                taken is None
+                and spec.verifier is not None
+                and (run.error is None or (failure is not None and spec.on_error == "score"))
             ):
                 run.status = "scoring"
                 await self._verify(rollout, run)

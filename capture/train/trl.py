@@ -272,8 +272,9 @@ def make_rollout_func(
     timeout_s: float | None = None,
 ) -> AgentTapRolloutFunc:
     """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
-    ``agent`` (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``, the task text
-    appended as its last argument; or a function of the task's text giving one) on the
+    ``agent`` (``claude-code``, ``codex``, ``gemini``, ``opencode``, ``mini-swe-agent`` or
+    ``{"command": [...]}``, the task text appended as its last argument; or a function of the
+    task's text giving one) on the
     trainer's prompts; see the module's docstring for what
     it returns and how failures and missing rewards are handed on. ``limits``: each agent's
     session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
