@@ -136,6 +136,7 @@ def start_vllm(
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     netns: list[str] | None = None,
+    max_lora_rank: int = 0,
 ) -> subprocess.Popen[bytes]:
     """vLLM on 127.0.0.1:``port``, or with ``socket_path`` on that unix socket only (its
     folder must be private: ``private_folder``). With a socket, vLLM's ipc sockets, file store
@@ -144,6 +145,11 @@ def start_vllm(
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /resume: partial rollouts in tests
+    lora: list[str] = []
+    if max_lora_rank:
+        # LoRA adapters loaded while it runs (POST /policy/weights {"lora": DIR}).
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        lora = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
     # The worker extension (rewriter/vllm_worker.py) is imported from this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if socket_path is None:
@@ -173,6 +179,7 @@ def start_vllm(
         "--structured-outputs-config", STRUCTURED_OUTPUTS_CONFIG,
         # agenttap_reload_weights: a reload that refreshes tied output layers on a CPU.
         "--worker-extension-cls", WORKER_EXTENSION,
+        *lora,
         *(extra_args or []),
     ]  # fmt: skip
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -298,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         default=32768,
         help="context served, in tokens (Claude Code's first call alone is about 11.5k)",
     )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=0,
+        help="serve LoRA adapters up to this rank, loaded while it runs (POST /policy/weights "
+        '{"lora": DIR}); 0: none (vLLM compiles its graphs only without LoRA on a CPU)',
+    )
     args = parser.parse_args(argv)
 
     # While vLLM is being spawned a SIGTERM is only noted: raised inside Popen, it would leave
@@ -367,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_path=log,
                 max_model_len=args.max_model_len,
                 netns=netns,
+                max_lora_rank=args.max_lora_rank,
             )
         finally:
             spawning = False

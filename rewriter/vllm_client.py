@@ -134,6 +134,9 @@ class VLLMClient:
         # Whether the server has agenttap's exact reload (rewriter/vllm_worker.py): None
         # until the first weight update asks.
         self.exact_reload: bool | None = None
+        # The LoRA adapter generations ask for (vLLM serves it under this name, loaded by
+        # POST /policy/weights {"lora": DIR}); None: the base model.
+        self.lora: str | None = None
         # The deadlines generations wait under here (``abandon`` ends them early).
         self._bounds: set[asyncio.Timeout] = set()
 
@@ -296,7 +299,13 @@ class VLLMClient:
         prompt_json: str | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """The endpoint and body for one generation (``prompt_json``: the ids' JSON text)."""
-        return generation_body(await self.info(), prompt_ids, params, stream, prompt_json)
+        return generation_body(await self.served(), prompt_ids, params, stream, prompt_json)
+
+    async def served(self) -> PolicyInfo:
+        """``info()`` with the model name generations ask for: the LoRA adapter's if one is
+        loaded (``lora``), else the served model's."""
+        info = await self.info()
+        return replace(info, model=self.lora) if self.lora else info
 
     async def _post(
         self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
@@ -551,7 +560,7 @@ class VLLMClient:
         headers = None
         if check:
             headers = {**JSON_CONTENT, "X-Request-Id": f"agenttap-check-{uuid.uuid4().hex[:12]}"}
-        info = await self.info()
+        info = await self.served()
         body = {
             "model": info.model,
             "prompt": RawJson(ids_json(ids)),  # tens of thousands of ids: orjson writes them

@@ -81,6 +81,9 @@ class StubPolicy:
         self.folders: dict[str, float] = {}
         self.extension = True
         self.reloads: list[str] = []
+        # LoRA adapters loaded (dev mode's /v1/load_lora_adapter): name -> folder; a request
+        # naming one is answered with its folder's ``folders`` shift on top.
+        self.loras: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -116,15 +119,19 @@ class StubPolicy:
             return ids[:max_tokens], "length", None
         return ids + [self.tok.convert_tokens_to_ids("<|im_end|>")], "stop", None
 
-    def _logprob(self, i: int, token: int) -> float:
-        return self._logprob_of(i, token, self.shift)
+    def _logprob(self, i: int, token: int, model: str | None = None) -> float:
+        """Under the base weights (``shift``), or plus a loaded LoRA adapter's own shift."""
+        extra = self.folders.get(self.loras[model], 0.0) if model in self.loras else 0.0
+        return self._logprob_of(i, token, self.shift + extra)
 
     @staticmethod
     def _logprob_of(i: int, token: int, shift: float = 0.0) -> float:
         """The logprob the stub gives ``token`` at position ``i`` under weights ``shift``."""
         return -((token * 7919 + i * 104729) % 1000) / 997.0 - 1e-3 - shift
 
-    def _prompt_logprobs(self, prompt: list[int], asked: int | None) -> list[Any] | None:
+    def _prompt_logprobs(
+        self, prompt: list[int], asked: int | None, model: str | None = None
+    ) -> list[Any] | None:
         """As vLLM: entry 0 null, then per prompt token {"<id>": {logprob, rank, decoded_token}}
         (with ``prompt_logprobs: 0`` just the prompt's own token). A rewrite's re-score in the
         proxy reads these; the value is a fixed function of the position and the token."""
@@ -132,7 +139,7 @@ class StubPolicy:
             return None
         out: list[Any] = [None]
         for pos, token in enumerate(prompt[1:], start=1):
-            entry = {"logprob": self._logprob(pos, token), "rank": 1 + token % 50}
+            entry = {"logprob": self._logprob(pos, token, model), "rank": 1 + token % 50}
             entry["decoded_token"] = self.tok.decode([token])
             out.append({str(token): entry})
         return out
@@ -220,7 +227,7 @@ class StubPolicy:
                 self.abandoned_at.add(index)
                 return web.Response(status=499)
         prompt = body["prompt"]
-        if body.get("model") != self.model_name:
+        if body.get("model") != self.model_name and body.get("model") not in self.loras:
             return _error(
                 404,
                 "NotFoundError",
@@ -269,7 +276,7 @@ class StubPolicy:
             cut = full.index(stop_reason)
             # The last token's text shrinks so the text ends where the stop string began.
             texts[-1] = texts[-1][: max(0, len(texts[-1]) - (len(full) - cut))]
-        logprobs = [self._logprob(i, t) for i, t in enumerate(ids)]
+        logprobs = [self._logprob(i, t, body.get("model")) for i, t in enumerate(ids)]
         # As vLLM: return_token_ids adds the ids (and the prompt's); return_tokens_as_token_ids
         # spells logprobs' tokens "token_id:N" instead of their text.
         echo_ids = bool(body.get("return_token_ids"))
@@ -297,7 +304,9 @@ class StubPolicy:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
                 "token_ids": ids if echo_ids else None,
-                "prompt_logprobs": self._prompt_logprobs(prompt, body.get("prompt_logprobs")),
+                "prompt_logprobs": self._prompt_logprobs(
+                    prompt, body.get("prompt_logprobs"), body.get("model")
+                ),
                 "prompt_token_ids": prompt if echo_ids else None,
                 "routed_experts": None,
             }
@@ -499,6 +508,24 @@ class StubPolicy:
         self.shift = self.folders.get(path, 0.0)
         return web.json_response({"results": [None if method == "reload_weights" else []]})
 
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body["lora_name"]
+        if name in self.loras:
+            return _error(
+                400,
+                "BadRequestError",
+                f"The lora adapter '{name}' has already been loaded.",
+            )
+        self.loras[name] = str(body["lora_path"])
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        if self.loras.pop(name, None) is None:
+            return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -527,6 +554,8 @@ class StubPolicy:
                 app.router.add_post("/collective_rpc", self._collective_rpc)
                 app.router.add_post("/reset_prefix_cache", self._ok)
                 app.router.add_post("/update_weight_version", self._ok)
+                app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+                app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
             if socket_path is not None:

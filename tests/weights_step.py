@@ -4,6 +4,9 @@ transformers are (.venv-vllm), not in the proxy's environment:
     python tests/weights_step.py step SRC OUT SEED      a training step, saved; prints the probe
     python tests/weights_step.py corrupt SRC OUT        SRC with one tensor changed, saved
     python tests/weights_step.py probe MODEL_DIR        the probe of MODEL_DIR's weights
+    python tests/weights_step.py lora BASE OUT SEED     a LoRA adapter of BASE (PEFT; .venv-train)
+                                                        saved alone; prints its probe
+    python tests/weights_step.py score-lora BASE ADAPTER < {"rows": [[ids]]}: the PEFT forward
 
 ``step``: every 2-D weight moved (noise of 0.05), the input embedding scaled by 1.5 (with tied
 embeddings, the output layer too), ``save_pretrained`` (a tied model writes
@@ -70,9 +73,46 @@ def probe(src: str) -> None:
     json.dump(weights_probe(model, tokenizer), sys.stdout)
 
 
+def lora(base: str, out: str, seed: int) -> None:
+    """A trained adapter as a trainer has one: random, non-zero (a fresh LoRA changes nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from capture.train.probe import weights_probe
+
+    model, tokenizer = _load(base)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+    )  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(out)  # the adapter alone
+    json.dump(weights_probe(peft_model, tokenizer), sys.stdout)
+
+
+def score_lora(base: str, adapter: str) -> None:
+    import torch
+    from peft import PeftModel
+
+    model, _ = _load(base)
+    peft_model = PeftModel.from_pretrained(model, adapter).eval()
+    out = []
+    with torch.no_grad():
+        for ids in json.load(sys.stdin)["rows"]:
+            logp = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            picked = logp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+            out.append([0.0, *picked.tolist()])
+    json.dump(out, sys.stdout)
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
-    if command == "step":
+    if command == "lora":
+        lora(args[0], args[1], int(args[2]))
+    elif command == "score-lora":
+        score_lora(args[0], args[1])
+    elif command == "step":
         step(args[0], args[1], int(args[2]))
     elif command == "corrupt":
         corrupt(args[0], args[1])

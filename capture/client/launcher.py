@@ -290,8 +290,9 @@ class AgentTap:
         id: str | None = None,
         wait: bool = True,
     ) -> dict[str, Any]:
-        """Run ``n`` agents (``claude-code``, ``codex``, ``gemini`` or ``{"command": [...]}``)
-        on ``prompt``, each in a fresh copy of ``workdir``, scored by ``verifier`` (a command,
+        """Run ``n`` agents (``claude-code``, ``codex``, ``gemini``, ``opencode``,
+        ``mini-swe-agent`` or ``{"command": [...]}``) on ``prompt``, each in a fresh copy of
+        ``workdir``, scored by ``verifier`` (a command,
         its last stdout line the reward; or the route's whole ``{"command", "restore",
         "on_error"}``); returns, once all have ended (``wait``), each one's status,
         finish_reason, reward, metrics and rows."""
@@ -325,6 +326,7 @@ class AgentTap:
         probe: dict[str, Any] | None = None,
         model: Any = None,
         tokenizer: Any = None,
+        lora: bool = False,
     ) -> dict[str, Any]:
         """Make every policy replica serve the weights ``path`` holds (a folder
         ``save_pretrained`` wrote, readable by the policy servers) under the label ``version``;
@@ -336,8 +338,14 @@ class AgentTap:
         from it (capture.train.probe, torch) and each replica's logprobs for it must be within
         agenttap_weights_tolerance, or ``probe`` given as ``{"ids", "logprobs"}``. A replica
         past it stays out of rotation and this raises AgentTapError (502) naming it and the
-        difference."""
-        body: dict[str, Any] = {"path": str(Path(path).resolve()), "version": str(version)}
+        difference.
+
+        A PEFT ``model`` (or ``lora=True``): ``path`` is its adapter alone (what
+        ``save_pretrained`` writes for a PeftModel), loaded beside the base weights with
+        vLLM's runtime LoRA loading; calls from then on are sampled with it."""
+        lora = lora or (model is not None and hasattr(model, "peft_config"))
+        where = "lora" if lora else "path"
+        body: dict[str, Any] = {where: str(Path(path).resolve()), "version": str(version)}
         if probe is None and model is not None:
             from capture.train.probe import weights_probe
 

@@ -5,7 +5,9 @@
   once all do. With a probe (the trainer model's logprobs for a short sequence), each
   replica's logprobs for it must be within agenttap_weights_tolerance: one past it is out of
   rotation and the route answers 502 naming it and the difference. Without one, the answer
-  says nothing was checked (``"checked": false``)
+  says nothing was checked (``"checked": false``). ``{"lora": DIR, ...}`` instead of ``path``:
+  a PEFT adapter loaded beside the base weights (vLLM's runtime LoRA loading); calls from
+  then on ask for it
 - ``POST /policy/version`` ``{"version": "V", "probe"?}``: the trainer pushed weights to vLLM
   itself; calls from now on are labelled V (with a probe, each replica checked as above)
 - ``GET /policy/version``: the current label, how many updates came before it, the last ones
@@ -22,6 +24,7 @@ from capture.control.answers import error
 from capture.control.sessions import reject_unknown
 from capture.policy.weights import (
     WeightUpdateError,
+    check_lora_dir,
     check_probe,
     check_version,
     check_weights_dir,
@@ -40,8 +43,14 @@ class PolicyRoutes:
 
     async def weights(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        reject_unknown(body, ("path", "version", "probe"))
-        path = check_weights_dir(body.get("path"))
+        reject_unknown(body, ("path", "lora", "version", "probe"))
+        lora = body.get("lora") is not None
+        if lora == (body.get("path") is not None):
+            raise ValueError(
+                'give "path" (the folder save_pretrained wrote) or "lora" (a PEFT adapter\'s '
+                "folder, loaded beside the base weights), one of them"
+            )
+        path = check_lora_dir(body.get("lora")) if lora else check_weights_dir(body.get("path"))
         version = check_version(body.get("version"))
         probe = check_probe(body.get("probe"))
         policies = self.gateway.policies
@@ -49,7 +58,7 @@ class PolicyRoutes:
         checked = probe is not None
         try:
             outcomes = await policies.weights.update(
-                policies.http, policies.default, path, version, probe
+                policies.http, policies.default, path, version, probe, lora=lora
             )
         except WeightUpdateError as exc:
             return error(

@@ -196,6 +196,60 @@ async def _post(
         raise RuntimeError(f"POST {url} answered {status}: {text[:300]}")
 
 
+def check_lora_dir(value: Any) -> Path:
+    """The folder a PEFT model's ``save_pretrained`` wrote (the adapter alone); ValueError says
+    what is wrong."""
+    if not isinstance(value, str) or not value:
+        raise ValueError('"lora" must be the folder a PEFT model\'s save_pretrained wrote')
+    path = Path(value)
+    if not path.is_absolute():
+        raise ValueError(
+            f'"lora" must be absolute (the policy servers resolve it, not the caller): {value!r}'
+        )
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(
+            f"{value!r} holds no adapter_config.json: save the PEFT model "
+            "(model.save_pretrained(DIR) on a PeftModel writes the adapter alone)"
+        )
+    return path
+
+
+async def _load_lora(client: VLLMClient, path: Path, version: str) -> None:
+    """Step 3 for a LoRA adapter: vLLM's runtime LoRA loading, the adapter named ``version``;
+    generations ask for it by that name from now on (``VLLMClient.lora``)."""
+    if client.lora == version:  # the same label again: the old one goes first
+        try:
+            await _post(client, "/v1/unload_lora_adapter", {"lora_name": version})
+        except RuntimeError:
+            pass
+    try:
+        await _post(
+            client,
+            "/v1/load_lora_adapter",
+            {"lora_name": version, "lora_path": str(path)},
+            timeout_s=RELOAD_TIMEOUT_S,
+        )
+    except RuntimeError as exc:
+        if "404" in str(exc) or "405" in str(exc):
+            raise RuntimeError(
+                f"{exc}; serve LoRA adapters with vLLM's --enable-lora --max-lora-rank N and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (python -m rewriter.policy_server "
+                "--max-lora-rank N)"
+            ) from None
+        raise
+    client.lora = version
+
+
+async def _unload_lora(client: VLLMClient, name: str | None) -> None:
+    """The adapter served before this one, unloaded (best effort: it only takes memory)."""
+    if name is None or name == client.lora:
+        return
+    try:
+        await _post(client, "/v1/unload_lora_adapter", {"lora_name": name})
+    except RuntimeError as exc:
+        logger.info("agenttap: %s kept LoRA adapter %r (%s)", client.base_url, name, exc)
+
+
 async def _reload(client: VLLMClient, path: Path) -> None:
     """Step 3 of the module docstring: agenttap's exact reload where the server has it, vLLM's
     own where it does not (then the probe is what says whether the weights serve whole)."""
@@ -243,11 +297,18 @@ async def fingerprint(
 
 
 async def load_on_replica(
-    replicas: ReplicaSet, replica: Replica, path: Path, version: str, probe: Probe | None = None
+    replicas: ReplicaSet,
+    replica: Replica,
+    path: Path,
+    version: str,
+    probe: Probe | None = None,
+    lora: bool = False,
 ) -> dict[str, Any]:
-    """Steps 1-6 of the module docstring on one replica; its outcome (never raises)."""
+    """Steps 1-6 of the module docstring on one replica (``lora``: ``path`` is a LoRA adapter,
+    loaded beside the base weights); its outcome (never raises)."""
     started = time.monotonic()
     client = replica.client
+    previous_lora = client.lora
     outcome: dict[str, Any] = {"url": replica.url, "version": client.weight_version}
     replica.loading = True
     hold = client.hold = asyncio.Event()
@@ -260,7 +321,11 @@ async def load_on_replica(
             return outcome
         loaded = False
         try:
-            await _reload(client, path)
+            if lora:
+                await _load_lora(client, path, version)
+            else:
+                await _reload(client, path)
+                client.lora = None  # an adapter belongs to the base weights it was trained on
             await _post(client, "/reset_prefix_cache")
             await _post(client, "/update_weight_version", {"new_version": version})
             replica.client.weight_version = version
@@ -280,6 +345,8 @@ async def load_on_replica(
         outcome["reload_seconds"] = round(time.monotonic() - started, 3)
         if loaded and outcome["ok"]:
             await _verify(replicas, replica, probe, outcome)
+            if lora:
+                await _unload_lora(client, previous_lora)
         return outcome
     finally:
         replica.loading = False
@@ -337,9 +404,11 @@ class PolicyWeights:
         path: Path,
         version: str,
         probe: Probe | None = None,
+        lora: bool = False,
     ) -> list[dict[str, Any]]:
-        """Every replica serves ``path`` as ``version`` once this returns, checked against
-        ``probe`` where given; each one's outcome. Raises WeightUpdateError if one failed to
+        """Every replica serves ``path`` (a LoRA adapter on the base weights with ``lora``) as
+        ``version`` once this returns, checked against ``probe`` where given; each one's
+        outcome. Raises WeightUpdateError if one failed to
         load or to pass the probe (it is out of rotation; the others serve the new weights).
         Each replica is reached through its own client's connection pool (a unix socket's
         server has its own); ``http``, the pool's shared session callers pass, is not
@@ -352,7 +421,7 @@ class PolicyWeights:
                 replica.client.incoming_version = version
             try:
                 outcomes = await asyncio.gather(
-                    *(load_on_replica(replicas, r, path, version, probe) for r in targets)
+                    *(load_on_replica(replicas, r, path, version, probe, lora) for r in targets)
                 )
             finally:
                 for replica in targets:

@@ -37,14 +37,16 @@ from tests.e2e.test_policy_weights_vllm import control, hf
 pytestmark = pytest.mark.vllm
 
 HF_PYTHON = policy_server.VLLM_PYTHON
+PEFT_PYTHON = REPO / ".venv-train" / "bin" / "python"  # peft lives there
 CHECK_S = 2  # agenttap_weights_check_s of this module's proxy
 TOLERANCE = 1e-3
 
 
-def trainer(*args: str) -> Any:
+def trainer(*args: str, python: Path = HF_PYTHON, stdin: Any = None) -> Any:
     """tests/weights_step.py in the trainer's environment; its JSON output (a probe) or None."""
     done = subprocess.run(
-        [str(HF_PYTHON), str(REPO / "tests" / "weights_step.py"), *args],
+        [str(python), str(REPO / "tests" / "weights_step.py"), *args],
+        input=json.dumps(stdin) if stdin is not None else None,
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -325,3 +327,56 @@ def test_a_paused_replica_is_unhealthy_and_no_call_waits_on_it(
     while replicas_by_url(tied_proxy)[b]["state"] != "serving":
         assert time.monotonic() - resumed < 40, replicas_by_url(tied_proxy)[b]
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def lora_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The untied tiny model served with runtime LoRA loading (--max-lora-rank 8)."""
+    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    port = policy_server.free_port()
+    log = tmp_path_factory.mktemp("vllm-lora") / "vllm.log"
+    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=4096, max_lora_rank=8)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        policy_server.wait_ready(url, proc, timeout_s=900)
+    except policy_server.PolicyServerError:
+        print(log.read_text()[-5000:])
+        policy_server.stop(proc)
+        raise
+    yield url
+    policy_server.stop(proc)
+
+
+def test_a_lora_adapter_is_served_exactly(
+    lora_vllm: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    adapter = tmp_path / "adapter-1"
+    probe = trainer("lora", str(base), str(adapter), "4", python=PEFT_PYTHON)
+    assert (adapter / "adapter_config.json").exists() and not (
+        adapter / "model.safetensors"
+    ).exists()
+    proxy = start_proxy(lora_vllm, tmp_path / "out", confdir)
+    try:
+        status, answer = control(
+            proxy,
+            "POST",
+            "/policy/weights",
+            {"lora": str(adapter), "version": "lora-1", "probe": probe},
+        )
+        assert status == 200 and answer["checked"] is True, answer
+        rows = [chat(proxy, f"lora-{i}", monkeypatch) for i in range(2)]
+    finally:
+        proxy.stop()
+    assert all(v["version"] == "lora-1" for r in rows for v in r["weight_versions"])
+    ids = [r["input_ids"] for r in rows]
+    peft = trainer("score-lora", str(base), str(adapter), python=PEFT_PYTHON, stdin={"rows": ids})
+    plain = hf("score", str(base), stdin={"rows": ids})
+    worst_peft = worst_base = 0.0
+    for row, with_adapter, without in zip(rows, peft, plain, strict=True):
+        trained = [i for i, m in enumerate(row["loss_mask"]) if m]
+        worst_peft = max(worst_peft, max_gap(row["logprobs"], with_adapter, trained))
+        worst_base = max(worst_base, max_gap(row["logprobs"], without, trained))
+    print(f"LoRA: probe max |diff| {answer['replicas'][0]['max_diff']:.2e}; rows vs the PEFT "
+          f"forward {worst_peft:.2e}, vs the base alone {worst_base:.2f}")  # fmt: skip
+    assert worst_peft < TOLERANCE and worst_base > 1e-2

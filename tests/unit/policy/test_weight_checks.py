@@ -262,3 +262,37 @@ async def test_a_lone_paused_server_keeps_its_generations_for_its_resume(
     finally:
         stubs[0].set_paused(False)
         await pools.close()
+
+
+async def test_a_lora_adapter_is_loaded_checked_and_asked_for(
+    stubs: list[StubPolicy], tmp_path: Path
+) -> None:
+    """``lora``: each server loads the adapter (vLLM's /v1/load_lora_adapter) under the version's
+    name, is checked against the PEFT model's probe, and generations ask for it by name; the
+    next adapter replaces it; a full update goes back to the base model."""
+    first, second = tmp_path / "a1", tmp_path / "a2"
+    for s in stubs:
+        s.folders.update({str(first): 0.5, str(second): 0.75})
+    pools = pools_of(stubs)
+    assert pools.default is not None
+    replicas = pools.default
+    try:
+        probe = Probe(PROBE_IDS, trainer_logprobs(PROBE_IDS, 0.5))
+        outcomes = await pools.weights.update(
+            pools.http, replicas, first, "lora-1", probe, lora=True
+        )
+        assert [o["ok"] for o in outcomes] == [True, True]
+        assert all(r.client.lora == "lora-1" for r in replicas.replicas.values())
+        done = await pools.client_for("s1").complete([1, 2, 3], SamplingParams(max_tokens=2))
+        assert done.weight_versions[0][0] == "lora-1"
+        assert any(r.get("model") == "lora-1" for s in stubs for r in s.requests)
+        # A probe of other weights than the adapter's fails, as for full weights.
+        with pytest.raises(WeightUpdateError):
+            await pools.weights.update(pools.http, replicas, second, "lora-2", probe, lora=True)
+        assert [sorted(s.loras) for s in stubs] == [["lora-2"], ["lora-2"]]  # lora-1 unloaded
+        # Full weights: the base model again.
+        folder = weights_dir(tmp_path, "full")
+        await pools.weights.update(pools.http, replicas, folder, "full-1")
+        assert all(r.client.lora is None for r in replicas.replicas.values())
+    finally:
+        await pools.close()
