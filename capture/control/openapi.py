@@ -192,12 +192,13 @@ def openapi_spec(server: str) -> dict[str, Any]:
             },
             "/replicas": {
                 "get": {
-                    "summary": "the policy servers of agenttap_policy_url: health and load",
+                    "summary": "the policy servers of agenttap_policy_url: state (serving, "
+                    "loading, paused, sleeping, unverified, failing), why, load, weights",
                     "security": secured,
                     "responses": {"200": {"description": "{replicas: [...], max_inflight, queue}"}},
                 },
                 "post": {
-                    "summary": "add a policy server (it must answer GET /health)",
+                    "summary": "add a policy server (it must complete a 1-token generation)",
                     "security": secured,
                     "requestBody": body({"url": {"type": "string"}}),
                     "responses": {
@@ -214,15 +215,33 @@ def openapi_spec(server: str) -> dict[str, Any]:
             "/policy/weights": {
                 "post": {
                     "summary": "every policy replica serves the weights in path (a folder "
-                    "save_pretrained wrote), labelled version; in-flight calls go on under them",
+                    "save_pretrained wrote; or lora: a PEFT adapter's), labelled version, each "
+                    "checked against the trainer's probe; in-flight calls go on under them",
                     "security": secured,
                     "requestBody": body(
-                        {"path": {"type": "string"}, "version": {"type": "string"}}
+                        {
+                            "path": {"type": "string"},
+                            "lora": {"type": "string"},
+                            "version": {"type": "string"},
+                            "probe": {
+                                "type": "object",
+                                "properties": {
+                                    "ids": {"type": "array", "items": {"type": "integer"}},
+                                    "logprobs": {"type": "array"},
+                                },
+                            },
+                        }
                     ),
                     "responses": {
-                        "200": {"description": "{version, replicas: [{url, version, seconds}]}"},
+                        "200": {
+                            "description": "{version, checked, replicas: [{url, ok, version, "
+                            "seconds, checked, max_diff}]}"
+                        },
                         "400": {"description": "no such folder, no safetensors, a bad version"},
-                        "502": {"description": "a replica did not load them (error.replicas)"},
+                        "502": {
+                            "description": "a replica did not load them or failed the probe "
+                            "(error.replicas); it is out of rotation"
+                        },
                     },
                 }
             },
@@ -236,8 +255,13 @@ def openapi_spec(server: str) -> dict[str, Any]:
                     "summary": "weights a trainer pushed to vLLM itself: calls from now on are "
                     "labelled version",
                     "security": secured,
-                    "requestBody": body({"version": {"type": "string"}}),
-                    "responses": {"200": {"description": "{version, replicas}"}},
+                    "requestBody": body(
+                        {"version": {"type": "string"}, "probe": {"type": "object"}}
+                    ),
+                    "responses": {
+                        "200": {"description": "{version, checked, replicas}"},
+                        "502": {"description": "a replica failed the probe (error.replicas)"},
+                    },
                 },
             },
             "/ui/": {
