@@ -149,7 +149,7 @@ def test_a_schema_constrained_answer_trains_the_policys_own_logprobs(
     assert [row["provenance"][i] for i in span] == [2] * len(span)
     assert all(row["loss_mask"][i] for i in span)
     # The trained logprobs are the stub's prompt_logprobs of those positions, not the sampler's.
-    expected = [StubPolicy._logprob(i, row["input_ids"][i]) for i in span]
+    expected = [StubPolicy._logprob_of(i, row["input_ids"][i]) for i in span]
     assert [row["logprobs"][i] for i in span] == pytest.approx(expected, abs=1e-6)
     assert turn["completion_logprobs"] != pytest.approx(expected, abs=1e-6)
 

@@ -71,7 +71,7 @@ def check_row(row: dict[str, Any], stub: StubPolicy, request_index: int, ids: li
     sent = stub.requests[request_index]
     assert row["prompt_ids"] == sent["prompt"]
     assert row["completion_ids"] == ids
-    want = np.asarray([StubPolicy._logprob(i, t) for i, t in enumerate(ids)], dtype=np.float32)
+    want = np.asarray([StubPolicy._logprob_of(i, t) for i, t in enumerate(ids)], dtype=np.float32)
     assert np.array_equal(np.asarray(row["completion_logprobs"], dtype=np.float32), want)
     assert row["finish_reason"] == "stop"
 
