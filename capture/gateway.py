@@ -45,6 +45,7 @@ from capture.pipeline.session_ids import (
 from capture.pipeline.turn import TurnPipeline
 from capture.policy.pools import PolicyPools
 from capture.ports import ControlPlane
+from capture.storage.reader import WEIGHTS_UNVERIFIED_FILE
 from capture.storage.sessions import RowAnnotations, SessionStore
 from rewriter.providers import registered
 from rewriter.providers.base import (
@@ -59,9 +60,6 @@ from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError
 
 logger = logging.getLogger(__name__)
-
-# Windows in which a policy server served weights nobody pushed (see _note_weights_changed).
-WEIGHTS_UNVERIFIED_FILE = "weights_unverified.jsonl"
 
 TOKEN_HEADER = "X-Agenttap-Token"
 HOST_HEADER = "X-Agenttap-Host"

@@ -158,6 +158,8 @@ def load_threads(
     if join and columns is not None:
         read = list(dict.fromkeys([*columns, "session_id", "thread_id"]))
     rows: list[dict[str, Any]] = dataset.to_table(columns=read).to_pylist()
+    if columns is None:
+        mark_unverified(rows, out_dir)
     if join:
         late = load_rewards(out_dir)
         if late.num_rows:
@@ -167,6 +169,54 @@ def load_threads(
             wanted = set(columns)
             rows = [{k: v for k, v in row.items() if k in wanted} for row in rows]
     return rows
+
+
+# Windows in which a policy server's answers changed without a weight update (capture/gateway.py
+# writes one JSON line per window: backend, since, found, reason).
+WEIGHTS_UNVERIFIED_FILE = "weights_unverified.jsonl"
+
+
+def unverified_request_ids(out_dir: Path) -> set[str]:
+    """The calls a policy server answered while its weights were not the ones pushed: those
+    of OUT/turns whose backend is a window's and whose time (``started_at`` to
+    ``started_at + latency_s``) overlaps it (``since`` to ``found``)."""
+    windows: dict[str, list[tuple[float, float]]] = {}
+    try:
+        lines = (out_dir / WEIGHTS_UNVERIFIED_FILE).read_text().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        try:
+            window = json.loads(line)
+            span = (float(window["since"]), float(window["found"]))
+            windows.setdefault(str(window["backend"]), []).append(span)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a crash
+    turns = out_dir / "turns"
+    if not windows or not turns.is_dir():
+        return set()
+    wanted = ["request_id", "backend", "started_at", "latency_s"]
+    table = ds.dataset(str(turns), format="parquet").to_table(columns=wanted).to_pylist()
+    found = set()
+    for call in table:
+        start = call.get("started_at") or 0.0
+        end = start + (call.get("latency_s") or 0.0)
+        for since, until in windows.get(str(call.get("backend")), ()):
+            if start <= until and end >= since:
+                found.add(str(call["request_id"]))
+    return found
+
+
+def mark_unverified(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    """Set each row's ``weights_unverified`` where OUT holds windows of weights nobody pushed:
+    True where it trains a call a policy server answered in one (``unverified_request_ids``),
+    else False; select_rows leaves those rows out. Without windows rows are left as read."""
+    if not (out_dir / WEIGHTS_UNVERIFIED_FILE).is_file():
+        return
+    bad = unverified_request_ids(out_dir)
+    for row in rows:
+        trained = row.get("trained_request_ids") or ()
+        row["weights_unverified"] = bool(bad) and any(rid in bad for rid in trained)
 
 
 def to_batch(
@@ -228,12 +278,15 @@ def select_rows(
     """The rows :func:`to_rl_batch` batches: those of ``kinds`` (None: all), then, for rows
     without a reward, what ``missing_reward`` says (see there). Never a dead end with no visible
     output (``dead_reason`` ``"empty"``): its client asked again, and the retry's row is the
-    rollout's, so a trainer that groups per row counts the rollout once."""
+    rollout's, so a trainer that groups per row counts the rollout once. Never a row marked
+    ``weights_unverified`` (a policy server's weights changed without an update while it
+    sampled them: they are not the policy's)."""
     if missing_reward not in _MISSING_REWARDS:
         raise ValueError(
             f"missing_reward must be one of {_MISSING_REWARDS}, not {missing_reward!r}"
         )
     rows = [r for r in rows if r.get("dead_reason") != DEAD_EMPTY]
+    rows = [r for r in rows if not r.get("weights_unverified")]
     if kinds is not None:
         if isinstance(kinds, str):
             kinds = (kinds,)
