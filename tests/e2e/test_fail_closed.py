@@ -189,6 +189,8 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_sandbox": "docker",
     "agenttap_sandbox_hide": None,
     "agenttap_sandbox_expose": None,
+    "agenttap_weights_tolerance": "-0.1",
+    "agenttap_weights_check_s": "soon",
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
     "agenttap_max_staleness": "-1",

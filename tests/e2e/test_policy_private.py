@@ -177,11 +177,15 @@ def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> N
         # the socket. (Without a network namespace of its own, the worker's torch gloo
         # process groups would listen on a dozen loopback ports here.)
         assert tcp_listeners_of(group) == {}
-        assert tcp_listeners_of([os.getpid()]) == {}  # the scan itself finds what listens:
+        # The scan itself finds what listens: a listener of this process appears in it (beside
+        # those of the stubs other tests of this session started in this process).
+        before = tcp_listeners_of([os.getpid()])
         with socket.socket() as tcp:
             tcp.bind(("127.0.0.1", 0))
             tcp.listen()
-            assert tcp_listeners_of([os.getpid()]), "the scan missed a listener"
+            port = tcp.getsockname()[1]
+            added = set(tcp_listeners_of([os.getpid()]).values()) - set(before.values())
+            assert any(a.endswith(f":{port:04X}") for a in added), ("the scan missed it", added)
         # vLLM's ipc sockets and the workers' file store are in the private folder too.
         assert any(p.is_socket() and p.name != "vllm.sock" for p in folder.iterdir())
         # Through the socket, the dev-mode routes answer their owner (agenttap): a weight
