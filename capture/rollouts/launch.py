@@ -6,19 +6,19 @@ sandbox must show often lie under folders only root may enter (a Python installe
 Python (``-I``: nothing of the environment or the cwd is imported), does what needs root in a
 mount namespace of its own, then becomes the sandbox's user and execs bwrap:
 
-1. it joins the run's cgroups (writes its pid to each ``cgroup.procs`` given), so bwrap and
-   everything the agent starts are counted and limited there from the first instruction;
-2. it unshares its mount namespace (private: nothing it mounts is seen by the host), mounts a
+1. it unshares its mount namespace (private: nothing it mounts is seen by the host), mounts a
    tmpfs at the staging folder and binds each path bwrap needs there, under a number: the
    staging folder can be entered by the sandbox's user, the paths' own folders need not be;
-3. it sets the rlimits given (CPU seconds, file size, no core files);
-4. it drops root: no supplementary groups, the sandbox's gid and uid (real, effective, saved);
-5. it execs the command, in which each ``@STAGED:N@`` is replaced by the staged path N.
+2. it drops root: no supplementary groups, the sandbox's gid and uid (real, effective, saved);
+3. it execs the command, in which each ``@STAGED:N@`` is replaced by the staged path N.
+
+The run's cgroups and rlimits are applied before it, by the prefix capture/rollouts/limits.py
+gives (``RolloutCgroup.launch_prefix``), which execs this launcher.
 
     python -I launch.py SPEC_JSON
 
-The spec: ``{"cgroups": [procs files], "stage": folder, "binds": [paths], "rlimits": {"cpu":
-s, "fsize": bytes}, "uid": n, "gid": n, "argv": [...]}``. Standard library only.
+The spec: ``{"stage": folder, "binds": [paths], "uid": n, "gid": n, "argv": [...]}``.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import ctypes
 import ctypes.util
 import json
 import os
-import resource
 import sys
 
 MS_NOSUID = 2
@@ -46,12 +45,6 @@ def _fail(what: str, err: int | None = None) -> None:
 
 
 def main(spec: dict) -> None:
-    for procs in spec.get("cgroups", []):
-        try:
-            with open(procs, "w") as fh:
-                fh.write(str(os.getpid()))
-        except OSError as exc:
-            _fail(f"joining the cgroup {procs}", exc.errno)
     argv: list[str] = list(spec["argv"])
     binds: list[str] = spec.get("binds", [])
     if binds:
@@ -84,12 +77,6 @@ def main(spec: dict) -> None:
             mount(source, target, None, MS_BIND | MS_REC, None)
         staged = {PLACEHOLDER.format(i): os.path.join(stage, str(i)) for i in range(len(binds))}
         argv = [staged.get(arg, arg) for arg in argv]
-    limits = spec.get("rlimits", {})
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if limits.get("cpu"):
-        resource.setrlimit(resource.RLIMIT_CPU, (int(limits["cpu"]), int(limits["cpu"]) + 5))
-    if limits.get("fsize"):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limits["fsize"]), int(limits["fsize"])))
     uid, gid = spec.get("uid"), spec.get("gid")
     if gid is not None:
         os.setgroups([])

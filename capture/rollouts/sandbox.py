@@ -237,14 +237,12 @@ def sandbox_argv(
     *,
     uid: int | None = None,
     stage: Path | None = None,
-    cgroups: tuple[str, ...] = (),
-    rlimits: dict[str, int] | None = None,
 ) -> list[str]:
     """The command that runs ``command`` in ``spec``'s sandbox. Without ``uid``: bwrap itself,
     run as this user. With ``uid`` (agenttap runs as root): capture/rollouts/launch.py, run as
-    root, joins ``cgroups`` (their ``cgroup.procs`` files), stages every path bwrap binds in
-    ``stage`` (an empty folder the sandbox's user can enter), sets ``rlimits`` (``cpu``
-    seconds, ``fsize`` bytes), becomes ``uid`` and execs bwrap."""
+    root, stages every path bwrap binds in ``stage`` (an empty folder the sandbox's user can
+    enter), becomes ``uid`` and execs bwrap. (The run's cgroups and rlimits come first, from
+    the prefix capture/rollouts/limits.py gives.)"""
     if uid is None:
         return bwrap_argv(spec, command, bwrap, info_fd=info_fd)
     if stage is None:
@@ -257,10 +255,8 @@ def sandbox_argv(
 
     argv = bwrap_argv(spec, command, bwrap, info_fd=info_fd, source=staged)
     launch = {
-        "cgroups": list(cgroups),
         "stage": str(stage),
         "binds": binds,
-        "rlimits": rlimits or {},
         "uid": uid,
         "gid": uid,
         "argv": argv,
