@@ -71,6 +71,9 @@ if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   bash scripts/install_clients.sh >/dev/null
   # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
   bash scripts/setup_agents.sh
+  # Harbor (Terminus-2 trials), pinned, in .venv-harbor: its own LiteLLM and Pydantic pins.
+  bash scripts/setup_harbor.sh
+  command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"
 fi
 # The trainer's side (capture/train: TRL, verl, the logprob check) in .venv-train, Python 3.11
 # with the CPU torch: the proxy's .venv stays torch-free.
