@@ -71,6 +71,7 @@ if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   bash scripts/install_clients.sh >/dev/null
   # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
   bash scripts/setup_agents.sh
+  bash scripts/setup_openhands.sh  # OpenHands (its CLI, headless), pinned, in .venv-openhands
   # Harbor (Terminus-2 trials), pinned, in .venv-harbor: its own LiteLLM and Pydantic pins.
   bash scripts/setup_harbor.sh
   command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"

@@ -1,0 +1,135 @@
+"""The real OpenHands CLI, headless (``openhands --headless --override-with-envs -t TASK``: the
+OpenHands SDK's default CLI agent, LiteLLM's OpenAI route, its tools run on this machine, no
+Docker), through the real proxy, answered by the scripted stub: a four-turn task (view the file
+with its file editor, run a command in its terminal, edit the file, finish). OpenHands is
+installed in .venv-openhands by scripts/setup_openhands.sh.
+
+It runs as a user runs it headless: HTTPS_PROXY (the session as the proxy username),
+SSL_CERT_FILE for the proxy's CA, a fresh HOME, and its own switches: LLM_MODEL and a dummy
+LLM_API_KEY (read only with --override-with-envs; without a saved configuration a headless run
+needs both), LITELLM_LOCAL_MODEL_COST_MAP (LiteLLM's own copy of its cost map, not GitHub's) and
+OPENHANDS_SUPPRESS_BANNER.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, Proxy
+from tests.e2e.test_anthropic_sdk_stub import hermes
+from tests.e2e.test_trajectory_vllm import _assert_exact
+from tests.scaffold_task import DONE, TASK, check_trained_exactly_once, sampled, seed
+from tests.stub_vllm import StubPolicy
+
+OPENHANDS = REPO / ".venv-openhands" / "bin" / "openhands"
+MODEL = "openai/gpt-4o"
+# What a headless run needs beyond the proxy and the CA.
+SWITCHES = {
+    "LLM_MODEL": MODEL,
+    "LLM_API_KEY": "sk-agenttap-openhands-key",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "OPENHANDS_SUPPRESS_BANNER": "1",
+}
+# OpenHands' system prompt ends with the folder it works in; its file editor wants absolute paths.
+WORKDIR_LINE = re.compile(r"Your current working directory is: (\S+)")
+
+
+def openhands_steps(workdir: str) -> list[str]:
+    """The task as OpenHands' tools take it: ``file_editor`` (absolute paths), ``terminal``,
+    ``finish``. Its tools that act require a ``security_risk`` (its LLM security analyzer's
+    field; a call without one is refused and asked again)."""
+    notes = f"{workdir.rstrip('/')}/notes.txt"
+    return [
+        "I'll read the notes first.\n"
+        + hermes("file_editor", {"command": "view", "path": notes, "security_risk": "LOW"}),
+        hermes("terminal", {"command": "wc -l notes.txt", "security_risk": "LOW"}),
+        hermes(
+            "file_editor",
+            {
+                "command": "str_replace",
+                "path": notes,
+                "old_str": "beta",
+                "new_str": "gamma",
+                "security_risk": "LOW",
+            },
+        ),
+        hermes("finish", {"message": "Replaced beta with gamma in notes.txt."}),
+    ]
+
+
+def openhands_rule(stub: StubPolicy) -> Callable[[dict[str, Any]], str | None]:
+    """Answers this task's calls by how far the conversation got (the tool results in its
+    prompt), in the folder its system prompt names, so parallel rollouts each get the whole
+    script. Other tests' calls are left to their own scripts."""
+
+    def rule(body: dict[str, Any]) -> str | None:
+        text = stub.tok.decode(body["prompt"])
+        found = WORKDIR_LINE.search(text)
+        if TASK not in text or found is None:
+            return None
+        steps = openhands_steps(found.group(1))
+        return steps[min(text.count("<tool_response>"), len(steps) - 1)]
+
+    return rule
+
+
+@pytest.fixture(scope="module")
+def openhands() -> Path:
+    assert OPENHANDS.exists(), (
+        f"OpenHands is not installed at {OPENHANDS}: run scripts/setup.sh (setup_openhands.sh)"
+    )
+    return OPENHANDS
+
+
+def run_openhands(
+    openhands: Path, proxy: Proxy, session: str, workdir: Path, task: str = TASK
+) -> subprocess.CompletedProcess[str]:
+    home = workdir.parent / f"{workdir.name}-home"
+    home.mkdir(exist_ok=True)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{proxy.port}",
+        "SSL_CERT_FILE": str(proxy.ca),
+        **SWITCHES,
+    }
+    return subprocess.run(
+        [str(openhands), "--headless", "--override-with-envs", "--json", "-t", task],
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+
+
+def test_openhands_does_a_four_turn_task(
+    openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    session = "openhands-four-turns"
+    workdir = seed(tmp_path / "work")
+    steps = openhands_steps(str(workdir))
+    stub.replies.clear()
+    stub.script(*steps)
+    n = len(stub.requests)
+    done = run_openhands(openhands, stub_proxy, session, workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE
+    assert len(stub.requests) - n == 4 and not stub.replies
+
+    turns = stub_proxy.turns(session, expect=4)
+    (row,) = stub_proxy.threads(session, expect=1)
+    check_trained_exactly_once([row], turns)
+    assert row["thread_kind"] == "main" and row["num_turns"] == 4 and not row["dead"]
+    assert {t["protocol"] for t in turns} == {"openai.chat"}
+    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 3
+    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in steps]
+    # The tools' results come back as tool messages: the file's lines, the count, the edit.
+    last = stub.tok.decode(turns[-1]["prompt_ids"])
+    assert last.count("<tool_response>") == 3
+    assert "2 notes.txt" in last and "has been edited" in last
