@@ -1,0 +1,169 @@
+"""Terminus-2 as Harbor runs it (``harbor run --path TASK --agent terminus-2``), through the
+real proxy, answered by the scripted stub, in agenttap's Harbor environment (the trial in a
+bubblewrap sandbox: capture/rollouts/harbor_env.py; no Docker here). Harbor is installed in
+.venv-harbor by scripts/setup_harbor.sh.
+
+The task is tests/scaffold_task.py's as a Harbor task folder: ``instruction.md``, ``task.toml``,
+``environment/notes.txt`` (the seed, put in the workdir ``/app``) and ``tests/test.sh`` (writes
+the reward to ``/logs/verifier/reward.txt``). Terminus-2 has no tools: each answer is JSON with
+``analysis``, ``plan``, ``commands`` (keystrokes typed into a tmux session in the sandbox) and
+``task_complete``; a first ``task_complete`` is answered with a confirmation question, a second
+ends the trial. So four steps (read, run, edit, finish) are five calls.
+
+Harbor runs as a user runs it: HTTPS_PROXY, SSL_CERT_FILE for the proxy's CA, OPENAI_API_KEY,
+LITELLM_LOCAL_MODEL_COST_MAP (LiteLLM's own copy of its cost map, not GitHub's), a fresh HOME,
+and PYTHONPATH holding this repository (for the environment's import path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, Proxy
+from tests.scaffold_task import SEED, TASK, check_trained_exactly_once, sampled
+from tests.stub_vllm import StubPolicy
+
+HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
+ENVIRONMENT = "capture.rollouts.harbor_env:SandboxEnvironment"
+# The verifier: reward 1 when beta became gamma in the workdir.
+TEST_SH = """#!/bin/bash
+if [ "$(cat /app/notes.txt)" = "$(printf 'alpha\\ngamma')" ]; then r=1; else r=0; fi
+echo "$r" > /logs/verifier/reward.txt
+"""
+TASK_TOML = """version = "1.0"
+
+[agent]
+timeout_sec = 120.0
+
+[verifier]
+timeout_sec = 60.0
+
+[environment]
+network_mode = "no-network"
+"""
+
+
+def answer(plan: str, keystrokes: str | None, complete: bool = False) -> str:
+    """One Terminus-2 answer in its JSON format."""
+    commands = [] if keystrokes is None else [{"keystrokes": keystrokes, "duration": 0.1}]
+    return json.dumps(
+        {
+            "analysis": f"Step: {plan}",
+            "plan": plan,
+            "commands": commands,
+            "task_complete": complete,
+        },
+        indent=2,
+    )
+
+
+TERMINUS_STEPS = [
+    answer("Read the notes.", "cat notes.txt\n"),
+    answer("Count the lines.", "wc -l notes.txt\n"),
+    answer("Replace beta with gamma.", "sed -i 's/beta/gamma/' notes.txt\n"),
+    answer("The edit is done.", None, complete=True),
+    answer("Yes, the task is complete.", None, complete=True),
+]
+
+
+def harbor_task(folder: Path) -> Path:
+    (folder / "environment").mkdir(parents=True)
+    (folder / "tests").mkdir()
+    (folder / "instruction.md").write_text(TASK + "\n")
+    (folder / "task.toml").write_text(TASK_TOML)
+    (folder / "environment" / "notes.txt").write_text(SEED)
+    (folder / "tests" / "test.sh").write_text(TEST_SH)
+    return folder
+
+
+def step_rule(stub: StubPolicy) -> Any:
+    """Answers this task's calls by how many answers their prompt holds already."""
+
+    def rule(body: dict[str, Any]) -> str | None:
+        text = stub.tok.decode(body["prompt"])
+        if TASK not in text or "Terminal" not in text and "terminal" not in text:
+            return None
+        done = text.count("<|im_start|>assistant") - 1
+        return TERMINUS_STEPS[min(done, len(TERMINUS_STEPS) - 1)]
+
+    return rule
+
+
+@pytest.fixture(scope="module")
+def harbor() -> Path:
+    assert HARBOR.exists(), f"Harbor is not installed at {HARBOR}: run scripts/setup.sh"
+    return HARBOR
+
+
+@pytest.fixture
+def scripted(stub: StubPolicy) -> Any:
+    rule = step_rule(stub)
+    stub.rules.insert(0, rule)
+    yield
+    stub.rules.remove(rule)
+
+
+def run_harbor(
+    harbor: Path, proxy: Proxy, user: str | None, folder: Path, *extra: str
+) -> list[dict[str, Any]]:
+    """``harbor run`` on the task; each trial's result.json."""
+    home = folder / "home"
+    home.mkdir()
+    jobs = folder / "jobs"
+    auth = f"{user}:x@" if user is not None else ""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HTTPS_PROXY": f"http://{auth}127.0.0.1:{proxy.port}",
+        "SSL_CERT_FILE": str(proxy.ca),
+        "OPENAI_API_KEY": "sk-agenttap-harbor-key",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "PYTHONPATH": str(REPO),
+    }
+    done = subprocess.run(
+        [
+            str(harbor), "run", "--path", str(harbor_task(folder / "task")),
+            "--agent", "terminus-2", "--model", "openai/gpt-4o", "--env", ENVIRONMENT,
+            "--jobs-dir", str(jobs), "--yes", "--quiet", *extra,
+        ],
+        cwd=folder, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    trials = [
+        json.loads(p.read_text())
+        for p in jobs.glob("*/*/result.json")
+        if p.parent.name != jobs.name
+    ]
+    assert trials, f"no trial results under {jobs}:\n{done.stdout[-3000:]}"
+    return trials
+
+
+@pytest.mark.usefixtures("scripted")
+def test_terminus_2_does_a_four_step_task_in_the_sandbox(
+    harbor: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    session = "harbor-terminus-four-steps"
+    n = len(stub.requests)
+    (trial,) = run_harbor(harbor, stub_proxy, session, tmp_path)
+    assert trial.get("exception_info") is None, trial["exception_info"]
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert len(stub.requests) - n == 5
+
+    turns = stub_proxy.turns(session, expect=5)
+    rows = stub_proxy.threads(session, expect=1)
+    check_trained_exactly_once(rows, turns)
+    (row,) = rows
+    assert row["thread_kind"] == "main" and row["num_turns"] == 5 and not row["dead"]
+    assert {t["protocol"] for t in turns} == {"openai.chat"}
+    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 4
+    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in TERMINUS_STEPS]
+    # What the terminal showed came back: the file, the count, the confirmation question.
+    last = stub.tok.decode(turns[-1]["prompt_ids"])
+    assert "2 notes.txt" in last and "Are you sure you want to mark the task as complete" in last
