@@ -35,26 +35,44 @@ def probe_ids(tokenizer: Any = None) -> list[int]:
     return [int(i) for i in ids[:MAX_PROBE_TOKENS]]
 
 
+def plain_forward(model: Any) -> Any:
+    """``model``'s forward as its weights define it, without what a trainer wrapped around it:
+    the module a DataParallel / DistributedDataParallel wrapper holds, and the forward before
+    accelerate's mixed-precision wrapper (``Accelerator.prepare`` with ``bf16``/``fp16``, which
+    TRL's ``GRPOConfig`` turns on by default, replaces ``model.forward`` by one that runs in
+    ``torch.autocast`` and keeps the original as ``model._original_forward``)."""
+    while type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(
+        model, "module"
+    ):
+        model = model.module
+    return vars(model).get("_original_forward") or model.forward
+
+
 def weights_probe(
     model: Any, tokenizer: Any = None, ids: list[int] | None = None
 ) -> dict[str, Any]:
     """``{"ids", "logprobs"}``: the logprob ``model`` (a causal LM in memory: transformers, a
-    PEFT model) gives each id given the ones before it, the first None. Computed in fp32 from
-    the model's logits, in eval mode, without gradients; the model's mode is restored."""
+    PEFT model; as a trainer holds it, wrapped or not) gives each id given the ones before it,
+    the first None. The logprobs of its weights as they are, the way a policy server loads them
+    from the folder ``save_pretrained`` writes: in eval mode (no dropout), without gradients,
+    outside any autocast (a trainer's mixed precision would move them by ~0.05 in bf16: the
+    servers compute in the weights' own dtype), the logits taken to fp32. Each module's mode
+    is restored."""
     import torch
 
     ids = list(ids) if ids is not None else probe_ids(tokenizer)
     if len(ids) < 2:
         raise ValueError("a probe needs at least 2 token ids")
     device = next(model.parameters()).device
-    was_training = bool(getattr(model, "training", False))
+    forward = plain_forward(model)
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=device)).logits[0].float()
+        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
+            logits = forward(torch.tensor([ids], device=device)).logits[0].float()
     finally:
-        if was_training:
-            model.train()
+        for module, training in modes:  # each as it was (a trainer may keep some in eval)
+            module.train(training)
     logp = torch.log_softmax(logits[:-1], dim=-1)
     picked = logp.gather(1, torch.tensor(ids[1:], device=device).unsqueeze(1)).squeeze(1)
     return {"ids": ids, "logprobs": [None, *(float(x) for x in picked.cpu().tolist())]}
