@@ -289,13 +289,15 @@ class AgentTap:
         timeout_s: float | None = None,
         id: str | None = None,
         wait: bool = True,
+        seed: int | None = None,
     ) -> dict[str, Any]:
         """Run ``n`` agents (``claude-code``, ``codex``, ``gemini``, ``opencode``,
         ``mini-swe-agent`` or ``{"command": [...]}``) on ``prompt``, each in a fresh copy of
         ``workdir``, scored by ``verifier`` (a command,
         its last stdout line the reward; or the route's whole ``{"command", "restore",
         "on_error"}``); returns, once all have ended (``wait``), each one's status,
-        finish_reason, reward, metrics and rows."""
+        finish_reason, reward, metrics and rows. ``seed``: the policy's sampling is seeded
+        (each agent's calls their own way), so the same prompts sample the same tokens."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
         optional = {
             # The proxy's working directory is not the caller's: relative to the caller.
@@ -307,6 +309,7 @@ class AgentTap:
             ),
             "timeout_s": timeout_s,
             "id": id,
+            "seed": seed,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         return self.client.request("POST", "/rollouts", body, timeout=None if wait else -1.0)[0]

@@ -22,11 +22,14 @@ a call's ``max_tokens`` is lowered to what is left of the budget, so the budget 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import secrets
 import time
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,6 +62,25 @@ class Limits:
     max_calls: int | None = None
     max_tokens: int | None = None
     deadline_s: float | None = None
+
+
+def _seed_of(*parts: bytes) -> int:
+    """A sampling seed (0 to 2**31 - 1, within what every server takes) from ``parts``."""
+    digest = hashlib.blake2b(b"\x00".join(parts), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def agent_seed(seed: int, index: int) -> int:
+    """The seed of agent ``index`` of a rollout seeded ``seed`` (``POST /rollouts`` ``seed``)."""
+    return _seed_of(b"agent", str(seed).encode(), str(index).encode())
+
+
+def call_seed(seed: int, prompt_ids: Sequence[int]) -> int:
+    """The seed of a call with ``prompt_ids`` in a session seeded ``seed``: from the prompt, not
+    the call's place, so calls an agent makes at once get the same seeds in every run whatever
+    order they reach the policy in (the same prompt twice in a session: the same seed)."""
+    ids = array("q", prompt_ids).tobytes()
+    return _seed_of(b"call", str(seed).encode(), ids)
 
 
 def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "field") -> None:
@@ -183,8 +205,12 @@ class ControlledSession:
     closed_by: str | None = None
     close_reward: Any = None
     late_rewards: int = 0
+    # Its calls' sampling is seeded from this (call_seed) where the call names no seed of its
+    # own; None: the policy's own randomness.
+    seed: int | None = None
 
     def summary(self) -> dict[str, Any]:
+        seeded = {} if self.seed is None else {"seed": self.seed}
         return {
             "id": self.id,
             "opened": self.opened,
@@ -197,6 +223,7 @@ class ControlledSession:
             "in_flight": self.in_flight,
             "last_active_at": self.last_active_at,
             "metrics": self.metrics.as_dict(),
+            **seeded,
         }
 
 
@@ -370,6 +397,13 @@ class SessionControl:
         ):
             return END_STALE
         return None
+
+    def sampling_seed(self, session_id: str, prompt_ids: Sequence[int]) -> int | None:
+        """The seed for a call of ``session_id`` with ``prompt_ids``; None: it is not seeded."""
+        sess = self._live.get(session_id)
+        if sess is None or sess.seed is None:
+            return None
+        return call_seed(sess.seed, prompt_ids)
 
     def tokens_left(self, session_id: str) -> int | None:
         """Sampled tokens the session may still use (None: no token limit)."""

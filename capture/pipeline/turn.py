@@ -309,6 +309,10 @@ class TurnPipeline(TurnRecording):
                 self.metrics.errors.labels("prompt_too_long").inc()
                 return provider.prompt_too_long(len(assembly.prompt_ids), info.max_model_len)
             await self._recompute(client, assembly)
+            if chat.sampling.seed is None:  # a seeded rollout's call (POST /rollouts "seed")
+                chat.sampling.seed = self.control.sampling_seed(
+                    parsed.session_id, assembly.prompt_ids
+                )
         except RequestError as exc:
             return self._bad_request(provider, exc)
         except PolicyError as exc:

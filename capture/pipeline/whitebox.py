@@ -128,6 +128,8 @@ async def _generate(
     left = pipeline.control.tokens_left(session_id)
     if left is not None:
         sampling.max_tokens = min(sampling.max_tokens or left, left)
+    if sampling.seed is None:  # a seeded rollout's call (POST /rollouts "seed")
+        sampling.seed = pipeline.control.sampling_seed(session_id, ids)
     client = pipeline.policies.client_for(session_id, model)
     try:
         info = await client.info()

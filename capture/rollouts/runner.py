@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.control.endpoints import Endpoints
-from capture.control.sessions import END_STOP, parse_limits
+from capture.control.sessions import END_STOP, agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.ports import RolloutHost
 from capture.rollouts.agents import prepare_home
@@ -244,7 +244,9 @@ class Rollouts:
         for i in range(spec.n):
             sid = f"{spec.id}-{i}"
             metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
-            self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
+            sess = self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
+            if spec.seed is not None:  # each agent samples its own way, the same in every run
+                sess.seed = agent_seed(spec.seed, i)
             if spec.egress == EGRESS_PUBLIC:
                 self.api.gateway.egress_public.add(sid)
             runs.append(Run(i, sid, self.root / spec.id / str(i)))

@@ -55,6 +55,9 @@ class RolloutSpec:
     egress: str = "none"
     timeout_s: float = 3600.0
     id: str = ""
+    # Seeds the policy's sampling: each agent's session gets a seed of its own from it
+    # (capture.control.sessions.agent_seed), each call one from that and its prompt. None: not.
+    seed: int | None = None
 
 
 def parse_rollout(body: Any) -> RolloutSpec:
@@ -63,7 +66,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
         raise ValueError("the body must be a JSON object")
     known = (
         "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
-        "expose", "egress",
+        "expose", "egress", "seed",
     )  # fmt: skip
     reject_unknown(body, (*known, "timeout_s", "wait"))
     prompt = body.get("prompt")
@@ -142,6 +145,9 @@ def parse_rollout(body: Any) -> RolloutSpec:
     rollout_id = body.get("id")
     if rollout_id is not None:
         check_session_id(rollout_id)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError('"seed" must be a whole number (the same seed, the same samples)')
     return RolloutSpec(
         agent=body.get("agent"),
         prompt=prompt,
@@ -160,6 +166,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
         egress=egress,
         timeout_s=float(timeout),
         id=rollout_id or "r-" + uuid.uuid4().hex[:12],
+        seed=seed,
     )
 
 

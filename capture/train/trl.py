@@ -40,6 +40,14 @@ shape) but, unscorable, it moves nothing. A rollout that made no row at all (the
 reached the policy) returns a one-token stand-in (``filler_id``) with ``env_mask`` 0 and
 reward None. A failed ``POST /rollouts`` (the proxy refused it) raises ``AgentTapError``.
 
+**Seeds.** With ``seed`` (``make_rollout_func(..., seed=N)``), a run repeats on the same
+machine: each rollout is ``POST /rollouts`` with a ``seed`` from ``N``, the trainer's step and
+the task's place in the step (agenttap gives each agent, and each of its calls, a seed of its
+own from it: vLLM samples the same tokens for the same prompt), and an ``id`` named by the
+same three, ``s{N}-step{STEP}-{K}``, because an agent's prompt holds its folder's path
+(``OUT/rollouts/ID/...``): with the same OUT folder the prompts are the same. A seeded run
+needs a fresh agenttap (its rollout ids must be new there).
+
 **Verifiers.** ``verifier`` is a command (run by agenttap in the agent's copy of the workdir;
 its last output line is the reward), the route's whole ``{"command", "restore", "on_error"}``,
 or a Python function ``verifier(prompt, run) -> float | None`` called here with the rollout's
@@ -52,6 +60,7 @@ No torch and no TRL import here: the function only moves token ids and numbers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -144,6 +153,7 @@ class AgentTapRolloutFunc:
         metadata: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         filler_id: int | None = None,
+        seed: int | None = None,
     ) -> None:
         self.tap = tap
         self.agent = agent
@@ -153,6 +163,8 @@ class AgentTapRolloutFunc:
         self.metadata = metadata or {}
         self.timeout_s = timeout_s
         self.filler_id = filler_id
+        self.seed = seed
+        self.calls = 0  # the rollout function's calls so far: the step where TRL gives none
         self.last = RolloutStats()
 
     def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, list[Any]]:
@@ -160,6 +172,7 @@ class AgentTapRolloutFunc:
         groups = group_prompts(prompts)
         step = getattr(getattr(trainer, "state", None), "global_step", None)
         answers = self._run_groups(groups, step)
+        self.calls += 1
         filler_id = self._filler_id(trainer)
         samples: list[dict[str, Any] | None] = [None] * len(prompts)
         stats = RolloutStats(rollouts=len(groups), agents=len(prompts))
@@ -198,6 +211,7 @@ class AgentTapRolloutFunc:
         """Start one rollout per task (n = its prompts), all at once where the proxy's cap
         allows, and wait for every one; their answers, in the order of ``groups``."""
         pending = list(enumerate(groups.items()))
+        at = step if step is not None else self.calls
         running: dict[int, str] = {}
         answers: dict[int, dict[str, Any]] = {}
         while pending or running:
@@ -206,10 +220,18 @@ class AgentTapRolloutFunc:
                 try:
                     agent = self.agent(task) if callable(self.agent) else self.agent
                     started = self.tap.rollout(
-                        agent, task, n=len(positions), wait=False, **self._options(task, step)
-                    )
+                        agent, task, n=len(positions), wait=False,
+                        **self._options(task, step), **self._seeded(at, index),
+                    )  # fmt: skip
                 except AgentTapError as exc:
                     if exc.status != 429:
+                        if self.seed is not None and "in use" in str(exc):
+                            raise AgentTapError(
+                                f"{exc}: a seeded run names its rollouts by seed, step and task "
+                                "(their prompts hold the name); run it on a fresh agenttap, "
+                                "or give another seed",
+                                exc.status,
+                            ) from exc
                         raise
                     if not running:  # the cap is held by others: try again shortly
                         time.sleep(BUSY_RETRY_S)
@@ -238,6 +260,16 @@ class AgentTapRolloutFunc:
             "timeout_s": self.timeout_s,
         }
 
+    def _seeded(self, step: int, index: int) -> dict[str, Any]:
+        """A seeded run's rollout ``seed`` and ``id`` for task ``index`` of ``step``; {} when
+        the run is not seeded."""
+        if self.seed is None:
+            return {}
+        return {
+            "seed": rollout_seed(self.seed, step, index),
+            "id": f"s{self.seed}-step{step}-{index}",
+        }
+
     def _reward(self, task: str, run: dict[str, Any]) -> float | None:
         if not callable(self.verifier):
             return finite_reward(run.get("reward"))
@@ -261,6 +293,12 @@ class AgentTapRolloutFunc:
         return DEFAULT_FILLER_ID
 
 
+def rollout_seed(seed: int, step: int, index: int) -> int:
+    """The ``POST /rollouts`` seed of task ``index`` of ``step`` in a run seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
 def make_rollout_func(
     tap: AgentTap,
     *,
@@ -270,6 +308,7 @@ def make_rollout_func(
     limits: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
     timeout_s: float | None = None,
+    seed: int | None = None,
 ) -> AgentTapRolloutFunc:
     """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
     ``agent`` (``claude-code``, ``codex``, ``gemini``, ``opencode``, ``mini-swe-agent`` or
@@ -279,12 +318,12 @@ def make_rollout_func(
     it returns and how failures and missing rewards are handed on. ``limits``: each agent's
     session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
     every session's (``split`` "train" and the trainer's ``trainer_step`` are set unless
-    given)."""
+    given); ``seed``: the policy's sampling seeded, so a run repeats (see **Seeds**)."""
     if workdir is not None and not callable(workdir) and not Path(workdir).is_dir():
         raise ValueError(f"workdir {str(workdir)!r} is not a folder: give the task's folder")
     return AgentTapRolloutFunc(
         tap, agent=agent, workdir=workdir, verifier=verifier, limits=limits,
-        metadata=metadata, timeout_s=timeout_s,
+        metadata=metadata, timeout_s=timeout_s, seed=seed,
     )  # fmt: skip
 
 
