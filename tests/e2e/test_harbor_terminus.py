@@ -167,3 +167,31 @@ def test_terminus_2_does_a_four_step_task_in_the_sandbox(
     # What the terminal showed came back: the file, the count, the confirmation question.
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert "2 notes.txt" in last and "Are you sure you want to mark the task as complete" in last
+
+
+def check_trial(stub_proxy: Proxy, stub: StubPolicy, session: str) -> None:
+    """One trial's rows: one main row of the five calls, each trained once."""
+    turns = stub_proxy.turns(session, expect=5)
+    rows = stub_proxy.threads(session, expect=1)
+    check_trained_exactly_once(rows, turns)
+    assert [(r["thread_kind"], r["num_turns"]) for r in rows] == [("main", 5)]
+    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in TERMINUS_STEPS]
+
+
+@pytest.mark.usefixtures("scripted")
+def test_each_trial_is_its_own_session(
+    harbor: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """Two attempts of the task run at once by one ``harbor run``, with no session in the proxy
+    URL: Terminus-2 names each trial in the ``X-Session-ID`` header it is told to send, and the
+    proxy keeps each trial's calls in a session of that name."""
+    trials = run_harbor(
+        harbor, stub_proxy, None, tmp_path,
+        "--n-attempts", "2", "--n-concurrent", "2",
+        "--ak", 'session_id_headers=["X-Session-ID"]',
+    )  # fmt: skip
+    assert len({t["trial_name"] for t in trials}) == 2
+    for trial in trials:
+        assert trial.get("exception_info") is None, trial["exception_info"]
+        assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+        check_trial(stub_proxy, stub, f"x-session-id:{trial['trial_name']}__agent")

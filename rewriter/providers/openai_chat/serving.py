@@ -57,6 +57,9 @@ def openai_models_body(names: list[str], model_id: str) -> dict[str, Any]:
 class OpenAIChat(OpenAIErrors, Provider[ProviderTurn]):
     name = "openai.chat"
     hosts = ("api.openai.com",)
+    # Harbor's Terminus-2 names each trial here (--ak 'session_id_headers=["X-Session-ID"]'),
+    # as vLLM's router reads it for session affinity.
+    session_headers = {"X-Session-ID": "x-session-id"}
     served = "POST /v1/chat/completions and GET /v1/models"
 
     def match(self, call: Call) -> Route | None:
