@@ -113,6 +113,7 @@ def openapi_spec(server: str) -> dict[str, Any]:
                                             "gemini",
                                             "opencode",
                                             "mini-swe-agent",
+                                            "openhands",
                                         ],
                                     },
                                     {

@@ -3,8 +3,9 @@ flags that make it run without asking (permissions, sandbox, trust).
 
 Checked against the versions the setup scripts pin (Claude Code 2.1.330, Codex 0.169.0, Gemini
 CLI 0.61.0, OpenCode 1.18.33 in ``scripts/install_clients.sh``; mini-swe-agent 2.4.6 in
-``scripts/setup_agents.sh``) by ``tests/e2e/test_rollouts.py`` and
-``tests/e2e/test_rollouts_scaffolds.py``. Each agent runs in proxy mode: the session's ``env``
+``scripts/setup_agents.sh``; OpenHands 1.16.0 in ``scripts/setup_openhands.sh``) by
+``tests/e2e/test_rollouts.py``, ``tests/e2e/test_rollouts_scaffolds.py`` and
+``tests/e2e/test_rollouts_openhands.py``. Each agent runs in proxy mode: the session's ``env``
 (capture/control/endpoints.py ``Endpoints.env``) carries the proxy, the CA under every name
 these CLIs read it from, and its session's secret as the keys; each gets a fresh ``HOME`` (what
 an agent needs in it before it starts is written by ``prepare_home``) so no earlier run's
@@ -26,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 PINNED_BIN = REPO / ".cache" / "node" / "node_modules" / ".bin"
 # Where scripts/setup_agents.sh puts the pinned Python scaffolds (a venv apart from the proxy's).
 AGENTS_VENV_BIN = REPO / ".venv-agents" / "bin"
+# Where scripts/setup_openhands.sh puts the pinned OpenHands CLI (a venv of its own).
+OPENHANDS_VENV_BIN = REPO / ".venv-openhands" / "bin"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,27 @@ OPENCODE_CONFIG = {
     "share": "disabled",
 }
 
+# OpenHands' saved configuration (~/.openhands/agent_settings.json, what its first-run setup
+# writes): the CLI's default agent (its terminal, file editor, task tracker and sub-agent tools,
+# the CLI system prompt with the security-risk field, the summarizing condenser) on LiteLLM's
+# OpenAI route. No api_key: LiteLLM then reads OPENAI_API_KEY, the session's key.
+OPENHANDS_SETTINGS = {
+    "llm": {"model": "openai/gpt-4o", "usage_id": "agent"},
+    "tools": [
+        {"name": "terminal"},
+        {"name": "file_editor"},
+        {"name": "task_tracker"},
+        {"name": "task_tool_set"},
+    ],
+    "system_prompt_kwargs": {"cli_mode": True, "llm_security_analyzer": True},
+    "condenser": {
+        "kind": "LLMSummarizingCondenser",
+        "llm": {"model": "openai/gpt-4o", "usage_id": "condenser"},
+        "max_size": 80,
+        "keep_first": 4,
+    },
+    "kind": "Agent",
+}
 
 AGENTS: dict[str, Agent] = {
     # -p: print mode, one task, then exit. As root, --dangerously-skip-permissions is refused,
@@ -153,6 +177,28 @@ AGENTS: dict[str, Agent] = {
         },
         pinned=AGENTS_VENV_BIN,
         installer="scripts/setup_agents.sh",
+    ),
+    # openhands --headless: one task, then exit, every action approved (no UI, no critic);
+    # --json prints its events as JSON lines (agent.log); --task=PROMPT keeps a prompt starting
+    # with - the task. Its tools run in the sandbox, in the run's workdir (its current folder).
+    # Its configuration comes from HOME; LiteLLM reads its own copy of its model cost map (no
+    # fetch from GitHub). At start it tries to clone its public skills from GitHub and to ask
+    # PyPI for a newer version: both refused by the proxy (403), and it goes on without them.
+    # Its terminal is a tmux session, whose shell tmux takes from SHELL, else from the user's
+    # passwd entry: the sandbox's user (nobody) has nologin there, which exits at once and
+    # takes the tmux server with it.
+    "openhands": Agent(
+        "openhands",
+        "openhands",
+        lambda prompt: ["--headless", "--json", f"--task={prompt}"],
+        {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "OPENHANDS_SUPPRESS_BANNER": "1",
+            "SHELL": "/bin/bash",
+        },
+        {".openhands/agent_settings.json": json.dumps(OPENHANDS_SETTINGS, indent=2) + "\n"},
+        pinned=OPENHANDS_VENV_BIN,
+        installer="scripts/setup_openhands.sh",
     ),
 }
 

@@ -1,9 +1,9 @@
 """The rollout routes of the control API (capture/rollouts/runner.py runs them):
 
 - ``POST /rollouts`` ``{"agent": "claude-code" | "codex" | "gemini" | "opencode" |
-  "mini-swe-agent" | {"command": [...]}, "prompt", "workdir"?, "n"?, "limits"?, "metadata"?,
-  "verifier"?: {"command": [...], "restore"?: ["tests/", ...]}, "sandbox"?: "bwrap" | "none",
-  "id"?, "timeout_s"?, "wait"?}``:
+  "mini-swe-agent" | "openhands" | {"command": [...]}, "prompt", "workdir"?, "n"?, "limits"?,
+  "metadata"?, "verifier"?: {"command": [...], "restore"?: ["tests/", ...]}, "sandbox"?:
+  "bwrap" | "none", "id"?, "timeout_s"?, "wait"?}``:
   runs ``n`` agents (one group id: the rollout's id), each sandboxed unless ``"sandbox":
   "none"``, and answers, once all have ended, with each one's status, ``finish_reason``
   (``stop``, ``max_calls``, ``max_tokens``, ``deadline``, ``error``, ``cancelled``), reward,

@@ -27,7 +27,9 @@ def test_each_cli_runs_headless_with_its_switches() -> None:
         ["python", "agent.py", "task"],
         {},
     )
-    assert set(AGENTS) == {"claude-code", "codex", "gemini", "opencode", "mini-swe-agent"}
+    assert set(AGENTS) == {
+        *("claude-code", "codex", "gemini", "opencode", "mini-swe-agent", "openhands"),
+    }
 
 
 @pytest.mark.parametrize(
