@@ -54,6 +54,49 @@ class CompletionDelta:
     more: bool = False
 
 
+def coalesce(pieces: list[CompletionDelta]) -> list[CompletionDelta]:
+    """The pieces of one read as few as can be: a run of pieces becomes one, with their texts,
+    ids, logprobs and weight spans one after the other (what vLLM itself sends when it lags
+    behind: several tokens in a chunk). A run ends at a piece with a finish reason, so what
+    follows an abort or a finish stays apart. Extending a :class:`Completion` by the result
+    gives the same completion as by ``pieces``; the client gets one event where it would have
+    got one per token, while the proxy was busy or the client slow."""
+    if len(pieces) < 2:
+        return pieces
+    out: list[CompletionDelta] = []
+    run: list[CompletionDelta] = []
+    for piece in pieces:
+        run.append(piece)
+        if piece.finish_reason is not None:
+            out.append(_joined(run))
+            run = []
+    if run:
+        out.append(_joined(run))
+    return out
+
+
+def _joined(run: list[CompletionDelta]) -> CompletionDelta:
+    if len(run) == 1:
+        return run[0]
+    last = run[-1]
+    ids: list[int] = []
+    logprobs: list[float] = []
+    spans: list[WeightSpan] = []
+    for piece in run:
+        ids += piece.token_ids
+        logprobs += piece.logprobs
+        spans += piece.weight_versions
+    return CompletionDelta(
+        "".join(piece.text for piece in run),
+        ids,
+        logprobs,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        weight_versions=spans,
+        backend=last.backend,
+    )
+
+
 @dataclass
 class Completion:
     text: str = ""

@@ -39,6 +39,7 @@ from rewriter.vllm_answers import (
     answer_json,
     answer_object,
     checked_logprob,
+    coalesce,
     completions_delta,
     generate_delta,
     is_int,
@@ -510,9 +511,12 @@ class VLLMClient:
                         data = await resp.content.readany()
                 except TimeoutError as exc:  # ours, or the connection's read timeout
                     raise self._stalled() from exc
-                # Every line already here is parsed before any is yielded, so that each piece
-                # says whether another follows at once (``more``): a writer sends those in one
-                # write, as the policy's bytes came in one read.
+                # Every line already here is parsed before any is yielded: the tokens that came
+                # in one read (the policy ran ahead of this proxy or of its client) go on as one
+                # piece, one event to the client rather than one per token (``coalesce``); a
+                # reader that keeps up gets each token alone. Where a read holds more than one
+                # piece (a finish, then more), each says whether another follows at once
+                # (``more``): a writer sends those in one write.
                 batch: list[CompletionDelta] = []
                 error: PolicyError | None = None
                 done = False
@@ -537,6 +541,7 @@ class VLLMClient:
                             batch.append(delta)
                 except PolicyError as exc:
                     error = exc  # after the pieces before it, as they came
+                batch = coalesce(batch)
                 for i, delta in enumerate(batch):
                     delta.more = i < len(batch) - 1
                     yield delta

@@ -58,6 +58,9 @@ class StubPolicy:
         self.abandoned = 0
         self.abandoned_at: set[int] = set()  # indices in ``requests`` of the abandoned ones
         self.chunk_tokens = 1
+        # A policy that ran ahead of the proxy: a stream's token chunks all in one write, so
+        # that they wait in the proxy's socket together (each still a chunk of its own).
+        self.burst = False
         self.fault: str | None = None  # None, "garbage", "truncate", "stall" or "keepalive"
         self.fault_after = 0
         self.garbage = b"{not json"
@@ -344,6 +347,7 @@ class StubPolicy:
         size = max(1, self.chunk_tokens)
         starts = range(0, len(ids), size)
         pos = 0
+        held: list[bytes] = []  # the chunks of a burst
         for i, start in enumerate(starts):
             if self.fault and i == self.fault_after:
                 return await self._stream_fault(request, resp)
@@ -378,9 +382,15 @@ class StubPolicy:
             if last and not include_usage:
                 # As vLLM: the fingerprint rides on the usage chunk, or else on the last one.
                 chunk["system_fingerprint"] = "stub"
-            await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+            line = b"data: " + _dumps(chunk).encode() + b"\n\n"
+            if self.burst:
+                held.append(line)
+            else:
+                await resp.write(line)
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
+        if held:
+            await resp.write(b"".join(held))
         if include_usage:
             usage = {
                 "prompt_tokens": len(prompt),

@@ -145,10 +145,16 @@ def test_stream_with_sdk_helper(
     script(stub, "One two three four five.")
     client = stub_proxy.anthropic("anth-stream", monkeypatch)
     texts = []
-    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=USER) as s:
-        for text in s.text_stream:
-            texts.append(text)
-        final = s.get_final_message()
+    # A token every 50 ms: the proxy keeps up, so each goes out as it comes (tokens that came
+    # together go out together: tests/e2e/test_coalesced_stream.py).
+    stub.chunk_delay_s = 0.05
+    try:
+        with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=USER) as s:
+            for text in s.text_stream:
+                texts.append(text)
+            final = s.get_final_message()
+    finally:
+        stub.chunk_delay_s = 0.0
     assert len(texts) > 3  # token by token, not one blob
     assert "".join(texts) == "One two three four five."
     assert final.content[0].text == "One two three four five."

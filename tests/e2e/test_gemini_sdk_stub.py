@@ -120,15 +120,21 @@ def test_streamed_chunks_as_tokens_arrive(
 ) -> None:
     script(stub, "One two three four five.")
     gem = client(stub_proxy, "gem-stream", monkeypatch)
-    chunks = list(
-        gem.models.generate_content_stream(
-            model=MODEL,
-            contents="Count.",
-            config=types.GenerateContentConfig(
-                thinking_config=types.ThinkingConfig(thinking_budget=0)
-            ),
+    # A token every 50 ms: the proxy keeps up, so each goes out as it comes (tokens that came
+    # together go out together: tests/e2e/test_coalesced_stream.py).
+    stub.chunk_delay_s = 0.05
+    try:
+        chunks = list(
+            gem.models.generate_content_stream(
+                model=MODEL,
+                contents="Count.",
+                config=types.GenerateContentConfig(
+                    thinking_config=types.ThinkingConfig(thinking_budget=0)
+                ),
+            )
         )
-    )
+    finally:
+        stub.chunk_delay_s = 0.0
     texts = [c.text for c in chunks if c.text]
     assert len(texts) > 3  # token by token, not one blob
     assert "".join(texts) == "One two three four five."
