@@ -3,7 +3,8 @@
 
 - ``GET /replicas``: every server's state, ``max_inflight`` and ``queue``
 - ``POST /replicas`` ``{"url": "http://HOST:PORT"}``: a server joins once it completes a
-  1-token generation (its fingerprint taken then)
+  1-token generation (its fingerprint taken then); one whose fingerprint differs from the
+  pool's serving replicas stays out of rotation (409) until a weight update verifies it
 - ``DELETE /replicas?url=URL``: no new call goes there
 """
 
@@ -71,6 +72,25 @@ class ReplicaRoutes:
                 f"agenttap: the policy server at {replica.url} did not complete a 1-token "
                 f"generation ({replica.last_error}); start it (and resume it, if paused) "
                 "first, then add it",
+            )
+        differs = replicas.differs_from_pool(replica)
+        if differs:
+            # It joins out of rotation: its sessions would be sampled from other weights than
+            # the rows' weight version says. The next POST /policy/weights loads and checks
+            # the trainer's weights on it with the rest, which brings it in.
+            replica.unverified = replica.client.refuse = (
+                f"it serves other weights than the pool: {differs}"
+            )
+            logger.warning(
+                "agenttap: policy server %s added out of rotation: %s", replica.url, differs
+            )
+            return error(
+                409,
+                f"agenttap: the policy server at {replica.url} serves other weights than the "
+                f"pool ({differs}). It is in the pool but out of rotation: start it from the "
+                "checkpoint the others serve and add it again, or POST /policy/weights to load "
+                "the trainer's weights on every server (this one included); DELETE "
+                f"/replicas?url={replica.url} removes it",
             )
         logger.info("agenttap: policy server %s added", replica.url)
         return self.summary()

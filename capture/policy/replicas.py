@@ -426,6 +426,30 @@ class ReplicaSet:
             self.on_changed(replica, diff)
         return False
 
+    def differs_from_pool(self, replica: Replica) -> str:
+        """Why ``replica``, just fingerprinted, does not serve what the pool serves: its
+        fingerprint against a verified peer's on the same sequence ("" where they agree, or
+        where no peer in rotation has one to compare: then it is the pool's first word)."""
+        if replica.fingerprint is None:
+            return ""
+        for peer in self.replicas.values():
+            if (
+                peer is replica
+                or not peer.serving
+                or peer.fingerprint is None
+                or peer.fingerprint_ids != replica.fingerprint_ids
+            ):
+                continue
+            diff = max_abs_diff(replica.fingerprint, peer.fingerprint)
+            if diff <= self.tolerance:
+                return ""
+            return (
+                f"its logprobs for the fingerprint sequence are {diff:.3g} from those of "
+                f"{peer.url}, which serves {peer.client.weight_version!r} "
+                f"(agenttap_weights_tolerance {self.tolerance:g})"
+            )
+        return ""
+
     async def check_all(self, http: Any = None) -> dict[str, bool]:
         reps = list(self.replicas.values())
         results = await asyncio.gather(*(self.check(r) for r in reps))

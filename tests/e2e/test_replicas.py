@@ -149,6 +149,33 @@ def test_a_replica_is_added_and_removed_while_running(
     assert sum(len(s.requests) for s in stubs) == sum(before) + 1
 
 
+def test_a_replica_serving_other_weights_joins_out_of_rotation(
+    tap: AgentTap, stubs: list[StubPolicy]
+) -> None:
+    """A server started from another checkpoint than the pool serves (its fingerprint 0.5 off
+    the serving replicas') is not put in rotation: 409 naming the difference, /replicas says
+    it is unverified, and no session is placed there."""
+    api, token = tap.api_url, tap.token
+    stubs[2].shift = 0.5
+    try:
+        status, body = http(f"{api}/replicas", "POST", token, {"url": stubs[2].url})
+        message = body["error"]["message"]
+        assert status == 409 and "serves other weights than the pool" in message, body
+        assert "0.5" in message and "POST /policy/weights" in message
+        _, listed = http(f"{api}/replicas", token=token)
+        added = next(r for r in listed["replicas"] if r["url"] == stubs[2].url)
+        assert added["state"] == "unverified" and added["in_rotation"] is False
+        before = len(stubs[2].requests)
+        for k in range(4):
+            openai_client(tap, f"other-weights-{k}").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}]
+            )
+        assert len(stubs[2].requests) == before
+    finally:
+        stubs[2].shift = 0.0
+        http(f"{api}/replicas?url={stubs[2].url}", "DELETE", token)
+
+
 def test_a_full_replica_answers_the_providers_retryable_error(
     tap: AgentTap, stubs: list[StubPolicy]
 ) -> None:
