@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Proxy
+from capture.client.launcher import AgentTap
+from capture.rollouts.agents import OPENHANDS_SETTINGS
+from tests.conftest import REPO, Proxy, read_threads, read_turns
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import DONE, TASK, check_trained_exactly_once, sampled, seed
@@ -133,3 +135,78 @@ def test_openhands_does_a_four_turn_task(
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert last.count("<tool_response>") == 3
     assert "2 notes.txt" in last and "has been edited" in last
+
+
+def test_openhands_by_base_url(
+    openhands: Path, stub_tap: AgentTap, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """No proxy, no CA: the session's openai base URL as LLM_BASE_URL and its key as
+    LLM_API_KEY (both read with --override-with-envs); LiteLLM posts to BASE/chat/completions."""
+    workdir = seed(tmp_path / "work")
+    home = tmp_path / "home"
+    home.mkdir()
+    sess = stub_tap.open_session(metadata={"task_id": "openhands-base-url"})
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        **SWITCHES,
+        "LLM_BASE_URL": sess.base_urls["openai"],
+        "LLM_API_KEY": sess.api_key,
+    }
+    rule = openhands_rule(stub)
+    stub.rules.insert(0, rule)
+    try:
+        done = subprocess.run(
+            [str(openhands), "--headless", "--override-with-envs", "-t", TASK],
+            cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=240,
+        )  # fmt: skip
+    finally:
+        stub.rules.remove(rule)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE
+    rows = sess.close(reward=1.0).to_pylist()
+    (main,) = rows
+    assert main["thread_kind"] == "main" and main["num_turns"] == 4 and main["reward"] == 1.0
+    assert main["protocol"] == "openai.chat"
+    out = stub_tap.out
+    check_trained_exactly_once(read_threads(out, sess.id), read_turns(out, sess.id))
+
+
+@pytest.mark.vllm
+def test_openhands_against_the_real_policy(
+    openhands: Path, vllm_proxy: Proxy, vllm_url: str, tmp_path: Path
+) -> None:
+    """The random tiny policy answers text and calls no tool, which ends OpenHands' task: one
+    call, its ~8k-token prompt and answer in one main row holding vLLM's own logprobs
+    (re-scored here; the trainer's forward at the session's end). Its answer is capped through
+    its saved configuration (the rollout agent's, with max_output_tokens), so no env overrides."""
+    session = "openhands-vllm"
+    workdir = seed(tmp_path / "work")
+    home = tmp_path / "home"
+    settings = json.loads(json.dumps(OPENHANDS_SETTINGS))
+    settings["llm"]["max_output_tokens"] = 64
+    (home / ".openhands").mkdir(parents=True)
+    (home / ".openhands" / "agent_settings.json").write_text(json.dumps(settings))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{vllm_proxy.port}",
+        "SSL_CERT_FILE": str(vllm_proxy.ca),
+        "OPENAI_API_KEY": "sk-agenttap-openhands-key",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "OPENHANDS_SUPPRESS_BANNER": "1",
+    }
+    done = subprocess.run(
+        [str(openhands), "--headless", "--json", "-t", "Say hello."],
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    turns = vllm_proxy.turns(session, expect=1)
+    rows = vllm_proxy.threads(session, expect=1)
+    assert all(len(t["completion_ids"]) <= 64 for t in turns)
+    assert {r["thread_kind"] for r in rows} == {"main"}
+    diffs = [_assert_exact(row, turns, vllm_url, tolerance=1e-5) for row in rows]
+    print(f"openhands: {len(turns)} calls, {len(rows)} rows, max |diff| vs vLLM {max(diffs)}")
+    assert max(diffs) <= 1e-5
