@@ -26,7 +26,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Proxy
-from tests.scaffold_task import SEED, TASK, check_trained_exactly_once, sampled
+from tests.e2e.test_conservation_e2e import conservation
+from tests.scaffold_task import (
+    SEED,
+    TASK,
+    check_trained_exactly_once,
+    sampled,
+    stub_logprobs,
+)
 from tests.stub_vllm import StubPolicy
 
 HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
@@ -49,9 +56,9 @@ network_mode = "no-network"
 """
 
 
-def answer(plan: str, keystrokes: str | None, complete: bool = False) -> str:
+def answer(plan: str, keystrokes: str | None, complete: bool = False, duration: float = 0.1) -> str:
     """One Terminus-2 answer in its JSON format."""
-    commands = [] if keystrokes is None else [{"keystrokes": keystrokes, "duration": 0.1}]
+    commands = [] if keystrokes is None else [{"keystrokes": keystrokes, "duration": duration}]
     return json.dumps(
         {
             "analysis": f"Step: {plan}",
@@ -195,3 +202,101 @@ def test_each_trial_is_its_own_session(
         assert trial.get("exception_info") is None, trial["exception_info"]
         assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
         check_trial(stub_proxy, stub, f"x-session-id:{trial['trial_name']}__agent")
+
+
+# Terminus-2's context summarization (its history rewrite), forced by a threshold that a long
+# command output crosses: three side calls (a summary of the conversation so far, questions
+# asked from a fresh context, their answers from the full one), then the conversation goes on
+# from a new history: the first prompt, the questions' prompt and the questions, the answers.
+SUMMARY = "Summary: I read notes.txt and printed a long sequence; beta is still to be replaced."
+QUESTIONS = "1. Is notes.txt in /app?\n2. Which word must change?"
+ANSWERS = "1. Yes.\n2. beta becomes gamma."
+BEFORE = [
+    answer("Read the notes.", "cat notes.txt\n"),
+    answer("Print a long sequence.", "seq 1 2000\n", duration=1.0),
+    # Its output is in the history from this call on: the summary comes before the next one.
+    answer("Count the lines.", "wc -l notes.txt\n"),
+]
+AFTER = [
+    answer("Replace beta with gamma.", "sed -i 's/beta/gamma/' notes.txt\n"),
+    answer("The edit is done.", None, complete=True),
+    answer("Yes, the task is complete.", None, complete=True),
+]
+# The summary subagents' prompts, told apart by their last user message.
+SIDE_CALLS = {
+    "hand off your work to another AI agent": SUMMARY,
+    "Please begin by asking several questions": QUESTIONS,
+    "The next agent has a few questions for you": ANSWERS,
+}
+HANDOFF = "Here are the answers the other agent provided."
+
+
+def summarizing_rule(stub: StubPolicy) -> Any:
+    def rule(body: dict[str, Any]) -> str | None:
+        text = stub.tok.decode(body["prompt"])
+        if TASK not in text:
+            return None
+        last_user = text.rsplit("<|im_start|>user", 1)[-1]
+        for marker, reply in SIDE_CALLS.items():
+            if marker in last_user:
+                return reply
+        if HANDOFF in text:
+            done = text.split(HANDOFF)[-1].count("<|im_start|>assistant") - 1
+            return AFTER[min(done, len(AFTER) - 1)]
+        done = text.count("<|im_start|>assistant") - 1
+        return BEFORE[min(done, len(BEFORE) - 1)]
+
+    return rule
+
+
+def test_a_summarized_history_is_trained_once(
+    harbor: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    session = "harbor-terminus-summarized"
+    rule = summarizing_rule(stub)
+    stub.rules.insert(0, rule)
+    try:
+        (trial,) = run_harbor(
+            harbor, stub_proxy, session, tmp_path,
+            # gpt-4o's context is 128000 tokens (LiteLLM's model map): summarize over 3000.
+            "--ak", "proactive_summarization_threshold=125000",
+        )  # fmt: skip
+    finally:
+        stub.rules.remove(rule)
+    assert trial.get("exception_info") is None, trial["exception_info"]
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    # Three steps, the summary's three side calls, then three more: nine calls.
+    turns = stub_proxy.turns(session, expect=9)
+    assert len(turns) == 9
+    rows = stub_proxy.threads(session, expect=2)
+    where = conservation(rows, turns)
+    by_text = {stub.tok.decode(t["completion_ids"], skip_special_tokens=True): t for t in turns}
+    before = [by_text[text] for text in (*BEFORE, SUMMARY, ANSWERS)]
+    after = [by_text[text] for text in (QUESTIONS, *AFTER)]
+    # The conversation up to the handoff, the summary and its answers extending it: one row.
+    # The questions (asked from a fresh context) open the row the conversation goes on in: its
+    # new history holds them after the first prompt, where they were not sampled, so their
+    # tokens are trained there re-scored (provenance 2); nothing else is re-scored.
+    assert [json.loads(t["metadata"])["assembly"] for t in before] == ["new"] + ["extend"] * 4
+    assert [json.loads(t["metadata"])["assembly"] for t in after] == [
+        "new", "rewrite", "extend", "extend",
+    ]  # fmt: skip
+    by_id = {r["thread_id"]: r for r in rows}
+    first, second = by_id[where[before[0]["request_id"]]], by_id[where[after[0]["request_id"]]]
+    assert {where[t["request_id"]] for t in before} == {first["thread_id"]}
+    assert {where[t["request_id"]] for t in after} == {second["thread_id"]}
+    assert len(rows) == 2 and first["num_turns"] == 5 and second["num_turns"] == 4
+    assert {r["thread_kind"] for r in rows} == {"main"} and not any(r["dead"] for r in rows)
+    for row in rows:
+        for span in row["turns"]:
+            call = next(t for t in turns if t["request_id"] == span["request_id"])
+            got = row["logprobs"][span["start"] : span["end"]]
+            kinds = set(row["provenance"][span["start"] : span["end"]])
+            if call is after[0]:
+                assert kinds == {2}
+                positions = range(span["start"], span["end"])
+                want = [StubPolicy._logprob_of(i, row["input_ids"][i]) for i in positions]
+            else:
+                assert kinds == {1}
+                want = list(stub_logprobs(call["completion_ids"]))
+            assert got == pytest.approx(want, abs=1e-6)
