@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import REPO, Proxy
 from tests.e2e.test_conservation_e2e import conservation
+from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import (
     SEED,
     TASK,
@@ -300,3 +301,23 @@ def test_a_summarized_history_is_trained_once(
                 assert kinds == {1}
                 want = list(stub_logprobs(call["completion_ids"]))
             assert got == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.vllm
+def test_terminus_2_against_the_real_policy(
+    harbor: Path, vllm_proxy: Proxy, vllm_url: str, tmp_path: Path
+) -> None:
+    """The random tiny policy writes no JSON: Terminus-2 answers each reply with its parse
+    error and asks again, until its turn limit; the verifier scores 0. Every row holds vLLM's
+    own logprobs (re-scored here; the trainer's forward at the session's end)."""
+    session = "harbor-terminus-vllm"
+    (trial,) = run_harbor(
+        harbor, vllm_proxy, session, tmp_path,
+        "--ak", "max_turns=2", "--ak", 'llm_call_kwargs={"max_tokens": 64}',
+    )  # fmt: skip
+    assert trial["verifier_result"]["rewards"] == {"reward": 0.0}
+    turns = vllm_proxy.turns(session, expect=2)
+    rows = vllm_proxy.threads(session, expect=1)
+    assert all(len(t["completion_ids"]) <= 64 for t in turns)
+    for row in rows:
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
