@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from capture.client.launcher import AgentTap
@@ -28,7 +29,14 @@ from capture.rollouts.agents import OPENHANDS_SETTINGS
 from tests.conftest import REPO, Proxy, read_threads, read_turns
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_trajectory_vllm import _assert_exact
-from tests.scaffold_task import DONE, TASK, check_trained_exactly_once, sampled, seed
+from tests.scaffold_task import (
+    DONE,
+    TASK,
+    check_trained_exactly_once,
+    sampled,
+    seed,
+    stub_logprobs,
+)
 from tests.stub_vllm import StubPolicy
 
 OPENHANDS = REPO / ".venv-openhands" / "bin" / "openhands"
@@ -135,6 +143,98 @@ def test_openhands_does_a_four_turn_task(
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert last.count("<tool_response>") == 3
     assert "2 notes.txt" in last and "has been edited" in last
+
+
+# The condenser's own prompt (openhands/sdk/context/condenser/prompts/summarizing_prompt.j2).
+CONDENSER_PROMPT = "You are maintaining a context-aware state summary"
+SUMMARY = "USER_CONTEXT: replace beta with gamma in notes.txt. PROGRESS: nothing changed yet."
+# Its default CLI agent condenses once its history holds over 80 events (a tool call and its
+# result are two): this many think calls (no side effects) get it there.
+THINKS = 45
+
+
+def test_openhands_condensation_is_a_rewrite_trained_once(
+    openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """Past 80 events the summarizing condenser asks the LLM for a summary of the older events
+    (one call, its own prompt, no tools) and the next call's history is the first call, the
+    summary as a user message, then the calls it kept. The summary call is an auxiliary row;
+    the conversation's row drops the forgotten calls (trained in a ``rewritten`` row, in the
+    sequence they were sampled in, at their own logprobs) and trains the kept ones re-scored
+    at their new positions; the calls after it are sampled as before. Every call trained once."""
+    session = "openhands-condense"
+    workdir = seed(tmp_path / "work")
+    thinks = [
+        hermes("think", {"thought": f"Step {i}: think about the notes."}) for i in range(THINKS)
+    ]
+    steps = iter([*thinks, *openhands_steps(str(workdir))])
+
+    def rule(body: dict[str, Any]) -> str | None:
+        # Called once per request, in order: the conversation's calls are sequential.
+        return SUMMARY if CONDENSER_PROMPT in stub.tok.decode(body["prompt"]) else next(steps)
+
+    stub.rules.insert(0, rule)
+    try:
+        done = run_openhands(openhands, stub_proxy, session, workdir)
+    finally:
+        stub.rules.remove(rule)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE
+    assert next(steps, None) is None  # every scripted step was asked for
+
+    turns = stub_proxy.turns(session, expect=THINKS + 5)
+    assert len(turns) == THINKS + 5  # the agent's calls and one summary
+    index = {t["request_id"]: i for i, t in enumerate(turns)}
+    (summary_at,) = [
+        i for i, t in enumerate(turns) if t["completion_ids"] == sampled(stub, SUMMARY)
+    ]
+    after = stub.tok.decode(turns[summary_at + 1]["prompt_ids"])
+    assert SUMMARY in after and "Step 0:" in after and "Step 1:" not in after
+
+    threads = stub_proxy.threads(session, expect=3)
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for row in threads:
+        by_kind.setdefault(row["thread_kind"], []).append(row)
+    (aux,) = by_kind["auxiliary"]
+    main, rewritten = sorted(by_kind["main"], key=lambda r: r["parent_relation"] or "")
+    assert main["parent_relation"] is None and not main["dead"]
+    assert rewritten["parent_relation"] == "rewritten"
+    assert rewritten["parent_thread_id"] == main["thread_id"]
+    assert [index[s["request_id"]] for s in aux["turns"]] == [summary_at]
+
+    # Each call trained in exactly one row, at its own sampled ids.
+    trained: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for row in threads:
+        for span in row["turns"]:
+            if span["status"] == "trained":
+                i = index[span["request_id"]]
+                assert i not in trained, f"call {i} trained twice"
+                trained[i] = (row, span)
+                assert row["input_ids"][span["start"] : span["end"]] == turns[i]["completion_ids"]
+    assert sorted(trained) == list(range(len(turns)))
+    total = sum(sum(row["loss_mask"]) for row in threads)
+    assert total == sum(len(t["completion_ids"]) for t in turns), "no token trained twice"
+
+    # The main row: the forgotten calls dropped (the rewritten row trains them as sampled),
+    # the kept ones re-scored where they now stand, the rest as sampled.
+    status = {index[s["request_id"]]: s["status"] for s in main["turns"]}
+    forgotten = {i for i, st in status.items() if st == "dropped"}
+    kept = {i for i, st in status.items() if st == "trained" and 0 < i < summary_at}
+    assert forgotten and kept and min(kept) == max(forgotten) + 1 and max(kept) == summary_at - 1
+    assert {i for i, (row, _) in trained.items() if row is rewritten} == forgotten
+    for i, (row, span) in trained.items():
+        lps = np.asarray(row["logprobs"][span["start"] : span["end"]], dtype=np.float32)
+        provenance = set(row["provenance"][span["start"] : span["end"]])
+        if i in kept:
+            assert provenance == {2}, f"call {i} kept after the summary: re-scored"
+            expected = [
+                StubPolicy._logprob_of(k, row["input_ids"][k])
+                for k in range(span["start"], span["end"])
+            ]
+            np.testing.assert_array_equal(lps, np.asarray(expected, dtype=np.float32))
+        else:
+            assert provenance == {1}, f"call {i}: its own sampled logprobs"
+            np.testing.assert_array_equal(lps, stub_logprobs(turns[i]["completion_ids"]))
 
 
 def test_openhands_by_base_url(
