@@ -36,6 +36,8 @@ BLOCKS = [
 CLIENT_VARIABLES = {"CODEX_HOME", "GEMINI_CLI_TRUST_WORKSPACE"}
 # mini-swe-agent's own switches (tests/e2e/test_mini_swe_agent.py sets each).
 CLIENT_VARIABLES |= {"MSWEA_CONFIGURED", "MSWEA_COST_TRACKING", "LITELLM_LOCAL_MODEL_COST_MAP"}
+# OpenHands' own (tests/e2e/test_openhands.py sets each).
+CLIENT_VARIABLES |= {"LLM_MODEL", "LLM_API_KEY", "OPENHANDS_SUPPRESS_BANNER"}
 # The line the banner prints for a shell to source (export AGENTTAP_API=... AGENTTAP_TOKEN=...).
 BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k", "p"))[1:]}
 # Agent CLIs the README runs, and the end-to-end test that runs each the same way.
@@ -45,6 +47,7 @@ CLI_TESTS = {
     "gemini": "tests/e2e/test_gemini_cli.py",
     "opencode": "tests/e2e/test_opencode.py",
     "mini": "tests/e2e/test_mini_swe_agent.py",
+    "openhands": "tests/e2e/test_openhands.py",
 }
 # Scripts the README runs, and what runs each (CI runs scripts/test.sh, which runs setup.sh).
 SCRIPT_RUNNERS = {
