@@ -114,6 +114,7 @@ def openapi_spec(server: str) -> dict[str, Any]:
                                             "opencode",
                                             "mini-swe-agent",
                                             "openhands",
+                                            "terminus-2",
                                         ],
                                     },
                                     {

@@ -27,6 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 PINNED_BIN = REPO / ".cache" / "node" / "node_modules" / ".bin"
 # Where scripts/setup_agents.sh puts the pinned Python scaffolds (a venv apart from the proxy's).
 AGENTS_VENV_BIN = REPO / ".venv-agents" / "bin"
+# Harbor (Terminus-2), in a venv of its own by scripts/setup_harbor.sh, and the script that runs
+# a trial of it in the rollout's workdir.
+HARBOR_VENV_BIN = REPO / ".venv-harbor" / "bin"
+HARBOR_ROLLOUT = Path(__file__).with_name("harbor_rollout.py")
 # Where scripts/setup_openhands.sh puts the pinned OpenHands CLI (a venv of its own).
 OPENHANDS_VENV_BIN = REPO / ".venv-openhands" / "bin"
 
@@ -199,6 +203,17 @@ AGENTS: dict[str, Agent] = {
         {".openhands/agent_settings.json": json.dumps(OPENHANDS_SETTINGS, indent=2) + "\n"},
         pinned=OPENHANDS_VENV_BIN,
         installer="scripts/setup_openhands.sh",
+    ),
+    # Harbor's Terminus-2 (LiteLLM's OpenAI route, Chat Completions) on the prompt as a Harbor
+    # task, its commands typed into tmux in the rollout's workdir (capture/rollouts/
+    # harbor_rollout.py: the rollout's sandbox is its environment; verification is agenttap's).
+    "terminus-2": Agent(
+        "terminus-2",
+        "python",
+        lambda prompt: [str(HARBOR_ROLLOUT), prompt],
+        {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "SHELL": "/bin/bash"},
+        pinned=HARBOR_VENV_BIN,
+        installer="scripts/setup_harbor.sh",
     ),
 }
 

@@ -1,7 +1,8 @@
 """The rollout routes of the control API (capture/rollouts/runner.py runs them):
 
 - ``POST /rollouts`` ``{"agent": "claude-code" | "codex" | "gemini" | "opencode" |
-  "mini-swe-agent" | "openhands" | {"command": [...]}, "prompt", "workdir"?, "n"?, "limits"?,
+  "mini-swe-agent" | "openhands" | "terminus-2" | {"command": [...]}, "prompt", "workdir"?,
+  "n"?, "limits"?,
   "metadata"?, "verifier"?: {"command": [...], "restore"?: ["tests/", ...]}, "sandbox"?:
   "bwrap" | "none", "id"?, "timeout_s"?, "wait"?}``:
   runs ``n`` agents (one group id: the rollout's id), each sandboxed unless ``"sandbox":

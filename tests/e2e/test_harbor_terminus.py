@@ -25,14 +25,19 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Proxy
+from capture.client.launcher import AgentTap
+from tests.conftest import REPO, Proxy, read_threads, read_turns
 from tests.e2e.test_conservation_e2e import conservation
+from tests.e2e.test_rollouts import agent_processes
 from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import (
+    DONE,
     SEED,
     TASK,
+    VERIFIER,
     check_trained_exactly_once,
     sampled,
+    seed,
     stub_logprobs,
 )
 from tests.stub_vllm import StubPolicy
@@ -321,3 +326,26 @@ def test_terminus_2_against_the_real_policy(
     assert all(len(t["completion_ids"]) <= 64 for t in turns)
     for row in rows:
         assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
+
+
+@pytest.mark.usefixtures("scripted")
+def test_a_terminus_2_rollout_is_scored_into_its_rows(stub_tap: AgentTap, tmp_path: Path) -> None:
+    """``"agent": "terminus-2"``: agenttap runs Harbor in its rollout sandbox on the prompt (a
+    Harbor task of its own, the rollout's workdir copy as the environment); the stub scripts
+    the task, agenttap's verifier scores the copy."""
+    task = seed(tmp_path / "task")
+    result = stub_tap.rollout(
+        "terminus-2", TASK, n=1, workdir=task, verifier=VERIFIER, metadata={"task_id": "notes"}
+    )
+    assert result["status"] == "done" and result["sandbox"] == "bwrap"
+    (run,) = result["rollouts"]
+    assert run["status"] == "ok", run
+    assert run["finish_reason"] == "stop" and run["reward"] == 1.0
+    assert (Path(run["workdir"]).parent / "work" / "notes.txt").read_text() == DONE
+    (row,) = run["rows"]
+    assert row["thread_kind"] == "main" and row["num_turns"] == 5
+    assert row["reward"] == 1.0 and run["metrics"]["calls"] == 5
+    sid = run["session_id"]
+    check_trained_exactly_once(read_threads(stub_tap.out, sid), read_turns(stub_tap.out, sid))
+    assert (task / "notes.txt").read_text() == SEED
+    assert not agent_processes(stub_tap.out / "rollouts" / result["id"])

@@ -29,6 +29,7 @@ def test_each_cli_runs_headless_with_its_switches() -> None:
     )
     assert set(AGENTS) == {
         *("claude-code", "codex", "gemini", "opencode", "mini-swe-agent", "openhands"),
+        "terminus-2",
     }
 
 
