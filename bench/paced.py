@@ -1,63 +1,255 @@
 """CPU per streamed token at a generation's pace: what bounds how many streams one proxy carries.
 
     .venv/bin/python bench/paced.py [--clients 48] [--pace-ms 10] [--tokens 64] [--seconds 20]
+        [--only mitmdump,mitmdump-s,agenttap,litellm,rllm] [--baseline REF] [--rounds 1]
 
 ``bench/overhead.py`` answers at once, so its streams arrive in a few large reads. A real policy
-samples a token every 10 to 50 ms, and each one comes alone: the proxy handles every token as a
-read, a parse, an event and a write to the client. Here the fake OpenAI server (behind plain
-mitmdump, and behind ``mitmdump-s``, plain mitmdump relaying each chunk as it comes) and the
-vLLM-shaped stub (behind agenttap) stream a token every ``--pace-ms``
-milliseconds; ``--clients`` conversations stream back to back, each its own session, through each
-proxy in turn (the same client code and checks as bench/overhead.py). Printed per path: tokens
-per second streamed, the proxy's CPU microseconds per token (from /proc, every thread), the
-ratio to plain mitmdump's, and how many streams at 50 tokens/s one proxy process (one core)
-could carry at that cost.
+samples a token every 2 to 50 ms (a GPU serving a batch: every few ms), and each one comes
+alone: the proxy handles every token as a read, a parse, an event and a write to the client.
+Here the fake OpenAI server (behind plain mitmdump, behind ``mitmdump-s``, plain mitmdump
+relaying each chunk as it comes, and behind the peers: LiteLLM's proxy and the rLLM model
+gateway, their OpenAI chat route, from ``.venv-peers``, scripts/setup_peers.sh) and the
+vLLM-shaped stub (behind agenttap) stream a token every ``--pace-ms`` milliseconds;
+``--clients`` conversations stream back to back, each its own session, through each path in
+turn (the same client code and checks as bench/overhead.py, reading each stream as it comes).
+
+``--baseline REF`` adds the path ``agenttap@REF``: agenttap as it was at git revision REF (its
+tree from ``git archive``, imported ahead of this checkout), run in the same way and the same
+run, for an A/B of a change on this noisy machine. ``--rounds N`` runs the paths N times,
+interleaved, and adds up each path's rounds (drift in the machine's load then falls on all).
+
+Printed per path: tokens per second streamed, the proxy's CPU microseconds per token (from
+/proc, every thread and child process), the ratios to plain mitmdump's and to mitmdump-s's, how
+many streams at 50 tokens/s one proxy process (one core) could carry at that cost, the client's
+events per token (under 1: tokens that waited went out together), and the time to the first
+token's text (median and p95 over the calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import overhead  # noqa: E402
+from bench import agent_sessions, overhead  # noqa: E402
 
 # The proxies, in the order they run (the first is the 1.00x of the ratio column).
-PATHS = ("mitmdump", "mitmdump-s", "agenttap")
-# The generation speed the last column assumes, tokens per second per stream.
+PATHS = ("mitmdump", "mitmdump-s", "agenttap", "litellm", "rllm")
+# The generation speed the streams-per-core column assumes, tokens per second per stream.
 STREAM_RATE = 50
 
 
-async def run_path(
-    path: overhead.Path_, clients: int, tokens: int, seconds: float
-) -> tuple[int, float]:
-    """(tokens streamed, proxy CPU seconds) with ``clients`` streaming back to back."""
+@dataclass
+class Tally:
+    """One path's calls, added up over its rounds."""
+
+    tokens: int = 0
+    cpu_s: float = 0.0
+    seconds: float = 0.0
+    events: int = 0
+    first_token_s: list[float] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        self.tokens += other.tokens
+        self.cpu_s += other.cpu_s
+        self.seconds += other.seconds
+        self.events += other.events
+        self.first_token_s += other.first_token_s
+
+
+@dataclass
+class PeerServer(overhead.Server):
+    """A peer, in a process group of its own (LiteLLM's workers): stopped as a group."""
+
+    group: agent_sessions.Proc | None = None
+
+    def stop(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+
+
+class PeerPath(overhead.Path_):
+    """A peer called directly over HTTP (no proxy, no TLS to intercept); the rLLM gateway takes
+    each conversation's calls at ``/sessions/ID/v1/...``."""
+
+    def __init__(self, server: overhead.Server) -> None:  # no CA: no mitmproxy in the way
+        self.server = server
+        self.url = server.url + "/v1/chat/completions"
+        self.ssl = ssl.create_default_context()
+        self.http = None
+        self.conversations = {}
+
+    def call_url(self, conv: overhead.Conversation) -> str:
+        if self.server.name == "rllm":
+            return self.server.url + f"/sessions/{conv.session}/v1/chat/completions"
+        return self.url
+
+
+async def streamed_call(path: overhead.Path_, client: str, tokens: int) -> tuple[float, int]:
+    """One streamed call of conversation ``client``, read as it comes: (seconds to the first
+    token's text, events carrying text). Raises on any wrong answer, as Path_.call does."""
+    conv = path.conversations.get(client)
+    if conv is None:
+        conv = path.conversations[client] = overhead.Conversation(f"bench-{client}")
+    body, kwargs = path.request(conv, tokens, True)
+    url = path.call_url(conv) if isinstance(path, PeerPath) else path.url
+    assert path.http is not None
+    began = time.perf_counter()
+    first = 0.0
+    raw = b""
+    texts: list[str] = []
+    name = path.server.name
+    async with path.http.post(url, data=json.dumps(body).encode(), **kwargs) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{name}: HTTP {resp.status}: {(await resp.read())[:300]!r}")
+        async for data in resp.content.iter_any():
+            raw += data
+            *events, raw = raw.split(b"\n\n")
+            for event in events:
+                line = event.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                text = path.event_text(json.loads(line[6:]))
+                if text:
+                    texts.append(text)
+                    first = first or time.perf_counter() - began
+    content = "".join(texts)
+    if raw.strip() or len(content.split()) != tokens:
+        raise RuntimeError(f"{name}: {tokens} tokens asked, got {content!r} (+{raw[-200:]!r})")
+    conv.answered(content)
+    return first, len(texts)
+
+
+async def run_path(path: overhead.Path_, clients: int, tokens: int, seconds: float) -> Tally:
+    """``clients`` conversations streaming back to back for ``seconds``, added up."""
     await path.open()
     try:
-        await path.call("warm", tokens, True)
+        await streamed_call(path, "warm", tokens)
+        tally = Tally(seconds=seconds)
         stop_at = time.perf_counter() + seconds
-        done = 0
 
         async def worker(i: int) -> None:
-            nonlocal done
             while time.perf_counter() < stop_at:
-                await path.call(f"paced-{i}", tokens, True)
-                done += 1
+                first, events = await streamed_call(path, f"paced-{i}", tokens)
+                tally.tokens += tokens
+                tally.events += events
+                tally.first_token_s.append(first)
 
         cpu0 = path.server.cpu()[0]
         await asyncio.gather(*(worker(i) for i in range(clients)))
-        return done * tokens, path.server.cpu()[0] - cpu0
+        tally.cpu_s = path.server.cpu()[0] - cpu0
+        return tally
     finally:
         await path.close()
+
+
+def start_peer(name: str, fake_url: str, work: Path) -> PeerServer:
+    """LiteLLM's proxy or the rLLM gateway (from .venv-peers) in front of the fake server."""
+    if name == "rllm":
+        proc, url = agent_sessions.start_rllm(fake_url, work)
+    else:
+        # The fake server is OpenAI's chat API: LiteLLM's openai/ provider, as a user fronting
+        # an OpenAI-compatible server configures it.
+        exe = agent_sessions.PEERS / "bin" / "litellm"
+        if not exe.exists():
+            raise RuntimeError(f"{exe} missing: run scripts/setup_peers.sh")
+        config = work / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            "  - model_name: gpt-4o-mini\n"
+            "    litellm_params:\n"
+            "      model: openai/gpt-4o-mini\n"
+            f"      api_base: {fake_url}/v1\n"
+            "      api_key: sk-fake\n"
+            "general_settings:\n"
+            f"  master_key: {overhead.API_KEY}\n"
+            "litellm_settings:\n"
+            "  telemetry: false\n"
+            "  drop_params: true\n"
+        )
+        port = agent_sessions.free_port()
+        cmd = [
+            str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+            "--num_workers", "1",
+        ]  # fmt: skip
+        proc = agent_sessions.spawn("litellm", cmd, work, agent_sessions.peers_env())
+        url = f"http://127.0.0.1:{port}"
+        try:
+            agent_sessions.wait_http(f"{url}/health/liveliness", proc, 300, lambda s: s == 200)
+        except RuntimeError:
+            proc.stop()
+            raise
+    return PeerServer(name, proc.proc, proc.log, url, group=proc)
+
+
+def start_agenttap_at(ref: str, stub_url: str, work: Path, confdir: Path) -> overhead.Server:
+    """agenttap as it was at git revision ``ref``: its tree, imported ahead of this checkout
+    (PYTHONPATH comes before the editable install's finder)."""
+    tree = work / f"tree-{ref.replace('/', '_')}"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    name = f"agenttap@{ref}"
+    port = overhead.free_port()
+    log = work / f"agenttap-{tree.name}.log"
+    cmd = [
+        str(overhead.MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy",
+        "-s", str(tree / "addons" / "capture.py"),
+        "--set", f"agenttap_policy_url={stub_url}",
+        "--set", f"agenttap_tokenizer={overhead.QWEN3}",
+        "--set", f"agenttap_out={work / ('out-' + tree.name)}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tree, env=env)
+    overhead.wait_port(port, proc, name, log, 120)
+    return overhead.Server(name, proc, log, "https://api.openai.com", f"http://127.0.0.1:{port}")
+
+
+def client_path(server: overhead.Server, ca: Path) -> overhead.Path_:
+    if isinstance(server, PeerServer):
+        return PeerPath(server)
+    return overhead.Path_(server, ca)
+
+
+def pct(values: list[float], q: float) -> float:
+    return overhead.pct(values, q) if values else 0.0
+
+
+def report(tallies: dict[str, Tally]) -> None:
+    print(
+        f"\n| path | tokens/s | proxy CPU µs/token | × mitmdump | × mitmdump-s | "
+        f"streams at {STREAM_RATE} tok/s per core | events/token | first token p50 / p95 ms |"
+        "\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    per_token = {n: 1e6 * t.cpu_s / max(t.tokens, 1) for n, t in tallies.items()}
+    ref = next(iter(per_token.values()), 0.0)
+    ref_s = per_token.get("mitmdump-s")
+    for name, tally in tallies.items():
+        cost = per_token[name]
+        vs_s = f"{cost / ref_s:.2f}×" if ref_s else "-"
+        first = [1e3 * s for s in tally.first_token_s]
+        print(
+            f"| {name} | {tally.tokens / max(tally.seconds, 1e-9):.0f} | {cost:.1f} | "
+            f"{cost / ref:.2f}× | {vs_s} | {1e6 / (max(cost, 1e-9) * STREAM_RATE):.0f} | "
+            f"{tally.events / max(tally.tokens, 1):.2f} | "
+            f"{pct(first, 0.5):.0f} / {pct(first, 0.95):.0f} |"
+        )
 
 
 def main() -> int:
@@ -65,65 +257,79 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=48)
     parser.add_argument("--pace-ms", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed answer")
-    parser.add_argument("--seconds", type=float, default=20.0, help="per path")
+    parser.add_argument("--seconds", type=float, default=20.0, help="per path and round")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every path, interleaved")
     parser.add_argument(
         "--only",
         default="",
         help=f"comma-separated paths to run, among {', '.join(PATHS)} (default: all; the first "
         "is 1.00x)",
     )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        metavar="REF",
+        help="also run agenttap as of this git revision (path agenttap@REF), for an A/B",
+    )
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else set(PATHS)
     if only - set(PATHS):
         parser.error(f"--only takes paths among {', '.join(PATHS)}")
+    if args.pace_ms < 0 or args.clients < 1 or args.rounds < 1:
+        parser.error("--pace-ms must be >= 0, --clients and --rounds >= 1")
     wanted = [p for p in PATHS if p in only]
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
     proxies: list[overhead.Server] = []
+    skipped: dict[str, str] = {}
     try:
-        if "mitmdump" in wanted or "mitmdump-s" in wanted:
+        fake_url = ""
+        if {"mitmdump", "mitmdump-s", "litellm", "rllm"} & set(wanted):
             fake, fake_url = overhead.spawn_child("--serve-fake", work)
             children.append(fake)
-            for name in ("mitmdump", "mitmdump-s"):
-                if name in wanted:
-                    proxies.append(
-                        overhead.start_plain_mitmdump(
-                            name, fake_url, work, confdir, streaming=name == "mitmdump-s"
-                        )
+        for name in wanted:
+            if name in ("mitmdump", "mitmdump-s"):
+                proxies.append(
+                    overhead.start_plain_mitmdump(
+                        name, fake_url, work, confdir, streaming=name == "mitmdump-s"
                     )
-        if "agenttap" in wanted:
-            stub, stub_url = overhead.spawn_child("--serve-stub", work)
-            children.append(stub)
-            proxies.append(
-                overhead.start_agenttap("agenttap", stub_url, work / "out", work, confdir)
-            )
+                )
+            elif name in ("litellm", "rllm"):
+                try:
+                    proxies.append(start_peer(name, fake_url, work))
+                except RuntimeError as exc:
+                    skipped[name] = str(exc)[:300]
+            elif name == "agenttap":
+                stub, stub_url = overhead.spawn_child("--serve-stub", work)
+                children.append(stub)
+                if args.baseline:
+                    proxies.append(start_agenttap_at(args.baseline, stub_url, work, confdir))
+                proxies.append(
+                    overhead.start_agenttap("agenttap", stub_url, work / "out", work, confdir)
+                )
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
             f"{args.clients} clients, a token every {args.pace_ms:g} ms, {args.tokens}-token "
-            f"answers, {args.seconds:g} s per path; logs in {work}",
+            f"answers, {args.seconds:g} s per path x {args.rounds} round(s); logs in {work}",
             flush=True,
         )
-        results: dict[str, tuple[int, float]] = {}
-        for server in proxies:
-            path = overhead.Path_(server, ca)
-            results[server.name] = asyncio.run(
-                run_path(path, args.clients, args.tokens, args.seconds)
-            )
-        print(
-            f"\n{'path':<10} | {'tokens/s':>9} | {'proxy CPU us/token':>18} | {'x mitm':>6} | "
-            f"{f'streams at {STREAM_RATE} tok/s per core':>30}"
-        )
-        ref = None
-        for name, (streamed, cpu) in results.items():
-            per_token = 1e6 * cpu / max(streamed, 1)
-            ref = ref or per_token
-            streams = 1e6 / (per_token * STREAM_RATE)
-            print(
-                f"{name:<10} | {streamed / args.seconds:>9.0f} | {per_token:>18.1f} | "
-                f"{per_token / ref:>5.2f}x | {streams:>30.0f}"
-            )
+        for name, why in skipped.items():
+            print(f"  {name}: left out ({why})", flush=True)
+        tallies = {server.name: Tally() for server in proxies}
+        for _ in range(args.rounds):
+            for server in proxies:
+                tally = asyncio.run(
+                    run_path(client_path(server, ca), args.clients, args.tokens, args.seconds)
+                )
+                tallies[server.name].add(tally)
+                print(
+                    f"  {server.name}: {tally.tokens / args.seconds:.0f} tokens/s, "
+                    f"{1e6 * tally.cpu_s / max(tally.tokens, 1):.1f} µs/token",
+                    flush=True,
+                )
+        report(tallies)
     finally:
         for server in proxies:
             server.stop()

@@ -153,7 +153,8 @@ def completions_delta(choice: dict[str, Any]) -> CompletionDelta:
     generation_body asks for)."""
     lp = typed_field(choice, "logprobs", dict) or {}
     values = typed_field(lp, "token_logprobs", list) or []
-    logprobs = [checked_logprob(x) for x in values]
+    # Called for every streamed token: a float (nearly every logprob) is taken as it is.
+    logprobs = [x if type(x) is float else checked_logprob(x) for x in values]
     if choice.get("token_ids") is None and "tokens" in lp:
         return answer_delta(choice, logprobs, [], tokens_as_ids(lp["tokens"]))
     return answer_delta(choice, logprobs, [])
@@ -199,10 +200,12 @@ def answer_delta(
     ids: list[int] | None = None,
 ) -> CompletionDelta:
     """The fields both endpoints spell alike, with the logprobs and spans (and, where not in
-    ``token_ids``, the ids) each spells its way."""
+    ``token_ids``, the ids, as ``tokens_as_ids`` reads them) each spells its way."""
     if ids is None:
         ids = typed_field(choice, "token_ids", list) or []
-    if not all(is_int(x) and 0 <= x < 2**31 for x in ids):
+        if not all(is_int(x) and 0 <= x < 2**31 for x in ids):
+            raise malformed_answer("token_ids that are not token ids", ids)
+    elif ids and max(ids) >= 2**31:  # tokens_as_ids's: ints, none negative
         raise malformed_answer("token_ids that are not token ids", ids)
     if len(logprobs) != len(ids):
         raise PolicyError(

@@ -17,12 +17,12 @@ text of a resumed generation): ``rewriter/vllm_stream.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -75,6 +75,30 @@ def _may_fail_over(exc: BaseException) -> bool:
 
 
 Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"]]
+
+
+class _Bounded:
+    """``asyncio.timeout_at(deadline)``, listed in ``bounds`` while it runs. A class, not a
+    generator-based context manager: a stream enters one per read, for every token."""
+
+    __slots__ = ("_bounds", "_timeout")
+
+    def __init__(self, bounds: set[asyncio.Timeout], deadline: float | None) -> None:
+        self._bounds = bounds
+        self._timeout = asyncio.timeout_at(deadline)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+        self._bounds.add(self._timeout)
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._bounds.discard(self._timeout)
+        await self._timeout.__aexit__(kind, exc, tb)  # raises TimeoutError where it expired
 
 
 class VLLMClient:
@@ -229,16 +253,10 @@ class VLLMClient:
             "option agenttap_policy_timeout"
         )
 
-    @contextlib.asynccontextmanager
-    async def _bounded(self, deadline: float | None) -> AsyncIterator[None]:
+    def _bounded(self, deadline: float | None) -> _Bounded:
         """``asyncio.timeout_at(deadline)`` for a generation's wait on this server, which
         ``abandon`` can make expire at once."""
-        async with asyncio.timeout_at(deadline) as bound:
-            self._bounds.add(bound)
-            try:
-                yield
-            finally:
-                self._bounds.discard(bound)
+        return _Bounded(self._bounds, deadline)
 
     def abandon(self) -> int:
         """Every generation waiting on this server now fails as stalled (retryable: with a
