@@ -122,22 +122,30 @@ def scripted(stub: StubPolicy) -> Any:
     stub.rules.remove(rule)
 
 
-def run_harbor(
-    harbor: Path, proxy: Proxy, user: str | None, folder: Path, *extra: str
-) -> list[dict[str, Any]]:
-    """``harbor run`` on the task; each trial's result.json."""
-    home = folder / "home"
-    home.mkdir()
-    jobs = folder / "jobs"
+def proxy_env(proxy: Proxy, user: str | None) -> dict[str, str]:
+    """Proxy mode: the proxy (its username the session, if given), its CA, a dummy key."""
     auth = f"{user}:x@" if user is not None else ""
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
+    return {
         "HTTPS_PROXY": f"http://{auth}127.0.0.1:{proxy.port}",
         "SSL_CERT_FILE": str(proxy.ca),
         "OPENAI_API_KEY": "sk-agenttap-harbor-key",
+    }
+
+
+def run_harbor(
+    harbor: Path, proxy: Proxy | dict[str, str], user: str | None, folder: Path, *extra: str
+) -> list[dict[str, Any]]:
+    """``harbor run`` on the task, through ``proxy`` (or with the environment given instead);
+    each trial's result.json."""
+    home = folder / "home"
+    home.mkdir()
+    jobs = folder / "jobs"
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "PYTHONPATH": str(REPO),
+        **(proxy_env(proxy, user) if isinstance(proxy, Proxy) else proxy),
     }
     done = subprocess.run(
         [
@@ -149,11 +157,7 @@ def run_harbor(
         timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    trials = [
-        json.loads(p.read_text())
-        for p in jobs.glob("*/*/result.json")
-        if p.parent.name != jobs.name
-    ]
+    trials = [json.loads(p.read_text()) for p in jobs.glob("*/*/result.json")]
     assert trials, f"no trial results under {jobs}:\n{done.stdout[-3000:]}"
     return trials
 
@@ -349,3 +353,20 @@ def test_a_terminus_2_rollout_is_scored_into_its_rows(stub_tap: AgentTap, tmp_pa
     check_trained_exactly_once(read_threads(stub_tap.out, sid), read_turns(stub_tap.out, sid))
     assert (task / "notes.txt").read_text() == SEED
     assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
+
+
+@pytest.mark.usefixtures("scripted")
+def test_terminus_2_by_base_url(
+    harbor: Path, stub_tap: AgentTap, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """Base-URL mode: no proxy, no CA; Terminus-2 takes the session's openai base URL from
+    OPENAI_BASE_URL and its key from OPENAI_API_KEY."""
+    sess = stub_tap.open_session(metadata={"task_id": "terminus-base-url"})
+    env = {"OPENAI_BASE_URL": sess.base_urls["openai"], "OPENAI_API_KEY": sess.api_key}
+    (trial,) = run_harbor(harbor, env, None, tmp_path)
+    assert trial.get("exception_info") is None, trial["exception_info"]
+    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
+    (row,) = sess.close(reward=1.0).to_pylist()
+    assert row["thread_kind"] == "main" and row["num_turns"] == 5 and row["reward"] == 1.0
+    out = stub_tap.out
+    check_trained_exactly_once(read_threads(out, sess.id), read_turns(out, sess.id))
