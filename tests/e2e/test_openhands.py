@@ -145,18 +145,44 @@ def test_openhands_does_a_four_turn_task(
     assert "2 notes.txt" in last and "has been edited" in last
 
 
+def test_a_tool_call_without_its_security_risk_is_answered_and_kept(
+    openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """The field its tools require missing: OpenHands answers the call with a tool error and
+    keeps both in its history, so the next call extends it; one row, five calls."""
+    session = "openhands-no-risk"
+    workdir = seed(tmp_path / "work")
+    steps = openhands_steps(str(workdir))
+    bad = hermes("terminal", {"command": "cat notes.txt"})
+    stub.replies.clear()
+    stub.script(bad, *steps)
+    done = run_openhands(openhands, stub_proxy, session, workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE and not stub.replies
+
+    turns = stub_proxy.turns(session, expect=5)
+    (row,) = stub_proxy.threads(session, expect=1)
+    check_trained_exactly_once([row], turns)
+    assert row["thread_kind"] == "main" and row["num_turns"] == 5
+    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 4
+    second = stub.tok.decode(turns[1]["prompt_ids"])
+    assert "Failed to provide security_risk field" in second
+
+
 # The condenser's own prompt (openhands/sdk/context/condenser/prompts/summarizing_prompt.j2).
 CONDENSER_PROMPT = "You are maintaining a context-aware state summary"
 SUMMARY = "USER_CONTEXT: replace beta with gamma in notes.txt. PROGRESS: nothing changed yet."
 # Its default CLI agent condenses once its history holds over 80 events (a tool call and its
-# result are two): this many think calls (no side effects) get it there.
-THINKS = 45
+# result are two); the test's saved configuration lowers that to 30 (the same condenser, less
+# waiting), which this many think calls (no side effects) pass once.
+CONDENSE_AT = 30
+THINKS = 16
 
 
 def test_openhands_condensation_is_a_rewrite_trained_once(
     openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
 ) -> None:
-    """Past 80 events the summarizing condenser asks the LLM for a summary of the older events
+    """Past its threshold the summarizing condenser asks the LLM for a summary of older events
     (one call, its own prompt, no tools) and the next call's history is the first call, the
     summary as a user message, then the calls it kept. The summary call is an auxiliary row;
     the conversation's row drops the forgotten calls (trained in a ``rewritten`` row, in the
@@ -164,6 +190,13 @@ def test_openhands_condensation_is_a_rewrite_trained_once(
     at their new positions; the calls after it are sampled as before. Every call trained once."""
     session = "openhands-condense"
     workdir = seed(tmp_path / "work")
+    # Its saved configuration (the rollout agent's) with the condenser's threshold lowered; the
+    # model and key still come from the environment (--override-with-envs).
+    settings = json.loads(json.dumps(OPENHANDS_SETTINGS))
+    settings["condenser"]["max_size"] = CONDENSE_AT
+    saved = tmp_path / "work-home" / ".openhands" / "agent_settings.json"
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps(settings))
     thinks = [
         hermes("think", {"thought": f"Step {i}: think about the notes."}) for i in range(THINKS)
     ]
