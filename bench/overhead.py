@@ -194,6 +194,9 @@ def serve_fake() -> None:
     async def main() -> None:
         app = web.Application()
         app.router.add_get("/v1/models", models)
+        # As vLLM's: the rLLM gateway (bench/paced.py) marks a worker without it dead.
+        for health in ("/health", "/v1/health"):
+            app.router.add_get(health, lambda request: web.Response())
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_post("/chat/completions", chat)
         runner = web.AppRunner(app, access_log=None)

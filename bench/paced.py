@@ -13,7 +13,7 @@ vLLM-shaped stub (behind agenttap) stream a token every ``--pace-ms`` millisecon
 ``--clients`` conversations stream back to back, each its own session, through each path in
 turn (the same client code and checks as bench/overhead.py, reading each stream as it comes).
 
-``--baseline REF`` adds the path ``agenttap@REF``: agenttap as it was at git revision REF (its
+``--baseline REF[,REF...]`` adds the path ``agenttap@REF``: agenttap as it was at git revision REF (its
 tree from ``git archive``, imported ahead of this checkout), run in the same way and the same
 run, for an A/B of a change on this noisy machine. ``--rounds N`` runs the paths N times,
 interleaved, and adds up each path's rounds (drift in the machine's load then falls on all).
@@ -42,6 +42,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
 
 from bench import agent_sessions, overhead  # noqa: E402
 
@@ -232,8 +234,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(tallies: dict[str, Tally]) -> None:
+    first_name = next(iter(tallies), "")
     print(
-        f"\n| path | tokens/s | proxy CPU µs/token | × mitmdump | × mitmdump-s | "
+        f"\n| path | tokens/s | proxy CPU µs/token | × {first_name} | × mitmdump-s | "
         f"streams at {STREAM_RATE} tok/s per core | events/token | first token p50 / p95 ms |"
         "\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
@@ -269,7 +272,8 @@ def main() -> int:
         "--baseline",
         default="",
         metavar="REF",
-        help="also run agenttap as of this git revision (path agenttap@REF), for an A/B",
+        help="also run agenttap as of these git revisions (comma-separated; path agenttap@REF "
+        "each), for an A/B",
     )
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else set(PATHS)
@@ -304,8 +308,8 @@ def main() -> int:
             elif name == "agenttap":
                 stub, stub_url = overhead.spawn_child("--serve-stub", work)
                 children.append(stub)
-                if args.baseline:
-                    proxies.append(start_agenttap_at(args.baseline, stub_url, work, confdir))
+                for ref in filter(None, args.baseline.split(",")):
+                    proxies.append(start_agenttap_at(ref, stub_url, work, confdir))
                 proxies.append(
                     overhead.start_agenttap("agenttap", stub_url, work / "out", work, confdir)
                 )
@@ -320,9 +324,19 @@ def main() -> int:
         tallies = {server.name: Tally() for server in proxies}
         for _ in range(args.rounds):
             for server in proxies:
-                tally = asyncio.run(
-                    run_path(client_path(server, ca), args.clients, args.tokens, args.seconds)
-                )
+                if server.name in skipped:
+                    continue
+                try:
+                    tally = asyncio.run(
+                        run_path(client_path(server, ca), args.clients, args.tokens, args.seconds)
+                    )
+                except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+                    # A path that fails is left out of the table, with why and its log's end.
+                    tail = server.log.read_text(errors="replace")[-1500:]
+                    skipped[server.name] = f"{exc}"[:300]
+                    del tallies[server.name]
+                    print(f"  {server.name}: failed ({exc}); its log ends:\n{tail}", flush=True)
+                    continue
                 tallies[server.name].add(tally)
                 print(
                     f"  {server.name}: {tally.tokens / args.seconds:.0f} tokens/s, "
@@ -330,6 +344,8 @@ def main() -> int:
                     flush=True,
                 )
         report(tallies)
+        for name, why in skipped.items():
+            print(f"left out: {name} ({why})")
     finally:
         for server in proxies:
             server.stop()
