@@ -169,6 +169,53 @@ def test_a_tool_call_without_its_security_risk_is_answered_and_kept(
     assert "Failed to provide security_risk field" in second
 
 
+def test_a_task_handed_to_a_sub_agent_is_a_subagent_row(
+    openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """Its ``task`` tool runs a sub-agent in the same process (a conversation of its own, the
+    tool's ``prompt`` as its first user message, the parent's LLM) until it finishes; its
+    result comes back as the tool's result. The sub-agent's calls are a ``subagent`` row hung
+    off the spawning call; the parent's row goes on. Every call trained once."""
+    session = "openhands-task"
+    job = "Count the lines of notes.txt with wc -l and report the number."
+    workdir = seed(tmp_path / "work")
+    steps = openhands_steps(str(workdir))
+    spawn = {
+        "description": "Count lines",
+        "prompt": job,
+        "subagent_type": "general-purpose",
+        "security_risk": "LOW",
+    }
+    stub.replies.clear()
+    stub.script(
+        hermes("task", spawn),
+        # The sub-agent, sequentially: the task tool waits for it.
+        hermes("terminal", {"command": "wc -l notes.txt", "security_risk": "LOW"}),
+        hermes("finish", {"message": "notes.txt has 2 lines."}),
+        steps[2],
+        steps[3],
+    )
+    done = run_openhands(openhands, stub_proxy, session, workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE and not stub.replies
+
+    turns = stub_proxy.turns(session, expect=5)
+    threads = stub_proxy.threads(session, expect=2)
+    where = check_trained_exactly_once(threads, turns)
+    by_kind = {r["thread_kind"]: r for r in threads}
+    assert sorted(by_kind) == ["main", "subagent"] and len(threads) == 2
+    main, sub = by_kind["main"], by_kind["subagent"]
+    assert [where[t["request_id"]] for t in turns] == [main["thread_id"]] + [
+        sub["thread_id"]
+    ] * 2 + [main["thread_id"]] * 2
+    assert sub["parent_thread_id"] == main["thread_id"] and sub["parent_relation"] == "spawn"
+    assert sub["parent_tool_call_id"]
+    assert job in stub.tok.decode(sub["input_ids"])
+    # The parent's next call holds the sub-agent's answer as the task tool's result.
+    back = stub.tok.decode(turns[3]["prompt_ids"])
+    assert "notes.txt has 2 lines." in back and "Status: completed" in back
+
+
 # The condenser's own prompt (openhands/sdk/context/condenser/prompts/summarizing_prompt.j2).
 CONDENSER_PROMPT = "You are maintaining a context-aware state summary"
 SUMMARY = "USER_CONTEXT: replace beta with gamma in notes.txt. PROGRESS: nothing changed yet."
