@@ -27,8 +27,10 @@ tmux server) is there for the next one, until ``stop``. Inside it:
 
 Files move in and out through a transfer folder bound into the sandbox, copied there by ``cp``
 run inside it: a link the agent planted resolves in the sandbox's view, never the host's.
-Everything runs as the calling user (uid 0 inside its own user namespace, without
-capabilities); ``exec``'s ``user`` is not honoured (one user per sandbox).
+As root, the sandbox runs as ``SANDBOX_UID`` (nobody, who owns nothing on the host: a
+root-owned 0600 file is unreadable even if shown), started by capture/rollouts/launch.py as a
+rollout's is; else as the calling user. Either way it is uid 0 inside its own user namespace,
+without capabilities; ``exec``'s ``user`` is not honoured (one user per sandbox).
 """
 
 from __future__ import annotations
@@ -51,7 +53,17 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.task.config import NetworkMode
 
-from capture.rollouts.sandbox import SandboxSpec, bwrap_argv, find_bwrap, program_paths
+from capture.rollouts.sandbox import (
+    LAUNCHER,
+    PLACEHOLDER,
+    SANDBOX_UID,
+    SandboxSpec,
+    bwrap_argv,
+    find_bwrap,
+    give_to,
+    make_stage,
+    program_paths,
+)
 
 EXECD = Path(__file__).with_name("harbor_execd.py")
 # Where the control folder (the exec server's socket, the transfer folder) is inside.
@@ -69,6 +81,8 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
 
     _proc: subprocess.Popen[bytes] | None = None
     _root: Path | None = None
+    # The launcher's staging folder (as root; capture/rollouts/sandbox.py make_stage).
+    _stage: Path | None = None
 
     @staticmethod
     def type() -> str:
@@ -95,8 +109,17 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
         this one (its install exposed)."""
         return shutil.which("python3", path="/usr/bin:/bin") or os.path.realpath(sys.executable)
 
-    def sandbox_command(self) -> list[str]:
-        """The bwrap command line of this trial's sandbox (started by ``start``)."""
+    @staticmethod
+    def sandbox_user() -> int | None:
+        """Who the sandbox runs as: as root, ``SANDBOX_UID`` (who owns nothing on the host, as
+        a rollout's sandbox); else this user."""
+        return SANDBOX_UID if os.geteuid() == 0 else None
+
+    def sandbox_command(self, stage: Path | None = None) -> list[str]:
+        """The command that starts this trial's sandbox: bwrap itself, or as root (``stage``
+        given) capture/rollouts/launch.py, which stages the bound paths and becomes
+        ``sandbox_user`` before it execs bwrap (as capture/rollouts/sandbox.py ``sandbox_argv``,
+        with this environment's own binds)."""
         fs, control = self._folder("fs"), self._folder("control")
         python = self._python()
         spec = SandboxSpec(
@@ -105,18 +128,29 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
             tmp=fs / "tmp",
             expose=(*program_paths([python], "/usr/bin:/bin"), EXECD),
         )
-        argv = bwrap_argv(
-            spec, [python, "-I", "-S", str(EXECD), f"{CONTROL}/execd.sock"], find_bwrap()
-        )
+        binds: list[str] = []
+
+        def staged(path: str) -> str:
+            binds.append(path)
+            return PLACEHOLDER.format(len(binds) - 1)
+
+        source = staged if stage is not None else str
+        command = [python, "-I", "-S", str(EXECD), f"{CONTROL}/execd.sock"]
+        argv = bwrap_argv(spec, command, find_bwrap(), source=source)
         split = argv.index("--")
-        binds = [
-            *("--bind", str(fs / "work"), self.workdir),
-            *("--bind", str(fs / "logs"), "/logs"),
-            *("--bind", str(fs / "root"), "/root"),
-            *("--bind", str(control), CONTROL),
+        ours = [
+            *("--bind", source(str(fs / "work")), self.workdir),
+            *("--bind", source(str(fs / "logs")), "/logs"),
+            *("--bind", source(str(fs / "root")), "/root"),
+            *("--bind", source(str(control)), CONTROL),
             *("--chdir", self.workdir),
         ]
-        return [*argv[:split], *binds, *argv[split:]]
+        argv = [*argv[:split], *ours, *argv[split:]]
+        if stage is None:
+            return argv
+        uid = self.sandbox_user()
+        launch = {"stage": str(stage), "binds": binds, "uid": uid, "gid": uid, "argv": argv}
+        return [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), json.dumps(launch)]
 
     async def start(self, force_build: bool) -> None:
         if self._network_policy.network_mode != NetworkMode.NO_NETWORK:
@@ -132,9 +166,12 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
         for name in ("fs/root", "fs/tmp", "control/xfer"):
             self._folder(name).mkdir(parents=True)
         self._seed_workdir()
+        give_to(self.sandbox_user(), self._folder("fs"), self._folder("control"))
+        if self.sandbox_user() is not None:
+            self._stage = make_stage()
         socket = self._folder("control") / "execd.sock"
         self._proc = subprocess.Popen(
-            self.sandbox_command(),
+            self.sandbox_command(self._stage),
             # Nothing of Harbor's environment (its API keys, the proxy) reaches the sandbox.
             env={"AGENTTAP_HARBOR_WORKDIR": self.workdir},
             stdin=subprocess.DEVNULL,
@@ -183,6 +220,9 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
 
     async def stop(self, delete: bool) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._stop_process)
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
         if delete and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None

@@ -162,22 +162,13 @@ def run_harbor(
     return trials
 
 
-@pytest.mark.usefixtures("scripted")
-def test_terminus_2_does_a_four_step_task_in_the_sandbox(
-    harbor: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
-) -> None:
-    session = "harbor-terminus-four-steps"
-    n = len(stub.requests)
-    (trial,) = run_harbor(harbor, stub_proxy, session, tmp_path)
-    assert trial.get("exception_info") is None, trial["exception_info"]
-    assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
-    assert len(stub.requests) - n == 5
-
+def check_trial(stub_proxy: Proxy, stub: StubPolicy, session: str) -> None:
+    """One trial's rows: one main row of the five calls, each extending the last, each trained
+    once at the stub's ids and logprobs."""
     turns = stub_proxy.turns(session, expect=5)
     rows = stub_proxy.threads(session, expect=1)
     check_trained_exactly_once(rows, turns)
-    (row,) = rows
-    assert row["thread_kind"] == "main" and row["num_turns"] == 5 and not row["dead"]
+    assert [(r["thread_kind"], r["num_turns"], r["dead"]) for r in rows] == [("main", 5, False)]
     assert {t["protocol"] for t in turns} == {"openai.chat"}
     assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 4
     assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in TERMINUS_STEPS]
@@ -186,28 +177,22 @@ def test_terminus_2_does_a_four_step_task_in_the_sandbox(
     assert "2 notes.txt" in last and "Are you sure you want to mark the task as complete" in last
 
 
-def check_trial(stub_proxy: Proxy, stub: StubPolicy, session: str) -> None:
-    """One trial's rows: one main row of the five calls, each trained once."""
-    turns = stub_proxy.turns(session, expect=5)
-    rows = stub_proxy.threads(session, expect=1)
-    check_trained_exactly_once(rows, turns)
-    assert [(r["thread_kind"], r["num_turns"]) for r in rows] == [("main", 5)]
-    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in TERMINUS_STEPS]
-
-
 @pytest.mark.usefixtures("scripted")
-def test_each_trial_is_its_own_session(
+def test_terminus_2_does_the_task_in_the_sandbox_each_trial_its_own_session(
     harbor: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
 ) -> None:
-    """Two attempts of the task run at once by one ``harbor run``, with no session in the proxy
-    URL: Terminus-2 names each trial in the ``X-Session-ID`` header it is told to send, and the
-    proxy keeps each trial's calls in a session of that name."""
+    """Two attempts of the four-step task run at once by one ``harbor run``, each in its own
+    sandbox, with no session in the proxy URL: Terminus-2 names each trial in the
+    ``X-Session-ID`` header it is told to send, and the proxy keeps each trial's calls in a
+    session of that name. Each scores 1.0 and is five calls."""
+    n = len(stub.requests)
     trials = run_harbor(
         harbor, stub_proxy, None, tmp_path,
         "--n-attempts", "2", "--n-concurrent", "2",
         "--ak", 'session_id_headers=["X-Session-ID"]',
     )  # fmt: skip
     assert len({t["trial_name"] for t in trials}) == 2
+    assert len(stub.requests) - n == 10
     for trial in trials:
         assert trial.get("exception_info") is None, trial["exception_info"]
         assert trial["verifier_result"]["rewards"] == {"reward": 1.0}
