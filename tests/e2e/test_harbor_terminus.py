@@ -100,7 +100,7 @@ def step_rule(stub: StubPolicy) -> Any:
 
     def rule(body: dict[str, Any]) -> str | None:
         text = stub.tok.decode(body["prompt"])
-        if TASK not in text or "Terminal" not in text and "terminal" not in text:
+        if TASK not in text or "terminal" not in text.lower():
             return None
         done = text.count("<|im_start|>assistant") - 1
         return TERMINUS_STEPS[min(done, len(TERMINUS_STEPS) - 1)]
