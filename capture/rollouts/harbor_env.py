@@ -26,11 +26,12 @@ tmux server) is there for the next one, until ``stop``. Inside it:
   ``no-network`` gets a warning, not a network.
 
 Files move in and out through a transfer folder bound into the sandbox, copied there by ``cp``
-run inside it: a link the agent planted resolves in the sandbox's view, never the host's.
+run inside it: a link the agent planted resolves in the sandbox's view, never the host's, and
+a folder comes out without its links (on the host they would point at the host's files).
 As root, the sandbox runs as ``SANDBOX_UID`` (nobody, who owns nothing on the host: a
 root-owned 0600 file is unreadable even if shown), started by capture/rollouts/launch.py as a
-rollout's is; else as the calling user. Either way it is uid 0 inside its own user namespace,
-without capabilities; ``exec``'s ``user`` is not honoured (one user per sandbox).
+rollout's is; else as the calling user; either way in its own user namespace, without
+capabilities. ``exec``'s ``user`` is not honoured (one user per sandbox).
 """
 
 from __future__ import annotations
@@ -320,6 +321,12 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
         try:
             source = shlex.quote(source_dir)
             await self._inside(f"mkdir -- {inside} && cp -R -- {source}/. {inside}/")
-            shutil.copytree(self._taken_out(host), target_dir, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(self._taken_out(host), target_dir, ignore=_links, dirs_exist_ok=True)
         finally:
             shutil.rmtree(host, ignore_errors=True)
+
+
+def _links(folder: str, names: list[str]) -> list[str]:
+    """The links in a folder the sandbox handed out: left behind, since on the host they
+    would point at the host's files (a planted ``/logs/agent/x -> /root/...``)."""
+    return [name for name in names if os.path.islink(os.path.join(folder, name))]

@@ -26,12 +26,14 @@ import subprocess
 import sys
 from typing import Any
 
-# What a command starts with before the request's own variables.
+# What a command starts with before the request's own variables. SHELL: tmux takes its shell
+# from it, else from the user's passwd entry, which for nobody (the sandbox's user when agenttap
+# runs as root) is nologin: it exits at once and takes the tmux server with it.
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
     "LANG": "C.UTF-8",
-    "USER": "root",
+    "SHELL": "/bin/bash",
 }
 # Where a request's command runs when it names no cwd (harbor_env.py sets it to the workdir).
 DEFAULT_CWD = os.environ.get("AGENTTAP_HARBOR_WORKDIR", "/")

@@ -355,3 +355,73 @@ def test_terminus_2_by_base_url(
     assert row["thread_kind"] == "main" and row["num_turns"] == 5 and row["reward"] == 1.0
     out = stub_tap.out
     check_trained_exactly_once(read_threads(out, sess.id), read_turns(out, sess.id))
+
+
+# Drives SandboxEnvironment directly in Harbor's venv, as an agent that tries to reach the host
+# would: prints what each step gave as JSON.
+ADVERSARY = """
+import asyncio, json, sys
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from capture.rollouts.harbor_env import SandboxEnvironment
+
+root = Path(sys.argv[1])
+secret = root / "secret"
+env = SandboxEnvironment(
+    environment_dir=root / "environment", environment_name="t", session_id="t__env",
+    trial_paths=TrialPaths(trial_dir=root / "trial"), task_env_config=EnvironmentConfig(),
+)
+got = {}
+
+async def main():
+    await env.start(force_build=False)
+    got["seeded"] = (await env.exec("pwd; cat seed.txt")).stdout
+    got["secret"] = (await env.exec(f"cat {secret}")).return_code
+    got["network"] = (await env.exec("getent hosts example.com")).return_code
+    await env.exec("tmux new-session -d -s s 'sleep 300'")
+    got["tmux"] = (await env.exec("tmux has-session -t s")).return_code
+    await env.exec(f"mkdir -p /logs/agent && echo hi > /logs/agent/a.txt"
+                   f" && ln -s {secret} /logs/agent/leak")
+    await env.download_dir("/logs/agent", root / "out")
+    got["downloaded"] = sorted(p.name for p in (root / "out").iterdir())
+    try:
+        await env.download_file("/logs/agent/leak", root / "leak.txt")
+        got["leak"] = (root / "leak.txt").read_text()
+    except RuntimeError as exc:
+        got["leak"] = None
+    await env.upload_file(root / "environment" / "seed.txt", "/tests/x/seed.txt")
+    got["uploaded"] = (await env.exec("cat /tests/x/seed.txt")).stdout
+    try:
+        await env.exec("sleep 30", timeout_sec=1)
+    except RuntimeError as exc:
+        got["timeout"] = str(exc)
+    await env.stop(delete=True)
+    print(json.dumps(got))
+
+asyncio.run(main())
+"""
+
+
+def test_the_sandbox_environment_keeps_the_host_out(harbor: Path, tmp_path: Path) -> None:
+    """The environment's own guarantees, driven as a hostile agent would: the task's seed in the
+    workdir, no host file and no network inside, a tmux server that outlives its command, and
+    out of the sandbox only what is inside it: a planted link to a host file comes out neither
+    in a folder nor as a file."""
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "seed.txt").write_text("seed\n")
+    (tmp_path / "secret").write_text("host secret\n")
+    script = tmp_path / "adversary.py"
+    script.write_text(ADVERSARY)
+    done = subprocess.run(
+        [str(harbor.parent / "python"), str(script), str(tmp_path)],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["seeded"] == "/app\nseed\n"
+    assert got["secret"] != 0 and got["network"] != 0 and got["tmux"] == 0
+    assert got["downloaded"] == ["a.txt"] and got["leak"] is None
+    assert got["uploaded"] == "seed\n"
+    assert got["timeout"] == "Command timed out after 1 seconds"
