@@ -18,10 +18,21 @@ itself). agenttap calls it over ``POST /collective_rpc`` where the server has it
 (``python -m rewriter.policy_server`` starts vLLM with it) and plain ``reload_weights``
 elsewhere, and checks the result with the trainer's probe either way
 (capture/policy/weights.py).
+
+**Seeded requests on a CPU** (``seed`` in the sampling parameters: a seeded rollout's calls, or
+any client's). vLLM samples a token for every request of a step, also for a prompt whose
+prefill is only partly done (a long prompt is prefilled in chunks), throws that token away,
+and rewinds the request's generator (``set_offset(get_offset() - 4)``, the CUDA generator's
+Philox offset). A CPU generator has no offset: the call raises and the engine dies, taking
+every call in flight with it. ``patch_cpu_seeded_chunks`` (applied when vLLM imports this
+module in its worker) rewinds a CPU generator the way it can be: its state from before the
+step's sampling is put back, so a seeded request draws only for the tokens it keeps, the same
+draws however its prompt was chunked.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -55,3 +66,54 @@ def refresh_prepared_layers(model: Any) -> list[str]:
         method.process_weights_after_loading(layer)
         refreshed.append(name)
     return refreshed
+
+
+def patch_cpu_seeded_chunks() -> bool:
+    """Make vLLM's model runner rewind a CPU generator of a request whose sampled token it
+    throws away (see the module's docstring) by its state, not its offset (idempotent); False
+    where this vLLM has no such runner."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    if getattr(GPUModelRunner._sample, "agenttap_cpu_rewind", False):
+        return True
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def thrown_away(runner: Any) -> dict[int, Any]:
+        """Batch index -> CPU generator, for the requests whose token this step discards."""
+        batch = runner.input_batch
+        mask = runner.discard_request_mask.np[: batch.num_reqs]
+        found = {}
+        for index in mask.nonzero()[0]:
+            gen = batch.generators.get(int(index))
+            if gen is not None and gen.device.type == "cpu":
+                found[int(index)] = gen
+        return found
+
+    @functools.wraps(sample)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        states = {i: gen.get_state() for i, gen in thrown_away(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for index, state in states.items():  # the draws for a discarded token, undone
+                self.input_batch.generators[index].set_state(state)
+
+    @functools.wraps(bookkeeping)
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = thrown_away(self)  # rewound already: kept from the offset rewind, which raises
+        for index in held:
+            del self.input_batch.generators[index]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(held)
+
+    _sample.agenttap_cpu_rewind = True  # type: ignore[attr-defined]
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    return True
+
+
+patch_cpu_seeded_chunks()
