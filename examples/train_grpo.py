@@ -12,25 +12,33 @@ here, on the CPU. Each step TRL asks ``capture.train.trl``'s rollout function fo
 sandboxed in a copy of a task folder), each task's own verifier scores its answer, and the
 agents' main rows come back as token ids, masks and logprobs, exactly what the policy sampled.
 After the optimizer step the model is saved (``save_pretrained``) to ``OUT/weights/step-N`` and
-pushed to the policy (``tap.update_weights(folder, "step-N")``): the next rollouts sample from
-the new weights, and their rows say so (``weight_versions``).
+pushed to the policy (``tap.update_weights(folder, "step-N", model=model, ...)``), with a probe
+computed from the model in memory (``capture.train.probe``): each policy server's logprobs for
+it are checked after the load (the step's line says ``checked, max |diff|``). The next
+rollouts sample from the new weights, and their rows say so (``weight_versions``). Training
+runs in fp32, as the policy serves the model (TRL's default on a CPU is bf16 autocast).
+
+``--seed N`` repeats a run on the same machine: torch is seeded, and so is the policy's
+sampling (``make_rollout_func(..., seed=N)``: each call gets a seed from N, the step, the task
+and the agent, and its prompt). The agents' prompts hold their folder's path, under ``--out``:
+give the same ``--out`` (the default is the same folder each time). Another seed, another run.
 
 The reward: a random tiny model cannot do a task, but it can learn a style. Every task here
 asks for an answer in capital letters and its verifier scores the share of the letters of the
 policy's answer (the tokens it sampled, decoded) that are capitals (``shouting``). It can only
 rise if gradients flow from the rows into new weights and those weights into the next rollouts.
-Measured here (2 CPU cores, shared; 10 steps in 5 minutes after vLLM's minute of start-up), the
-reward mean by step: 0.116 0.053 0.099 0.109 0.457 0.673 0.803 1.000 1.000 1.000. What the tiny
-random model learns is the easy way: it ends up repeating one all-capitals token ("ORDER"); once
-every answer of a group scores 1.0, GRPO's advantages, and so the grad norm, are 0.
+Runs differ from seed to seed (README.md shows a few); what the tiny random model learns, when
+it does, is the easy way: repeating an all-capitals token; once every answer of a group scores
+the same, GRPO's advantages, and so the grad norm, are 0.
 
 Answers are capped at ``--max-tokens`` (Claude Code's ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and
 each agent gets one model call (``max_calls`` 1): a policy that forgets to stop would otherwise
 write thousands of tokens per call on a CPU. Claude Code then exits non-zero (agenttap refused
 the continuation it asked for), which agenttap counts as reaching a limit, not as a failure:
 the rollout is scored.
-One line is printed per step: reward mean, loss, grad norm, tokens, the weight version the
-rollouts were sampled by and the one pushed, rollout seconds vs train seconds.
+Two lines are printed per step: reward mean, loss, grad norm, tokens, the weight version the
+rollouts were sampled by and the one pushed, rollout, train and push seconds and the push's
+check; then each rollout's reward in full.
 """
 
 from __future__ import annotations
@@ -163,10 +171,18 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         folder = self.weights / f"step-{state.global_step}"
         pushed = time.monotonic()
         model.save_pretrained(folder)
-        # No probe from the model in memory yet: under TRL's training step its logprobs differ
-        # from the saved folder's by ~0.05 here (issue 38, left open), which a probe refuses.
-        self.tap.update_weights(folder, f"step-{state.global_step}")
+        # With the model in memory, every policy server is checked against its own logprobs
+        # (capture.train.probe: the weights' forward, outside the trainer's autocast).
+        answer = self.tap.update_weights(
+            folder, f"step-{state.global_step}", model=model, tokenizer=kwargs["processing_class"]
+        )
         push_s = time.monotonic() - pushed
+        diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
+        checked = (
+            f"checked, max |diff| {max(d for d in diffs if d is not None):.1e}"
+            if answer.get("checked") and any(d is not None for d in diffs)
+            else "not checked"
+        )
         if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
             for old in self.weights.glob("step-*"):
                 if old != folder:
@@ -185,6 +201,8 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
             "rollout_s": last.seconds,
             "train_s": step_s - last.seconds,
             "push_s": push_s,
+            "checked": checked,
+            "rewards": last.rewards,
         }
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
@@ -199,8 +217,11 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
             f"  loss {logs['loss']:+.4f}  grad_norm {logs.get('grad_norm', math.nan):.4f}"
             f"  tokens {p['tokens']} ({p['trained']} trained)  sampled by {p['sampled_by']}"
             f" -> pushed {p['pushed']}  rollout {p['rollout_s']:.1f} s  train {p['train_s']:.1f} s"
-            f"  push {p['push_s']:.1f} s"
+            f"  push {p['push_s']:.1f} s ({p['checked']})"
         )
+        # Each rollout's reward, in full: two runs with one --seed print the same line.
+        rewards = " ".join("-" if r is None else repr(r) for r in p["rewards"])
+        self.bar.write(f"step {p['step']:>2}  rewards {rewards}")
 
 
 def main() -> None:
@@ -219,7 +240,11 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=64, help="Claude Code's answer cap, in tokens"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="seeds torch and the policy's sampling: the same seed, the same rewards (same "
+        "machine, same --out)",
+    )  # fmt: skip
     parser.add_argument("--out", default="train-grpo", help="shards, weights and logs go here")
     parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
     parser.add_argument("--model", default=None, help="model folder (default: the tiny Qwen3)")
@@ -255,6 +280,7 @@ def main() -> None:
                 tap, agent=agent, workdir=out / "task",
                 verifier=lambda task, run: TASKS[task](task, run, answers),
                 limits={"max_calls": args.max_calls}, metadata={"task_set": "shouting"},
+                seed=args.seed,
             )  # fmt: skip
             tasks = list(TASKS)
             dataset = Dataset.from_dict(
@@ -277,6 +303,9 @@ def main() -> None:
                 report_to="none",
                 disable_tqdm=True,
                 seed=args.seed,
+                # fp32, as the policy serves the model: TRL's default on a CPU is bf16 autocast,
+                # whose logprobs of the rows are ~0.1 from the sampler's.
+                bf16=False,
                 dataloader_num_workers=0,
             )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

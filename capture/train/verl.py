@@ -14,8 +14,9 @@ then scores the sample), ``num_turns``, and ``extra_fields`` ``min_global_steps`
 ``max_global_steps`` (the numbers in the labels of the weights that sampled the trained tokens:
 label your weights with verl's global step, ``tap.update_weights(DIR, str(global_steps))`` or
 ``tap.set_weight_version(...)``; give either ``model=`` and ``tokenizer=`` (the actor's module on
-the driver's rank, ``capture.train.probe.weights_probe``) and every policy server is checked
-against the trainer's own logprobs after the sync, see docs/API.md).
+the driver's rank, ``capture.train.probe.weights_probe``: the weights' own forward, outside any
+autocast or DDP wrapper the trainer put around it) and every policy server is checked against
+the trainer's own logprobs after the sync, see docs/API.md).
 
 **Truncation.** verl pads to ``rollout.prompt_length`` / ``response_length`` but never cuts;
 this loop cuts by verl's own rule: a longer prompt keeps its last ``prompt_length`` tokens

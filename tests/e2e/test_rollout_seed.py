@@ -7,7 +7,11 @@ per seed, absent without one; a seed the call names itself is kept."""
 from __future__ import annotations
 
 import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import pytest
 
 from capture.client.launcher import AgentTap
 from capture.control.sessions import agent_seed, call_seed
@@ -59,3 +63,38 @@ def test_a_seeded_rollouts_calls_carry_its_seeds(stub_tap: AgentTap, stub: StubP
     assert sent(stub, plain, marker) == [(None, prompt)]
     own = stub_tap.rollout(CURL, chat(marker, seed=99), n=1, seed=11, id="own-seed")
     assert [seed for seed, _ in sent(stub, own, marker)] == [99]
+
+
+def completion(url: str, prompt: list[int], seed: int) -> list[int]:
+    """The token ids the policy samples for ``prompt`` with ``seed`` (temperature 1)."""
+    body = {
+        "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
+        "seed": seed, "return_tokens_as_token_ids": True, "logprobs": 0,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        choice = json.load(answer)["choices"][0]
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+@pytest.mark.vllm
+def test_a_seeded_long_prompt_on_the_real_vllm(vllm_url: str) -> None:
+    """A prompt longer than one step's token budget is prefilled in chunks; vLLM samples (and
+    throws away) a token at each partial chunk and rewinds the request's generator by an offset
+    a CPU generator does not have: the engine died (RuntimeError "CPU Generator does not use
+    offset"). rewriter/vllm_worker.py rewinds it by its state: the call is answered, and the
+    same seed samples the same tokens however the prompt was chunked."""
+    long_prompt = [100 + (i * 7919) % 5000 for i in range(12_000)]
+    other_prompt = [100 + (i * 104_729) % 5000 for i in range(12_000)]
+    first = completion(vllm_url, long_prompt, seed=7)
+    assert len(first) == 8
+    # Again, beside another long prompt (other chunks; a cached prefix): the same tokens.
+    with ThreadPoolExecutor(2) as pool:
+        again = pool.submit(completion, vllm_url, long_prompt, 7)
+        beside = pool.submit(completion, vllm_url, other_prompt, 7)
+        assert again.result() == first and len(beside.result()) == 8
+    # Each seed its own draws: over three seeds, not all alike.
+    others = [completion(vllm_url, long_prompt, seed=s) for s in (8, 9)]
+    assert any(o != first for o in others)
