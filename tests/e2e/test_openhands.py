@@ -100,7 +100,7 @@ def openhands() -> Path:
 
 
 def run_openhands(
-    openhands: Path, proxy: Proxy, session: str, workdir: Path, task: str = TASK
+    openhands: Path, proxy: Proxy, session: str, workdir: Path, model: str = MODEL
 ) -> subprocess.CompletedProcess[str]:
     home = workdir.parent / f"{workdir.name}-home"
     home.mkdir(exist_ok=True)
@@ -110,9 +110,10 @@ def run_openhands(
         "HTTPS_PROXY": f"http://{session}:x@127.0.0.1:{proxy.port}",
         "SSL_CERT_FILE": str(proxy.ca),
         **SWITCHES,
+        "LLM_MODEL": model,
     }
     return subprocess.run(
-        [str(openhands), "--headless", "--override-with-envs", "--json", "-t", task],
+        [str(openhands), "--headless", "--override-with-envs", "--json", "-t", TASK],
         cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=240,
     )  # fmt: skip
@@ -143,6 +144,37 @@ def test_openhands_does_a_four_turn_task(
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert last.count("<tool_response>") == 3
     assert "2 notes.txt" in last and "has been edited" in last
+
+
+# OpenHands' default model; the SDK asks it for reasoning_effort "high", which LiteLLM sends
+# as Anthropic's extended thinking.
+CLAUDE = "anthropic/claude-sonnet-4-5-20250929"
+THOUGHT = "<think>\nThe next step of the task.\n</think>\n\n"
+
+
+def test_openhands_on_the_anthropic_route(
+    openhands: Path, stub_proxy: Proxy, stub: StubPolicy, tmp_path: Path
+) -> None:
+    """With a Claude model LiteLLM speaks the Messages API, extended thinking on. The policy
+    thinks (as Qwen3 does with thinking on), so each answer has a thinking block that OpenHands
+    sends back (LiteLLM drops ``thinking`` from a request whose last tool-call turn has none):
+    one main row, every call extending the last."""
+    session = "openhands-anthropic"
+    workdir = seed(tmp_path / "work")
+    steps = [THOUGHT + step for step in openhands_steps(str(workdir))]
+    stub.replies.clear()
+    stub.script(*steps)
+    done = run_openhands(openhands, stub_proxy, session, workdir, model=CLAUDE)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (workdir / "notes.txt").read_text() == DONE and not stub.replies
+
+    turns = stub_proxy.turns(session, expect=4)
+    (row,) = stub_proxy.threads(session, expect=1)
+    check_trained_exactly_once([row], turns)
+    assert row["thread_kind"] == "main" and row["num_turns"] == 4
+    assert {t["protocol"] for t in turns} == {"anthropic.messages"}
+    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 3
+    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in steps]
 
 
 def test_a_tool_call_without_its_security_risk_is_answered_and_kept(
