@@ -161,6 +161,17 @@ class SandboxEnvironment(BaseEnvironment):  # type: ignore[misc]  # Harbor's cla
                 "made by Harbor on the host).",
                 self._network_policy.network_mode.value,
             )
+        asked = {
+            "cpus": self._effective_cpus,
+            "memory_mb": self._effective_memory_mb,
+            "storage_mb": self._effective_storage_mb,
+        }
+        if any(value is not None for value in asked.values()):
+            self.logger.warning(
+                "agenttap sandbox: the task's resources (%s) are not enforced here: the "
+                "sandbox shares this machine's CPUs, memory and disk.",
+                ", ".join(f"{k}={v}" for k, v in asked.items() if v is not None),
+            )
         self._root = Path(tempfile.mkdtemp(prefix="agenttap-harbor-"))
         for name in ("fs/work", "fs/logs/agent", "fs/logs/verifier", "fs/logs/artifacts"):
             self._folder(name).mkdir(parents=True)
