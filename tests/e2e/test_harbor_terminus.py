@@ -253,8 +253,9 @@ def test_a_summarized_history_is_trained_once(
     try:
         (trial,) = run_harbor(
             harbor, stub_proxy, session, tmp_path,
-            # gpt-4o's context is 128000 tokens (LiteLLM's model map): summarize over 3000.
-            "--ak", "proactive_summarization_threshold=125000",
+            # The policy's context as Terminus-2 is told it: with the default threshold (8000
+            # tokens left), it summarizes once the history is over 3000 tokens.
+            "--ak", 'model_info={"max_input_tokens": 11000, "max_output_tokens": 4096}',
         )  # fmt: skip
     finally:
         stub.rules.remove(rule)
