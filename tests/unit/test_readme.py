@@ -38,6 +38,8 @@ CLIENT_VARIABLES = {"CODEX_HOME", "GEMINI_CLI_TRUST_WORKSPACE"}
 CLIENT_VARIABLES |= {"MSWEA_CONFIGURED", "MSWEA_COST_TRACKING", "LITELLM_LOCAL_MODEL_COST_MAP"}
 # OpenHands' own (tests/e2e/test_openhands.py sets each).
 CLIENT_VARIABLES |= {"LLM_MODEL", "LLM_API_KEY", "OPENHANDS_SUPPRESS_BANNER"}
+# Harbor imports agenttap's environment from it (tests/e2e/test_harbor_terminus.py sets it).
+CLIENT_VARIABLES |= {"PYTHONPATH"}
 # The line the banner prints for a shell to source (export AGENTTAP_API=... AGENTTAP_TOKEN=...).
 BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k", "p"))[1:]}
 # Agent CLIs the README runs, and the end-to-end test that runs each the same way.
@@ -48,6 +50,7 @@ CLI_TESTS = {
     "opencode": "tests/e2e/test_opencode.py",
     "mini": "tests/e2e/test_mini_swe_agent.py",
     "openhands": "tests/e2e/test_openhands.py",
+    "harbor": "tests/e2e/test_harbor_terminus.py",
 }
 # Scripts the README runs, and what runs each (CI runs scripts/test.sh, which runs setup.sh).
 SCRIPT_RUNNERS = {
