@@ -117,3 +117,8 @@ def patch_cpu_seeded_chunks() -> bool:
 
 
 patch_cpu_seeded_chunks()
+
+# Prompt logprobs under a LoRA adapter in a step of several requests (vllm_lora_logits.py).
+from rewriter.vllm_lora_logits import patch_lora_prompt_logprobs  # noqa: E402
+
+patch_lora_prompt_logprobs()
