@@ -290,15 +290,20 @@ class AgentTap:
         id: str | None = None,
         wait: bool = True,
         seed: int | None = None,
+        rows: bool = True,
     ) -> dict[str, Any]:
         """Run ``n`` agents (``claude-code``, ``codex``, ``gemini``, ``opencode``,
-        ``mini-swe-agent`` or ``{"command": [...]}``) on ``prompt``, each in a fresh copy of
+        ``mini-swe-agent``, ``openhands``, ``terminus-2`` or ``{"command": [...]}``) on
+        ``prompt``, each in a fresh copy of
         ``workdir``, scored by ``verifier`` (a command,
         its last stdout line the reward; or the route's whole ``{"command", "restore",
         "on_error"}``); returns, once all have ended (``wait``), each one's status,
         finish_reason, reward, metrics and rows. ``seed``: the policy's sampling is seeded
-        (each agent's calls their own way), so the same prompts sample the same tokens."""
+        (each agent's calls their own way), so the same prompts sample the same tokens.
+        ``rows=False``: the answer leaves out the rows (read them from OUT)."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
+        if not rows:
+            body["rows"] = False
         optional = {
             # The proxy's working directory is not the caller's: relative to the caller.
             "workdir": str(Path(workdir).resolve()) if workdir is not None else None,

@@ -155,6 +155,10 @@ def openapi_spec(server: str) -> dict[str, Any]:
                             "id": {"type": "string"},
                             "timeout_s": {"type": "number"},
                             "wait": {"type": "boolean"},
+                            "rows": {
+                                "type": "boolean",
+                                "description": "false: each rollout's summary without its rows",
+                            },
                         }
                     ),
                     "responses": {

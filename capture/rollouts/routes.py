@@ -42,6 +42,11 @@ class RolloutRoutes:
         wait = body.get("wait", True)
         if not isinstance(wait, bool):
             raise ValueError('"wait" must be true or false')
+        # Every row's tokens make the answer megabytes for a few agents: a caller that reads
+        # the rows from OUT (or GET /sessions/ID) asks for the summaries alone.
+        rows = body.get("rows", True)
+        if not isinstance(rows, bool):
+            raise ValueError('"rows" must be true (each rollout\'s rows in the answer) or false')
         if spec.workdir is not None:  # a link out of it: refused before anything starts
             await asyncio.to_thread(check_seed, spec.workdir)
         try:
@@ -57,7 +62,7 @@ class RolloutRoutes:
         assert rollout.task is not None
         # A caller that hangs up does not stop the rollout (DELETE does).
         await asyncio.shield(rollout.task)
-        return web.json_response(rollout.summary())
+        return web.json_response(rollout.summary(rows=rows))
 
     async def list(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -72,7 +77,7 @@ class RolloutRoutes:
         rollout = self.rollouts.get(rollout_id)
         if rollout is None:
             return self._unknown(rollout_id)
-        summary = rollout.summary()
+        summary = rollout.summary(rows=request.query.get("rows", "1") not in ("0", "false"))
         # While it runs: each live session's counts so far.
         for run in summary["rollouts"]:
             live = self.api.gateway.control.get(run["session_id"])

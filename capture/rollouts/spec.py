@@ -68,7 +68,7 @@ def parse_rollout(body: Any) -> RolloutSpec:
         "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
         "expose", "egress", "seed",
     )  # fmt: skip
-    reject_unknown(body, (*known, "timeout_s", "wait"))
+    reject_unknown(body, (*known, "timeout_s", "wait", "rows"))
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError('"prompt" must be the task, as text')

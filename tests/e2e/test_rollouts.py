@@ -123,6 +123,23 @@ def test_a_rollout_stopped_by_its_limit(
     assert run["finish_reason"] == "max_calls" and run["reward"] == 1.0, run
     assert run["metrics"]["calls"] == 1 and run["metrics"]["refused"] == 1
     assert all(r["end_reason"] == "max_calls" for r in run["rows"])
+    # The same rollout's answer without its rows: the summaries alone, a fraction of the size.
+    full = stub_tap.client.get(f"/rollouts/{result['id']}")
+    bare = stub_tap.client.get(f"/rollouts/{result['id']}?rows=0")
+    assert [r.get("rows") for r in bare["rollouts"]] == [None]
+    assert bare["rollouts"][0]["reward"] == 1.0
+    assert len(json.dumps(bare)) * 3 < len(json.dumps(full))
+
+
+def test_a_rollout_answered_without_its_rows(
+    stub_tap: AgentTap, scripted: Callable[[str], None]
+) -> None:
+    scripted("claude-code")
+    result = stub_tap.rollout(
+        "claude-code", "Create hello.txt containing hi", verifier=VERIFIER, rows=False
+    )
+    (run,) = result["rollouts"]
+    assert "rows" not in run and run["reward"] == 1.0 and run["metrics"]["calls"] >= 1
 
 
 def test_delete_stops_a_rollout_and_leaves_no_process(stub_tap: AgentTap) -> None:
@@ -179,6 +196,7 @@ def test_bad_requests_are_refused_with_the_reason(stub_tap: AgentTap, tmp_path: 
         ({"agent": {"command": ["a\u0000b"]}, "prompt": "x"}, "NUL"),
         ({"agent": "codex", "prompt": "x", "verifier": {"command": ["t"], "on_error": 1}}, "on_"),
         ({"agent": "codex", "prompt": "x", "id": "nl\n"}, '"id"'),
+        ({"agent": "codex", "prompt": "x", "rows": "no"}, '"rows"'),
     ]:
         with pytest.raises(AgentTapError, match=words) as err:
             stub_tap.client.post("/rollouts", body)
