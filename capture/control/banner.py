@@ -15,19 +15,34 @@ from capture.control.endpoints import Endpoints
 # a client's CA variable replaces the system's).
 REPLACED_PREFIXES = ("Proxy mode:", "API keys:")
 
-# Client families: their label, and the variables (from Endpoints.env) each needs in proxy mode.
-FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+# Client families: their label, the variables (from Endpoints.env) each needs in proxy mode,
+# and switches of their own (LiteLLM fetches its price list at import unless told to use its
+# copy; mini-swe-agent asks for a setup wizard; OpenHands reads its model from LLM_MODEL).
+FAMILIES: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
     (
-        "Claude Code, Gemini CLI, Node SDKs",
+        "Claude Code, Gemini CLI, OpenCode, Node SDKs",
         ("HTTPS_PROXY", "NODE_EXTRA_CA_CERTS", "ANTHROPIC_API_KEY", "GEMINI_API_KEY"),
+        (),
     ),
     (
         "Codex CLI",
         ("HTTPS_PROXY", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE", "OPENAI_API_KEY"),
+        (),
     ),
     (
         "Python SDKs (openai, anthropic, google-genai)",
         ("HTTPS_PROXY", "SSL_CERT_FILE", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GOOGLE_API_KEY"),
+        (),
+    ),
+    (
+        "LiteLLM scaffolds (mini-swe-agent, OpenHands, Terminus-2; docs/PROVIDERS.md)",
+        ("HTTPS_PROXY", "SSL_CERT_FILE", "OPENAI_API_KEY"),
+        (
+            ("LITELLM_LOCAL_MODEL_COST_MAP", "True"),
+            ("MSWEA_CONFIGURED", "true"),
+            ("LLM_MODEL", "openai/gpt-4o"),
+            ("LLM_API_KEY", "anything"),
+        ),
     ),
 )
 
@@ -51,8 +66,9 @@ def family_lines(endpoints: Endpoints) -> list[str]:
     if not env.get("HTTPS_PROXY"):
         return []  # the proxy's address is not known: base-URL mode only
     lines = ["Proxy mode, per client (SESSION names the session; any API key works):"]
-    for label, names in FAMILIES:
-        exports = " ".join(f"{name}={env[name]}" for name in names if env.get(name))
+    for label, names, fixed in FAMILIES:
+        values = [(name, env[name]) for name in names if env.get(name)] + list(fixed)
+        exports = " ".join(f"{name}={value}" for name, value in values)
         lines += [f"  {label}:", f"    export {exports}"]
     return lines
 

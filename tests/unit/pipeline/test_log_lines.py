@@ -135,6 +135,9 @@ def test_one_export_line_per_client_family_in_place_of_the_generic_ones() -> Non
         "CODEX_CA_CERTIFICATE=/c/agenttap-ca-bundle.pem OPENAI_API_KEY=sk-agenttap",
         f"export {proxy} SSL_CERT_FILE=/c/agenttap-ca-bundle.pem OPENAI_API_KEY=sk-agenttap "
         "ANTHROPIC_API_KEY=sk-ant-agenttap GOOGLE_API_KEY=agenttap",
+        f"export {proxy} SSL_CERT_FILE=/c/agenttap-ca-bundle.pem OPENAI_API_KEY=sk-agenttap "
+        "LITELLM_LOCAL_MODEL_COST_MAP=True MSWEA_CONFIGURED=true LLM_MODEL=openai/gpt-4o "
+        "LLM_API_KEY=anything",
     ]
     # No proxy address known: nothing to export, the rest as it was.
     unknown = Endpoints(api_url="http://127.0.0.1:8081", proxy_url="", ca_path="/c/ca.pem")
