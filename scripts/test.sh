@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check rewriter capture addons tests bench scripts examples
 .venv/bin/python -m mypy
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
