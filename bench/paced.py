@@ -139,8 +139,9 @@ async def run_path(path: overhead.Path_, clients: int, tokens: int, seconds: flo
     await path.open()
     try:
         await streamed_call(path, "warm", tokens)
-        tally = Tally(seconds=seconds)
-        stop_at = time.perf_counter() + seconds
+        tally = Tally()
+        began = time.perf_counter()
+        stop_at = began + seconds
 
         async def worker(i: int) -> None:
             while time.perf_counter() < stop_at:
@@ -152,6 +153,8 @@ async def run_path(path: overhead.Path_, clients: int, tokens: int, seconds: flo
         cpu0 = path.server.cpu()[0]
         await asyncio.gather(*(worker(i) for i in range(clients)))
         tally.cpu_s = path.server.cpu()[0] - cpu0
+        # Until the last call ended (each started before ``seconds`` runs to its end).
+        tally.seconds = time.perf_counter() - began
         return tally
     finally:
         await path.close()
@@ -339,7 +342,7 @@ def main() -> int:
                     continue
                 tallies[server.name].add(tally)
                 print(
-                    f"  {server.name}: {tally.tokens / args.seconds:.0f} tokens/s, "
+                    f"  {server.name}: {tally.tokens / tally.seconds:.0f} tokens/s, "
                     f"{1e6 * tally.cpu_s / max(tally.tokens, 1):.1f} µs/token",
                     flush=True,
                 )
