@@ -1,6 +1,7 @@
 """Throughput of the Ray proxy pool with 1, 2 and 4 proxy actors (issue 19 item 4's closing note).
 
     .venv/bin/python bench/ray_pool.py [--actors 1,2,4] [--sessions 64] [--calls 16] [--replicas 2]
+        [--pace-ms 2 --tokens 64]
 
 A local Ray cluster; a pool of proxy actors (capture/client/ray_pool.py: each a real mitmdump started
 by the launcher) in front of --replicas scripted stub policies, each in its own process (a fast
@@ -12,12 +13,17 @@ closes per second, the ratio of calls per second to 1 actor, and the cores busy 
 ran: the proxies' mitmdumps, and the rest (the client and the stubs; Ray's own not counted). Every process (the clients,
 the stubs, Ray and the proxies) shares this host's cores: past the cores there is nothing to
 gain, and the output says how many there are.
+
+``--pace-ms P`` (issue 41): the stubs stream ``--tokens`` tokens a call, one every P ms as a GPU
+policy samples them, and the clients stream the answers (``stream_options.include_usage``):
+the table gains the tokens per second streamed through the pool, and its ratio to 1 actor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -34,12 +40,16 @@ from capture.client.ray_pool import ProxyPool  # noqa: E402
 from tests.conftest import QWEN3  # noqa: E402
 
 
-def serve_stub(conn: Any) -> None:
-    """A stub policy in this (child) process; sends its URL, serves until the pipe closes."""
+def serve_stub(conn: Any, pace_ms: float = 0.0, tokens: int = 64) -> None:
+    """A stub policy in this (child) process; sends its URL, serves until the pipe closes.
+    With ``pace_ms``: answers of about ``tokens`` tokens, one streamed every ``pace_ms``."""
     from tests.stub_vllm import StubPolicy
 
     stub = StubPolicy(str(QWEN3))
     stub.default_reply = "A short answer of a few tokens."
+    if pace_ms > 0:
+        stub.default_reply = " ".join(["word"] * tokens)
+        stub.chunk_delay_s = pace_ms / 1000
     conn.send(stub.start())
     try:
         conn.recv()
@@ -65,32 +75,58 @@ def pct(times: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-async def session_calls(http: Any, base_url: str, sid: str, key: str, calls: int) -> list[float]:
+# Tokens streamed by all clients of the run going on (--pace-ms), from the answers' usage.
+STREAMED = [0]
+
+
+async def streamed_answer(resp: Any) -> str:
+    """The text of a streamed chat answer; its completion tokens counted in ``STREAMED``."""
+    text = []
+    async for line in resp.content:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            STREAMED[0] += chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices") or []:
+            text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+async def session_calls(
+    http: Any, base_url: str, sid: str, key: str, calls: int, stream: bool = False
+) -> list[float]:
     times = []
     history: list[dict[str, str]] = []
     for i in range(calls):
         history.append({"role": "user", "content": f"step {i} of {sid}"})
         start = time.perf_counter()
+        body: dict[str, Any] = {"model": "m", "messages": history}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         async with http.post(
-            f"{base_url}/chat/completions",
-            json={"model": "m", "messages": history},
-            headers={"Authorization": f"Bearer {key}"},
+            f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
         ) as resp:
-            body = await resp.json()
-            assert resp.status == 200, body
+            assert resp.status == 200, await resp.text()
+            if stream:
+                answer = await streamed_answer(resp)
+            else:
+                answer = (await resp.json())["choices"][0]["message"]["content"]
         times.append(time.perf_counter() - start)
-        history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        history.append({"role": "assistant", "content": answer})
     return times
 
 
-async def drive(base_urls: list[tuple[str, str, str]], calls: int) -> tuple[float, list[float]]:
+async def drive(
+    base_urls: list[tuple[str, str, str]], calls: int, stream: bool = False
+) -> tuple[float, list[float]]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         start = time.perf_counter()
         per_session = await asyncio.gather(
-            *(session_calls(http, url, sid, key, calls) for sid, url, key in base_urls)
+            *(session_calls(http, url, sid, key, calls, stream) for sid, url, key in base_urls)
         )
         wall = time.perf_counter() - start
     return wall, [t for times in per_session for t in times]
@@ -113,9 +149,15 @@ def run(
         proxies = [info["mitmdump_pid"] for info in pool.stats()]
         others = [os.getpid(), *stub_pids]
         before = cpu_s(proxies), cpu_s(others)
+        STREAMED[0] = 0
         wall, times = asyncio.run(
-            drive([(s.id, s.base_urls["openai"], s.api_key) for s in sessions], args.calls)
+            drive(
+                [(s.id, s.base_urls["openai"], s.api_key) for s in sessions],
+                args.calls,
+                stream=args.pace_ms > 0,
+            )
         )
+        tokens = STREAMED[0]
         proxy_cpu, other_cpu = cpu_s(proxies) - before[0], cpu_s(others) - before[1]
         start = time.perf_counter()
         rows = sum(sess.close(reward=1.0).num_rows for sess in sessions)
@@ -129,6 +171,7 @@ def run(
         "calls": len(times),
         "wall": wall,
         "calls_s": len(times) / wall,
+        "tokens_s": tokens / wall,
         "p50": statistics.median(times),
         "p95": pct(times, 0.95),
         "closes_s": len(sessions) / close_wall,
@@ -147,6 +190,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="rounds over the sizes (median)")
+    parser.add_argument(
+        "--pace-ms", type=float, default=0.0, help="stream answers, a token every PACE ms"
+    )
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per answer (--pace-ms)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.actors.split(",")]
     import ray
@@ -155,7 +202,7 @@ def main() -> None:
     stubs = []
     for _ in range(args.replicas):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve_stub, args=(child,), daemon=True)
+        proc = ctx.Process(target=serve_stub, args=(child, args.pace_ms, args.tokens), daemon=True)
         proc.start()
         stubs.append((proc, parent))
     urls = [parent.recv() for _, parent in stubs]
@@ -180,6 +227,17 @@ def main() -> None:
     # Per size, the round with the median calls/s.
     results = [sorted(rounds[n], key=lambda r: r["calls_s"])[len(rounds[n]) // 2] for n in sizes]
     base = results[0]["calls_s"]
+    paced = args.pace_ms > 0
+    if paced:
+        print(
+            f"\nstreamed: {args.tokens}-token answers, a token every {args.pace_ms:g} ms; "
+            "tokens/s through the pool (vs 1 actor):"
+        )
+        for r in results:
+            print(
+                f"  {r['actors']} actor(s): {r['tokens_s']:.0f} tokens/s "
+                f"({r['tokens_s'] / max(results[0]['tokens_s'], 1e-9):.2f}x)"
+            )
     print(
         f"\n{args.sessions} sessions at once, {args.calls} chat calls each (base URL, plain HTTP), "
         f"{args.replicas} stub policy replicas; this host has {cores} core(s); per size the "
