@@ -104,6 +104,10 @@ class RewritePlacement(ThreadState):
         header: MessageKey,
         enable_thinking: bool | None,
     ) -> Assembly:
+        # A reply the client sent back changed (text merged into it: OpenCode puts its compaction
+        # summary into the next assistant message, found by its echoed tool-call id) is rendered
+        # as sent; splicing the sampled ids would hide the added text from the policy.
+        aligned = {i: c for i, c in aligned.items() if c.conv and c.conv[-1] == keys[i]}
         splice = {i: call.sampled_ids for i, call in aligned.items()}
         ids, spans = self.render_spliced(messages, tools, splice, enable_thinking)
         p = common_prefix_len(ids, seq_ids(owner))
