@@ -398,8 +398,9 @@ def test_a_lora_adapter_is_served_exactly(
 def lora_prompt_logprobs(url: str, model: str, ids: list[int]) -> list[float]:
     data = json.dumps({"model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
     with urlopen(
-        url, "/v1/completions", data=data.encode(), headers={"Content-Type": "application/json"}
-    ) as r:
+        url, "/v1/completions", data=data.encode(), headers={"Content-Type": "application/json"},
+        timeout=300,
+    ) as r:  # fmt: skip
         entries = json.load(r)["choices"][0]["prompt_logprobs"]
     return [0.0] + [entries[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
 
@@ -423,17 +424,18 @@ def test_prompt_logprobs_under_lora_are_exact_in_a_busy_batch(
     # All under the adapter, as agenttap asks a replica serving one (vLLM's CPU LoRA layers
     # apply the adapter to a base-model request batched with adapter ones: docs/API.md).
     asks = [
-        ("busy-lora", [100 + (k * 37 + j * 11) % 3000 for j in range(20 + 9 * k)])
-        for k in range(6)
+        ("busy-lora", [100 + (k * 37 + j * 11) % 3000 for j in range(20 + 9 * k)]) for k in range(6)
     ]
     gen = json.dumps(
-        {"model": "busy-lora", "prompt": [300, 400, 500], "max_tokens": 40, "ignore_eos": True}
+        {"model": "busy-lora", "prompt": [300, 400, 500], "max_tokens": 24, "ignore_eos": True}
     ).encode()
 
     def generate() -> int:
+        # A loaded CPU decodes a few tokens a second: no 10 s default here.
         with urlopen(
-            lora_vllm, "/v1/completions", data=gen, headers={"Content-Type": "application/json"}
-        ) as r:
+            lora_vllm, "/v1/completions", data=gen, headers={"Content-Type": "application/json"},
+            timeout=300,
+        ) as r:  # fmt: skip
             return int(r.status)
 
     start = threading.Barrier(len(asks) + 2)
