@@ -10,26 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY312=${AGENTTAP_PY312:-}
-if [ -z "$PY312" ]; then
-  if python3.12 --version >/dev/null 2>&1; then PY312=python3.12
-  else PY312="env PYENV_VERSION=3.12.1 python3"; fi
-fi
+# shellcheck source=scripts/venv_lib.sh
+source scripts/venv_lib.sh
 
 MINI_SWE_AGENT_VERSION=2.4.6
 PACKAGES=${AGENTTAP_AGENTS_PACKAGES:-"mini-swe-agent==$MINI_SWE_AGENT_VERSION mcp"}
-MARKER=.venv-agents/.agenttap-ready
-if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PACKAGES" ]; then
-  echo "[setup-agents] .venv-agents ready ($PACKAGES)"
-  exit 0
-fi
+venv_ready setup-agents .venv-agents "$PACKAGES"
 
-echo "[setup-agents] building .venv-agents (Python 3.12): $PACKAGES"
-rm -rf .venv-agents
-$PY312 -m venv .venv-agents
-.venv-agents/bin/pip install -q --upgrade pip
-# shellcheck disable=SC2086  # the list is words on purpose
-.venv-agents/bin/pip install -q $PACKAGES
+venv_build setup-agents .venv-agents "$PACKAGES"
 # What the tests and rollouts run: fail here, not in the middle of a run. (LiteLLM fetches its
 # model cost map at import unless told to use its own copy: no internet here.)
 # minisweagent prints a banner and makes its config folder on import: a scratch one here.
@@ -44,5 +32,5 @@ case "$PACKAGES" in
   *) echo "[setup-agents] installed mini-swe-agent $got, asked for: $PACKAGES" >&2 ;;
 esac
 test -x .venv-agents/bin/mini
-echo "$PACKAGES" > "$MARKER"
+venv_done setup-agents .venv-agents "$PACKAGES"
 echo "[setup-agents] done: .venv-agents ready (mini-swe-agent $got)"

@@ -12,26 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY312=${AGENTTAP_PY312:-}
-if [ -z "$PY312" ]; then
-  if python3.12 --version >/dev/null 2>&1; then PY312=python3.12
-  else PY312="env PYENV_VERSION=3.12.1 python3"; fi
-fi
+# shellcheck source=scripts/venv_lib.sh
+source scripts/venv_lib.sh
 
 HARBOR_VERSION=0.26.0
 PACKAGES=${AGENTTAP_HARBOR_PACKAGES:-"harbor==$HARBOR_VERSION"}
-MARKER=.venv-harbor/.agenttap-ready
-if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PACKAGES" ]; then
-  echo "[setup-harbor] .venv-harbor ready ($PACKAGES)"
-  exit 0
-fi
+venv_ready setup-harbor .venv-harbor "$PACKAGES"
 
-echo "[setup-harbor] building .venv-harbor (Python 3.12): $PACKAGES"
-rm -rf .venv-harbor
-$PY312 -m venv .venv-harbor
-.venv-harbor/bin/pip install -q --upgrade pip
-# shellcheck disable=SC2086  # the list is words on purpose
-.venv-harbor/bin/pip install -q $PACKAGES
+venv_build setup-harbor .venv-harbor "$PACKAGES"
 # What the tests and rollouts run: fail here, not in the middle of a run. (LiteLLM fetches its
 # model cost map at import unless told to use its own copy: no internet here.)
 got=$(LITELLM_LOCAL_MODEL_COST_MAP=True .venv-harbor/bin/python -c \
@@ -44,5 +32,5 @@ case "$PACKAGES" in
   *) echo "[setup-harbor] installed harbor $got, asked for: $PACKAGES" >&2 ;;
 esac
 test -x .venv-harbor/bin/harbor
-echo "$PACKAGES" > "$MARKER"
+venv_done setup-harbor .venv-harbor "$PACKAGES"
 echo "[setup-harbor] done: .venv-harbor ready (harbor $got)"

@@ -13,26 +13,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY312=${AGENTTAP_PY312:-}
-if [ -z "$PY312" ]; then
-  if python3.12 --version >/dev/null 2>&1; then PY312=python3.12
-  else PY312="env PYENV_VERSION=3.12.1 python3"; fi
-fi
+# shellcheck source=scripts/venv_lib.sh
+source scripts/venv_lib.sh
 
 OPENHANDS_VERSION=1.16.0
 PACKAGES=${AGENTTAP_OPENHANDS_PACKAGES:-"openhands==$OPENHANDS_VERSION"}
-MARKER=.venv-openhands/.agenttap-ready
-if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PACKAGES" ]; then
-  echo "[setup-openhands] .venv-openhands ready ($PACKAGES)"
-  exit 0
-fi
+venv_ready setup-openhands .venv-openhands "$PACKAGES"
 
-echo "[setup-openhands] building .venv-openhands (Python 3.12): $PACKAGES"
-rm -rf .venv-openhands
-$PY312 -m venv .venv-openhands
-.venv-openhands/bin/pip install -q --upgrade pip
-# shellcheck disable=SC2086  # the list is words on purpose
-.venv-openhands/bin/pip install -q $PACKAGES
+venv_build setup-openhands .venv-openhands "$PACKAGES"
 # What the tests and rollouts run: fail here, not in the middle of a run. (LiteLLM fetches its
 # model cost map at import unless told to use its own copy: no internet here.)
 got=$(LITELLM_LOCAL_MODEL_COST_MAP=True OPENHANDS_SUPPRESS_BANNER=1 .venv-openhands/bin/python -c \
@@ -43,5 +31,5 @@ case "$PACKAGES" in
   *) echo "[setup-openhands] installed openhands $got, asked for: $PACKAGES" >&2 ;;
 esac
 test -x .venv-openhands/bin/openhands
-echo "$PACKAGES" > "$MARKER"
+venv_done setup-openhands .venv-openhands "$PACKAGES"
 echo "[setup-openhands] done: .venv-openhands ready (openhands $got)"

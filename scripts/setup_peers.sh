@@ -8,29 +8,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY312=${AGENTTAP_PY312:-}
-if [ -z "$PY312" ]; then
-  if python3.12 --version >/dev/null 2>&1; then PY312=python3.12
-  else PY312="env PYENV_VERSION=3.12.1 python3"; fi
-fi
+# shellcheck source=scripts/venv_lib.sh
+source scripts/venv_lib.sh
 
 PACKAGES=${AGENTTAP_PEERS_PACKAGES:-"rllm-model-gateway litellm[proxy]"}
-MARKER=.venv-peers/.agenttap-ready
-if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$PACKAGES" ]; then
-  echo "[setup-peers] .venv-peers ready ($PACKAGES)"
-  exit 0
-fi
+venv_ready setup-peers .venv-peers "$PACKAGES"
 
-echo "[setup-peers] building .venv-peers (Python 3.12): $PACKAGES"
-rm -rf .venv-peers
-$PY312 -m venv .venv-peers
-.venv-peers/bin/pip install -q --upgrade pip
 # One resolve for all of them: each peer gets versions that agree with the others'.
-# shellcheck disable=SC2086  # the list is words on purpose
-.venv-peers/bin/pip install -q $PACKAGES
+venv_build setup-peers .venv-peers "$PACKAGES"
 # What the bench runs: fail here, not in the middle of a benchmark.
 # (LiteLLM fetches its model cost map at import unless told to use its own copy: no internet.)
 LITELLM_LOCAL_MODEL_COST_MAP=True .venv-peers/bin/python -c "import rllm_model_gateway, litellm" >/dev/null
 test -x .venv-peers/bin/litellm
-echo "$PACKAGES" > "$MARKER"
+venv_done setup-peers .venv-peers "$PACKAGES"
 echo "[setup-peers] done: .venv-peers ready"
