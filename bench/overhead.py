@@ -390,12 +390,10 @@ def install_litellm(work: Path) -> Path | None:
     return None
 
 
-def start_litellm(fake_url: str, work: Path) -> Server | str:
-    exe = install_litellm(work)
-    if exe is None:
-        return "install failed"
-    config = work / "litellm.yaml"
-    config.write_text(
+def litellm_config(fake_url: str) -> str:
+    """LiteLLM proxy's config in front of the fake OpenAI server (its openai/ provider, as a
+    user fronting an OpenAI-compatible server configures it), keyed by ``API_KEY``."""
+    return (
         "model_list:\n"
         "  - model_name: gpt-4o-mini\n"
         "    litellm_params:\n"
@@ -408,6 +406,14 @@ def start_litellm(fake_url: str, work: Path) -> Server | str:
         "  telemetry: false\n"
         "  drop_params: true\n"
     )
+
+
+def start_litellm(fake_url: str, work: Path) -> Server | str:
+    exe = install_litellm(work)
+    if exe is None:
+        return "install failed"
+    config = work / "litellm.yaml"
+    config.write_text(litellm_config(fake_url))
     port = free_port()
     log = work / "litellm.log"
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}

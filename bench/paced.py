@@ -171,19 +171,7 @@ def start_peer(name: str, fake_url: str, work: Path) -> PeerServer:
         if not exe.exists():
             raise RuntimeError(f"{exe} missing: run scripts/setup_peers.sh")
         config = work / "litellm.yaml"
-        config.write_text(
-            "model_list:\n"
-            "  - model_name: gpt-4o-mini\n"
-            "    litellm_params:\n"
-            "      model: openai/gpt-4o-mini\n"
-            f"      api_base: {fake_url}/v1\n"
-            "      api_key: sk-fake\n"
-            "general_settings:\n"
-            f"  master_key: {overhead.API_KEY}\n"
-            "litellm_settings:\n"
-            "  telemetry: false\n"
-            "  drop_params: true\n"
-        )
+        config.write_text(overhead.litellm_config(fake_url))
         port = agent_sessions.free_port()
         cmd = [
             str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
