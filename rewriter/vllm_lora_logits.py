@@ -67,7 +67,13 @@ def patch_lora_prompt_logprobs() -> bool:
 
     @functools.wraps(original)
     def _get_prompt_logprobs_dict(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        wrapper = logits_wrapper(self.model) if getattr(self, "lora_config", None) else None
+        wrapper = None
+        if getattr(self, "lora_config", None):
+            # Found once per model, not by walking its modules at every step.
+            model, wrapper = getattr(self, "_agenttap_lora_wrapper", (None, None))
+            if model is not self.model:
+                wrapper = logits_wrapper(self.model)
+                self._agenttap_lora_wrapper = (self.model, wrapper)
         if wrapper is None:
             return original(self, hidden_states, *args, **kwargs)
         per_token = wrapper.token_lora_indices.clone()
