@@ -8,13 +8,14 @@ The seed is ``notes.txt`` holding ``alpha`` and ``beta``; the task replaces ``be
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tests.conftest import IM_END
+from tests.conftest import IM_END, Proxy
 from tests.e2e.test_anthropic_sdk_stub import hermes
 from tests.e2e.test_conservation_e2e import conservation
 from tests.stub_vllm import StubPolicy
@@ -102,3 +103,22 @@ def check_trained_exactly_once(
             np.testing.assert_array_equal(got, stub_logprobs(call["completion_ids"]))
             assert set(row["provenance"][span["start"] : span["end"]]) == {1}, "not re-scored"
     return where
+
+
+def check_one_conversation(
+    proxy: Proxy, stub: StubPolicy, session: str, steps: list[str], protocol: str
+) -> list[dict[str, Any]]:
+    """A scaffold's run of ``steps`` (the stub's scripted answers, in order) left one live
+    ``main`` row: a call per step over ``protocol``, each extending the last, each trained once
+    at the stub's ids and logprobs; the calls' turns."""
+    turns = proxy.turns(session, expect=len(steps))
+    rows = proxy.threads(session, expect=1)
+    check_trained_exactly_once(rows, turns)
+    assert [(r["thread_kind"], r["num_turns"], r["dead"]) for r in rows] == [
+        ("main", len(steps), False)
+    ]
+    assert {t["protocol"] for t in turns} == {protocol}
+    assembly = [json.loads(t["metadata"])["assembly"] for t in turns]
+    assert assembly == ["new"] + ["extend"] * (len(steps) - 1)
+    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in steps]
+    return turns

@@ -35,8 +35,8 @@ from tests.scaffold_task import (
     SEED,
     TASK,
     VERIFIER,
+    check_one_conversation,
     check_trained_exactly_once,
-    sampled,
     seed,
     stub_logprobs,
 )
@@ -165,13 +165,7 @@ def run_harbor(
 def check_trial(stub_proxy: Proxy, stub: StubPolicy, session: str) -> None:
     """One trial's rows: one main row of the five calls, each extending the last, each trained
     once at the stub's ids and logprobs."""
-    turns = stub_proxy.turns(session, expect=5)
-    rows = stub_proxy.threads(session, expect=1)
-    check_trained_exactly_once(rows, turns)
-    assert [(r["thread_kind"], r["num_turns"], r["dead"]) for r in rows] == [("main", 5, False)]
-    assert {t["protocol"] for t in turns} == {"openai.chat"}
-    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 4
-    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in TERMINUS_STEPS]
+    turns = check_one_conversation(stub_proxy, stub, session, TERMINUS_STEPS, "openai.chat")
     # What the terminal showed came back: the file, the count, the confirmation question.
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert "2 notes.txt" in last and "Are you sure you want to mark the task as complete" in last

@@ -26,6 +26,7 @@ from tests.scaffold_task import (
     DONE,
     MINI_STEPS,
     TASK,
+    check_one_conversation,
     check_trained_exactly_once,
     sampled,
     seed,
@@ -82,13 +83,7 @@ def test_mini_swe_agent_does_a_four_turn_task(
     assert trajectory["info"]["exit_status"] == "Submitted"
     assert len(stub.requests) - n == 4 and not stub.replies
 
-    turns = stub_proxy.turns(session, expect=4)
-    (row,) = stub_proxy.threads(session, expect=1)
-    check_trained_exactly_once([row], turns)
-    assert row["thread_kind"] == "main" and row["num_turns"] == 4 and not row["dead"]
-    assert {t["protocol"] for t in turns} == {"openai.chat"}
-    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 3
-    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in MINI_STEPS]
+    turns = check_one_conversation(stub_proxy, stub, session, MINI_STEPS, "openai.chat")
     # Its observations come back as tool results; the last command's output is never sent.
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert last.count("<tool_response>") == 3 and "2 notes.txt" in last

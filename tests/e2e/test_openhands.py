@@ -32,6 +32,7 @@ from tests.e2e.test_trajectory_vllm import _assert_exact
 from tests.scaffold_task import (
     DONE,
     TASK,
+    check_one_conversation,
     check_trained_exactly_once,
     sampled,
     seed,
@@ -133,13 +134,7 @@ def test_openhands_does_a_four_turn_task(
     assert (workdir / "notes.txt").read_text() == DONE
     assert len(stub.requests) - n == 4 and not stub.replies
 
-    turns = stub_proxy.turns(session, expect=4)
-    (row,) = stub_proxy.threads(session, expect=1)
-    check_trained_exactly_once([row], turns)
-    assert row["thread_kind"] == "main" and row["num_turns"] == 4 and not row["dead"]
-    assert {t["protocol"] for t in turns} == {"openai.chat"}
-    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 3
-    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in steps]
+    turns = check_one_conversation(stub_proxy, stub, session, steps, "openai.chat")
     # The tools' results come back as tool messages: the file's lines, the count, the edit.
     last = stub.tok.decode(turns[-1]["prompt_ids"])
     assert last.count("<tool_response>") == 3
@@ -168,13 +163,7 @@ def test_openhands_on_the_anthropic_route(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (workdir / "notes.txt").read_text() == DONE and not stub.replies
 
-    turns = stub_proxy.turns(session, expect=4)
-    (row,) = stub_proxy.threads(session, expect=1)
-    check_trained_exactly_once([row], turns)
-    assert row["thread_kind"] == "main" and row["num_turns"] == 4
-    assert {t["protocol"] for t in turns} == {"anthropic.messages"}
-    assert [json.loads(t["metadata"])["assembly"] for t in turns] == ["new"] + ["extend"] * 3
-    assert [t["completion_ids"] for t in turns] == [sampled(stub, s) for s in steps]
+    check_one_conversation(stub_proxy, stub, session, steps, "anthropic.messages")
 
 
 def test_a_tool_call_without_its_security_risk_is_answered_and_kept(
