@@ -103,6 +103,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         idle_timeout_s=settings.idle_timeout_s,
         max_body_bytes=settings.max_body_bytes,
         policy_timeout_s=settings.policy_timeout_s,
+        stream_flush_s=settings.stream_flush_ms / 1000,
         policy_max_connections=settings.policy_connections,
         replica_max_inflight=settings.replica_max_inflight,
         replica_queue=settings.replica_queue,

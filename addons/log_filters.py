@@ -1,6 +1,7 @@
 """What the addon trims from mitmproxy's own logging: the dumper prints WebSocket messages only
-at a higher ``flow_detail``, and the per-call lines (``agenttap call:``) skip the deprecated
-``add_log`` hook. Both are set up once, in the main addon's ``load``."""
+at a higher ``flow_detail``, and the per-call lines (``agenttap call:``) and mitmproxy's own
+per-connection and per-stream lines skip the deprecated ``add_log`` hook. Both are set up once,
+in the main addon's ``load``."""
 
 from __future__ import annotations
 
@@ -33,16 +34,26 @@ def quiet_websocket_messages(master: Any) -> None:
     dumper.websocket_message = websocket_message
 
 
+# mitmproxy's connection handler: "client connect", "server connect", "Streaming response from
+# ..." (one per streamed answer), their disconnects; its warnings and errors still go.
+CONNECTION_LOGGER = "mitmproxy.proxy.server"
+
+
 class _NotCallLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.name != call_logger.name
+        name = record.name
+        if name == CONNECTION_LOGGER:
+            return record.levelno >= logging.WARNING
+        return name != call_logger.name
 
 
 def skip_legacy_log_events() -> None:
     """mitmproxy hands every log record to its deprecated ``add_log`` hook as well: a walk over
     every addon, after a wake-up of the event loop through its self-pipe, per record, when no
-    addon of mitmproxy's own implements it. The per-call lines (``agenttap call:``) skip that
-    hook; the terminal, mitmweb's event log and every other handler still get them."""
+    addon of mitmproxy's own implements it. The per-call lines (``agenttap call:``) and the
+    connection handler's informational lines (a streamed answer's "Streaming response from",
+    connects and disconnects: two or three per call) skip that hook; the terminal, mitmweb's
+    event log and every other handler still get them."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, LegacyLogEvents) and not any(
             isinstance(f, _NotCallLines) for f in handler.filters

@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,9 +350,11 @@ def start_plain_mitmdump(
     return start_mitmdump(name, args, work, confdir)
 
 
-def start_agenttap(name: str, stub_url: str, out: Path, work: Path, confdir: Path) -> Server:
+def start_agenttap(
+    name: str, stub_url: str, out: Path, work: Path, confdir: Path, options: Sequence[str] = ()
+) -> Server:
     """mitmdump with agenttap's addon, answered by the vLLM-shaped stub at ``stub_url``,
-    writing its shards under ``out``."""
+    writing its shards under ``out``; ``options``: more ``NAME=VALUE`` options to set."""
     return start_mitmdump(
         name,
         [
@@ -359,6 +362,7 @@ def start_agenttap(name: str, stub_url: str, out: Path, work: Path, confdir: Pat
             "--set", f"agenttap_policy_url={stub_url}",
             "--set", f"agenttap_tokenizer={QWEN3}",
             "--set", f"agenttap_out={out}",
+            *(arg for option in options for arg in ("--set", option)),
         ],
         work,
         confdir,

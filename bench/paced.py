@@ -260,6 +260,13 @@ def main() -> int:
         "is 1.00x)",
     )
     parser.add_argument(
+        "--flush-ms",
+        default="",
+        metavar="MS[,MS...]",
+        help="run agenttap with agenttap_stream_flush_ms set to each (paths agenttap-flushMS; "
+        "default: agenttap's own default, one path)",
+    )
+    parser.add_argument(
         "--baseline",
         default="",
         metavar="REF",
@@ -301,9 +308,14 @@ def main() -> int:
                 children.append(stub)
                 for ref in filter(None, args.baseline.split(",")):
                     proxies.append(start_agenttap_at(ref, stub_url, work, confdir))
-                proxies.append(
-                    overhead.start_agenttap("agenttap", stub_url, work / "out", work, confdir)
-                )
+                flushes = [int(ms) for ms in filter(None, args.flush_ms.split(","))]
+                for ms in flushes or [None]:
+                    name = "agenttap" if ms is None else f"agenttap-flush{ms}"
+                    options = [] if ms is None else [f"agenttap_stream_flush_ms={ms}"]
+                    out = work / f"out-{ms}"
+                    proxies.append(
+                        overhead.start_agenttap(name, stub_url, out, work, confdir, options)
+                    )
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
             f"{args.clients} clients, a token every {args.pace_ms:g} ms, {args.tokens}-token "

@@ -116,6 +116,7 @@ class Gateway:
             config.model_map,
             config.model_names,
             timeout_s=config.policy_timeout_s,
+            flush_interval_s=config.stream_flush_s,
             max_connections=config.policy_max_connections,
             max_in_flight=config.replica_max_inflight,
             max_queue=config.replica_queue,

@@ -144,6 +144,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         lambda text: parse_whole(text, positive=True),
     ),
     Option(
+        "agenttap_stream_flush_ms",
+        "20",
+        "Least milliseconds between two events of a streamed answer (a whole number; 0: every "
+        "token as soon as it is read). Tokens that come sooner go with the next event; the "
+        "first token and the end of an answer are never held.",
+        parse_whole,
+    ),
+    Option(
         "agenttap_policy_connections",
         "1024",
         "Concurrent policy requests (a whole number above 0).",
@@ -416,6 +424,7 @@ class Settings:
     idle_timeout_s: float
     max_body_bytes: int
     policy_timeout_s: float
+    stream_flush_ms: int
     policy_connections: int
     replica_max_inflight: int
     replica_queue: int
@@ -487,6 +496,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         idle_timeout_s=values["agenttap_idle_timeout"],
         max_body_bytes=values["agenttap_max_body_bytes"],
         policy_timeout_s=values["agenttap_policy_timeout"],
+        stream_flush_ms=values["agenttap_stream_flush_ms"],
         policy_connections=values["agenttap_policy_connections"],
         replica_max_inflight=values["agenttap_replica_max_inflight"],
         replica_queue=values["agenttap_replica_queue"],

@@ -161,6 +161,83 @@ def completions_delta(choice: dict[str, Any]) -> CompletionDelta:
 
 
 TOKEN_ID_PREFIX = "token_id:"
+_ID_LIMIT = 2**31
+
+
+def completions_stream_line(payload: bytes) -> list[CompletionDelta] | None:
+    """A ``/v1/completions`` stream line as vLLM writes it, read in one pass: its choices'
+    pieces, exactly as ``completions_delta`` of ``answer_choices(answer_json(...))`` reads
+    them. None where the line is anything else (an error, a wrong type, a number orjson reads
+    otherwise than Python's json, a prompt's echo): the careful path then reads it, and says
+    what is wrong. Called for every streamed token, so every check here is a type test."""
+    if len(payload) >= _ECHO_WORTH_CUTTING:
+        return None
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if type(data) is not dict or "error" in data:
+        return None
+    choices = data.get("choices")
+    if not choices:
+        return [] if choices is None or choices == [] else None
+    if type(choices) is not list:
+        return None
+    pieces: list[CompletionDelta] = []
+    for choice in choices:
+        if type(choice) is not dict:
+            return None
+        lp = choice.get("logprobs")
+        if lp is None:
+            lp = {}
+        elif type(lp) is not dict:
+            return None
+        logprobs = lp.get("token_logprobs")
+        if logprobs is None:
+            logprobs = []
+        elif type(logprobs) is not list:
+            return None
+        for value in logprobs:
+            if type(value) is not float:
+                return None  # null or an integer: the careful path turns it into a float
+        ids = choice.get("token_ids")
+        if ids is None and "tokens" in lp:
+            tokens = lp["tokens"]
+            if type(tokens) is not list:
+                return None
+            ids = []
+            for token in tokens:
+                if type(token) is not str or not token.startswith(TOKEN_ID_PREFIX):
+                    return None
+                digits = token[9:]  # len(TOKEN_ID_PREFIX)
+                if not (digits.isascii() and digits.isdigit() and len(digits) <= 10):
+                    return None
+                ids.append(int(digits))
+            if ids and max(ids) >= _ID_LIMIT:
+                return None
+        elif ids is None:
+            ids = []
+        elif type(ids) is not list:
+            return None
+        else:
+            for value in ids:
+                if type(value) is not int or not 0 <= value < _ID_LIMIT:
+                    return None
+        if len(ids) != len(logprobs):
+            return None
+        text = choice.get("text")
+        if text is None:
+            text = ""
+        elif type(text) is not str:
+            return None
+        finish = choice.get("finish_reason")
+        stop = choice.get("stop_reason")
+        if (finish is not None and type(finish) is not str) or (
+            stop is not None and type(stop) is not str and type(stop) is not int
+        ):
+            return None
+        pieces.append(CompletionDelta(text, ids, logprobs, finish, stop))
+    return pieces
 
 
 def tokens_as_ids(tokens: Any) -> list[int]:

@@ -41,6 +41,7 @@ from rewriter.vllm_answers import (
     checked_logprob,
     coalesce,
     completions_delta,
+    completions_stream_line,
     generate_delta,
     is_int,
     malformed_answer,
@@ -79,17 +80,23 @@ Failover = Callable[["VLLMClient", BaseException], Awaitable["VLLMClient | None"
 
 class _Bounded:
     """``asyncio.timeout_at(deadline)``, listed in ``bounds`` while it runs. A class, not a
-    generator-based context manager: a stream enters one per read, for every token."""
+    generator-based context manager: a stream enters one per read, for every token.
+    ``abandoned``: the deadline was made to expire early (``VLLMClient.abandon``)."""
 
-    __slots__ = ("_bounds", "_timeout")
+    __slots__ = ("_bounds", "_timeout", "abandoned")
 
-    def __init__(self, bounds: set[asyncio.Timeout], deadline: float | None) -> None:
+    def __init__(self, bounds: set[_Bounded], deadline: float | None) -> None:
         self._bounds = bounds
         self._timeout = asyncio.timeout_at(deadline)
+        self.abandoned = False
+
+    def expire(self, now: float) -> None:
+        self.abandoned = True
+        self._timeout.reschedule(now)
 
     async def __aenter__(self) -> None:
         await self._timeout.__aenter__()
-        self._bounds.add(self._timeout)
+        self._bounds.add(self)
 
     async def __aexit__(
         self,
@@ -97,8 +104,28 @@ class _Bounded:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._bounds.discard(self._timeout)
+        self._bounds.discard(self)
         await self._timeout.__aexit__(kind, exc, tb)  # raises TimeoutError where it expired
+
+
+def _handed_on(pieces: list[CompletionDelta]) -> list[CompletionDelta]:
+    """``pieces`` as few as can be (``coalesce``), each saying whether another follows at once
+    (``more``: a writer sends those in one write)."""
+    pieces = coalesce(pieces)
+    for i, piece in enumerate(pieces):
+        piece.more = i < len(pieces) - 1
+    return pieces
+
+
+def _passed(deadline: float | None, now: float) -> bool:
+    return deadline is not None and now >= deadline
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The earlier of two deadlines (None: never)."""
+    if a is None:
+        return b
+    return a if b is None or a <= b else b
 
 
 class VLLMClient:
@@ -114,6 +141,7 @@ class VLLMClient:
         api: str = "auto",
         decode: Callable[[list[int]], str] | None = None,
         progress_timeout_s: float | None = None,
+        flush_interval_s: float = 0.0,
     ) -> None:
         """``decode``: the policy tokenizer's decode (special tokens skipped, as vLLM is asked
         to); with it, the text of a generation resumed after an abort is computed here.
@@ -121,7 +149,13 @@ class VLLMClient:
         ``progress_timeout_s``: the longest a generation may go without a new token (the first
         one included) before it fails. The connection's own read timeout is reset by any byte,
         so a stalled server sending keep-alives (blank lines, ``: ping``, chunks without
-        tokens) would never trip it; this deadline moves only when tokens or the finish do."""
+        tokens) would never trip it; this deadline moves only when tokens or the finish do.
+
+        ``flush_interval_s``: the least time between two pieces a stream hands on (0: each
+        read's tokens at once). Tokens that come sooner wait, read and parsed, and go on
+        together with the next (``coalesce``): one event to the client, one relay through
+        mitmproxy, for several tokens. A generation's first piece and its finish are never
+        held, so neither the time to the first token nor the end of the answer moves."""
         if api not in ("auto", "completions", "generate"):
             raise ValueError(f"api must be auto, completions or generate, not {api!r}")
         address = parse_policy_url(base_url)
@@ -137,6 +171,9 @@ class VLLMClient:
         self._api = api
         self._decode = decode
         self.progress_timeout_s = progress_timeout_s
+        if flush_interval_s < 0:
+            raise ValueError(f"flush_interval_s must be 0 or more, not {flush_interval_s!r}")
+        self.flush_interval_s = flush_interval_s
         self._info: PolicyInfo | None = None
         # Which weights the server samples with, as agenttap knows them (POST /policy/weights
         # or /policy/version): the label of the tokens a server does not label itself
@@ -163,7 +200,7 @@ class VLLMClient:
         # POST /policy/weights {"lora": DIR}); None: the base model.
         self.lora: str | None = None
         # The deadlines generations wait under here (``abandon`` ends them early).
-        self._bounds: set[asyncio.Timeout] = set()
+        self._bounds: set[_Bounded] = set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -265,7 +302,7 @@ class VLLMClient:
         now = asyncio.get_running_loop().time()
         bounds = list(self._bounds)
         for bound in bounds:
-            bound.reschedule(now)
+            bound.expire(now)
         return len(bounds)
 
     def _deadline(self) -> float | None:
@@ -520,37 +557,85 @@ class VLLMClient:
             raise self._stalled() from exc
         finished = False
         lines = LineSplitter(stream_line_limit(len(prompt_ids)))
+        fast = path != GENERATE_PATH  # vLLM's /v1/completions lines: completions_stream_line
+        interval = self.flush_interval_s
+        loop = asyncio.get_running_loop()
+        content = resp.content
+        # Pieces read but not handed on yet (``flush_interval_s``), and the earliest time the
+        # next piece may go (at once for the first).
+        held: list[CompletionDelta] = []
+        next_flush = 0.0
+        # While pieces are held, the stream waits for the interval's end without reading: the
+        # tokens that come meanwhile wait in the connection's buffer, read in one go (no
+        # wake-up per token). The end of the stream ends that wait (``woken``).
+        sleeping: list[asyncio.Future[None]] = []
+
+        def woken() -> None:
+            for waiter in sleeping:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+        if interval:
+            content.on_eof(woken)
         async with resp:
             while True:
+                # Bounded per wait, never across a yield: the caller's own awaits (writing to
+                # a slow client) are not the policy's time.
                 try:
-                    # Bounded per read, never across a yield: the caller's own awaits (writing
-                    # to a slow client) are not the policy's time.
-                    async with self._bounded(deadline):
-                        data = await resp.content.readany()
-                except TimeoutError as exc:  # ours, or the connection's read timeout
-                    raise self._stalled() from exc
+                    if held and not content.is_eof() and loop.time() < next_flush:
+                        waiter = loop.create_future()
+                        sleeping[:] = [waiter]
+                        bound = self._bounded(_earliest(deadline, next_flush))
+                        try:
+                            async with bound:
+                                await waiter
+                        except TimeoutError:
+                            if bound.abandoned:
+                                raise
+                        # The interval is over, or the policy's deadline came: what came
+                        # meanwhile is read now; nothing at all by the deadline is a stall.
+                        data = content.read_nowait(-1)
+                        ended = not data and content.at_eof()
+                        if not data and not ended and _passed(deadline, loop.time()):
+                            raise TimeoutError
+                    else:
+                        async with self._bounded(deadline):
+                            data = await content.readany()
+                        ended = not data
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    # What was read before the failure goes on first, as it came.
+                    for delta in _handed_on(held):
+                        yield delta
+                    if isinstance(exc, TimeoutError):  # ours, or the connection's read timeout
+                        raise self._stalled() from exc
+                    raise
                 # Every line already here is parsed before any is yielded: the tokens that came
                 # in one read (the policy ran ahead of this proxy or of its client) go on as one
                 # piece, one event to the client rather than one per token (``coalesce``); a
-                # reader that keeps up gets each token alone. Where a read holds more than one
+                # reader that keeps up gets each token alone, unless it came within
+                # ``flush_interval_s`` of the last piece. Where a read holds more than one
                 # piece (a finish, then more), each says whether another follows at once
                 # (``more``): a writer sends those in one write.
                 batch: list[CompletionDelta] = []
                 error: PolicyError | None = None
-                done = False
+                done = ends = False
                 try:
-                    for line in lines.feed(data) if data else lines.rest():
+                    for line in lines.rest() if ended else lines.feed(data) if data else ():
                         if not line.startswith(b"data:"):
                             continue  # blank lines, SSE comments (": ping"), event names
                         payload = line[5:].strip()
                         if payload == b"[DONE]":
                             done = True
                             break
-                        for choice in answer_choices(answer_json(payload, "a stream line")):
-                            delta = parse(choice)
+                        pieces = completions_stream_line(payload) if fast else None
+                        if pieces is None:
+                            choices = answer_choices(answer_json(payload, "a stream line"))
+                            pieces = [parse(choice) for choice in choices]
+                        for delta in pieces:
                             if delta.token_ids or delta.finish_reason is not None:
                                 deadline = self._deadline()
-                                finished = finished or delta.finish_reason is not None
+                                if delta.finish_reason is not None:
+                                    finished = ends = True
                             elif not (delta.text or delta.weight_versions):
                                 # A keep-alive: not passed on, so that a caller waiting for the
                                 # first piece before it answers (a status line) still waits for
@@ -559,15 +644,22 @@ class VLLMClient:
                             batch.append(delta)
                 except PolicyError as exc:
                     error = exc  # after the pieces before it, as they came
-                batch = coalesce(batch)
-                for i, delta in enumerate(batch):
-                    delta.more = i < len(batch) - 1
+                if interval:
+                    held += batch
+                    now = loop.time()
+                    if ends or done or ended or error is not None or now >= next_flush:
+                        batch, held = held, []
+                        if batch:  # keep-alives alone send nothing: no interval starts
+                            next_flush = now + interval
+                    else:
+                        batch = []
+                for delta in _handed_on(batch):
                     yield delta
                 if error is not None:
                     raise error
                 if done:
                     return
-                if not data:
+                if ended:
                     break
         if not finished:
             # Status 0: the server went away mid-generation (a crash, a restart): retryable.

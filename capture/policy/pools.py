@@ -61,12 +61,14 @@ class PolicyPools:
         health_interval_s: float = 5.0,
         weights_tolerance: float = 1e-3,
         weights_check_s: float = 60.0,
+        flush_interval_s: float = 0.0,
     ) -> None:
         self.policy_urls = list(policy_urls)
         # (pattern, servers): the first pattern a requested name matches picks its servers.
         self.model_map = list(model_map)
         self.configured_names = list(model_names)
         self.timeout_s = timeout_s
+        self.flush_interval_s = flush_interval_s
         self.max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
         # A server on a unix socket (unix:/PATH) has a connection pool of its own.
@@ -163,7 +165,13 @@ class PolicyPools:
                 http = self._unix_http.get(url) or self._session(url)
                 self._unix_http[url] = http
             # The policy timeout bounds time without a new token, not without a byte.
-            client = VLLMClient(url, http, decode=self._decode, progress_timeout_s=self.timeout_s)
+            client = VLLMClient(
+                url,
+                http,
+                decode=self._decode,
+                progress_timeout_s=self.timeout_s,
+                flush_interval_s=self.flush_interval_s,
+            )
             self._clients[url] = client
         return client
 

@@ -101,8 +101,9 @@ def test_connect_to_another_host_is_refused_and_its_keys_stripped() -> None:
 
 
 def test_call_lines_skip_the_deprecated_add_log_hook_only() -> None:
-    """The per-call lines go to every log handler but mitmproxy's LegacyLogEvents (which walks
-    every addon per record for a hook none implements); other records still reach it."""
+    """The per-call lines, and the connection handler's informational lines, go to every log
+    handler but mitmproxy's LegacyLogEvents (which walks every addon per record for a hook none
+    implements); other records, the connection handler's warnings included, still reach it."""
     import logging
 
     from mitmproxy.log import LegacyLogEvents
@@ -117,9 +118,16 @@ def test_call_lines_skip_the_deprecated_add_log_hook_only() -> None:
     other = logging.getLogger("capture.gateway").makeRecord(
         "capture.gateway", logging.INFO, __file__, 1, "other", (), None
     )
+    server = logging.getLogger("mitmproxy.proxy.server")
+    streaming = server.makeRecord(
+        server.name, logging.INFO, __file__, 1, "Streaming response from 127.0.0.1.", (), None
+    )
+    warning = server.makeRecord(server.name, logging.WARNING, __file__, 1, "x", (), None)
     for handler in legacy:
         assert not handler.filter(call)
+        assert not handler.filter(streaming)
         assert handler.filter(other)
+        assert handler.filter(warning)
     seen: list[str] = []
 
     class Collect(logging.Handler):

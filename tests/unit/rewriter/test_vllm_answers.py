@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewriter.vllm_answers import PolicyError, answer_json, completions_delta, without_prompt_echo
+from rewriter.vllm_answers import (
+    CompletionDelta,
+    PolicyError,
+    answer_choices,
+    answer_json,
+    completions_delta,
+    completions_stream_line,
+    without_prompt_echo,
+)
 
 PROMPT = list(range(100_000, 103_000))  # 3,000 ids: an answer well past the size worth cutting
 
@@ -145,3 +153,118 @@ def test_a_chunk_without_logprobs_has_no_ids() -> None:
     delta = completions_delta({"index": 0, "text": "", "logprobs": None, "token_ids": None,
                                "finish_reason": "stop"})  # fmt: skip
     assert delta.token_ids == [] and delta.finish_reason == "stop"
+
+
+# -- completions_stream_line: the one-pass reader of a streamed token's line --------------------
+def _careful(raw: bytes) -> list[CompletionDelta] | None:
+    try:
+        return [completions_delta(c) for c in answer_choices(answer_json(raw, "a stream line"))]
+    except PolicyError:
+        return None
+
+
+# vLLM's lines, as it writes them (return_tokens_as_token_ids; or token_ids; a finish; usage).
+VLLM_LINES = [
+    b'{"id":"cmpl-9","object":"text_completion","created":1764000000,"model":"m","choices":[{'
+    b'"index":0,"text":" the","logprobs":{"text_offset":[12],"token_logprobs":[-1.25],'
+    b'"tokens":["token_id:279"],"top_logprobs":[{"token_id:279":-1.25}]},"finish_reason":null,'
+    b'"stop_reason":null,"prompt_logprobs":null,"prompt_token_ids":null,"token_ids":null}],'
+    b'"usage":null}',
+    b'{"choices":[{"index":0,"text":"!","token_ids":[0,2147483647],"logprobs":{'
+    b'"token_logprobs":[-0.5,-3e-07]},"finish_reason":"stop","stop_reason":151645}]}',
+    b'{"choices":[{"index":0,"text":"","logprobs":{"token_logprobs":[],"tokens":[]},'
+    b'"finish_reason":"length","stop_reason":"</s>"}]}',
+    b'{"id":"cmpl-9","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":8}}',
+]
+
+
+@pytest.mark.parametrize("raw", VLLM_LINES)
+def test_vllms_own_lines_take_the_one_pass_reader(raw: bytes) -> None:
+    fast = completions_stream_line(raw)
+    assert fast is not None and fast == _careful(raw)
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=6),
+    st.sampled_from(["token_id:12", "token_id:-1", "token_id:4294967296", "token_id:１２"]),
+    st.lists(st.integers(0, 5), max_size=2),
+    st.dictionaries(st.sampled_from(["a", "tokens"]), st.none(), max_size=1),
+)
+_TOKEN = st.one_of(st.builds("token_id:{}".format, st.integers(-3, 2**32)), _ANY)
+_LOGPROBS = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {"token_logprobs": st.one_of(st.lists(st.one_of(st.floats(-30, 0), _ANY), max_size=3))},
+        optional={"tokens": st.one_of(st.lists(_TOKEN, max_size=3), _ANY)},
+    ),
+    _ANY,
+)
+_CHOICE = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": st.one_of(st.text(max_size=4), _ANY),
+        "token_ids": st.one_of(st.lists(st.integers(0, 2**31 + 5), max_size=3), _ANY),
+        "logprobs": _LOGPROBS,
+        "finish_reason": st.one_of(st.sampled_from(["stop", "length"]), _ANY),
+        "stop_reason": st.one_of(st.integers(0, 2**65), _ANY),
+    },
+)
+
+
+@st.composite
+def _good_choice(draw: st.DrawFn) -> dict[str, object]:
+    """A choice as vLLM writes it, in either spelling of its ids, now and then one field off."""
+    ids = draw(st.lists(st.integers(0, 2**31 - 1), max_size=3))
+    logprobs = [draw(st.floats(-30, 0)) for _ in ids]
+    choice: dict[str, object] = {"text": draw(st.text(max_size=4)), "finish_reason": None}
+    if draw(st.booleans()):
+        choice["token_ids"] = ids
+        choice["logprobs"] = {"token_logprobs": logprobs}
+    else:
+        tokens = [f"token_id:{i}" for i in ids]
+        choice["logprobs"] = {"token_logprobs": logprobs, "tokens": tokens}
+    if draw(st.booleans()):
+        choice["finish_reason"] = draw(st.sampled_from(["stop", "length", "abort"]))
+        choice["stop_reason"] = draw(st.one_of(st.none(), st.integers(0, 2**20), st.text()))
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(["text", "token_ids", "logprobs", "stop_reason"]))
+        choice[field] = draw(_ANY)
+    return choice
+
+
+_LINE = st.one_of(
+    st.builds(lambda c: {"choices": c}, st.lists(_good_choice(), min_size=1, max_size=2)),
+    st.builds(lambda c: {"choices": c}, st.lists(_CHOICE, max_size=2)),
+    st.builds(lambda c: {"choices": c}, _ANY),
+    st.builds(lambda c: {"choices": [c], "error": {"message": "x"}}, _CHOICE),
+    _ANY,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_LINE)
+def test_the_one_pass_reader_reads_as_the_careful_path_or_not_at_all(line: object) -> None:
+    """Whatever the line, the one-pass reader gives what the careful path gives, or declines
+    (None) and leaves it to the careful path: never another reading, never garbage accepted."""
+    raw = json.dumps(line).encode()
+    fast, careful = completions_stream_line(raw), _careful(raw)
+    if fast is not None:
+        assert careful == fast
+    if careful is None:
+        assert fast is None
+
+
+def test_lines_orjson_reads_otherwise_are_left_to_the_careful_path() -> None:
+    for raw in (
+        b'{"choices": [{"text": "a", "token_ids": [5], "logprobs": {"token_logprobs": [NaN]}}]}',
+        b'{"choices": [{"token_ids": [], "finish_reason": "stop", "stop_reason": '
+        + b"9" * 25
+        + b"}]}",
+        b'{"choices": [{"text": "\\ud800", "token_ids": [], "finish_reason": "stop"}]}',
+    ):
+        assert completions_stream_line(raw) is None
+        assert _careful(raw) is not None  # the careful path reads them
