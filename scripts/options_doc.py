@@ -45,11 +45,12 @@ NOTES = {
     "the client gets its provider's retryable error (OpenAI 503, Anthropic 529, Gemini 503), or "
     "its error event mid-stream.",
     "agenttap_stream_flush_ms": "what a stream's events carry, not what is recorded: every "
-    "token's id and logprob is in the row whatever the interval. Several tokens to an event "
-    "is what OpenAI's and Anthropic's own APIs send, and every SDK reads it; it spares the "
-    "proxy a relay through mitmproxy and a TLS record per token (docs/BENCHMARKS.md, streams "
-    "per core). 0 sends each read's tokens at once (still together where several came in one "
-    "read).",
+    "token's id and logprob is in the row whatever the interval. Anthropic's own API sends "
+    "text deltas of several tokens, every provider's event carries any amount of text, and "
+    "every SDK reads them; an event of several tokens spares the proxy a relay through "
+    "mitmproxy and a TLS record per token (docs/BENCHMARKS.md, streams per core). At 50 ms an "
+    "answer still updates 20 times a second. 0 sends each read's tokens at once (still "
+    "together where several came in one read).",
     "agenttap_client_timeout": "the clock also starts after a CONNECT, and stops while the "
     "proxy answers and on WebSockets.",
     "agenttap_replica_queue": "the retryable error beyond it: OpenAI 503, Anthropic 529, "
