@@ -172,6 +172,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_max_body_bytes": "8MB",
     "agenttap_policy_timeout": "0",
     "agenttap_policy_connections": "-1",
+    "agenttap_stream_flush_ms": "20ms",
     "agenttap_replica_max_inflight": "-3",
     "agenttap_replica_queue": "lots",
     "agenttap_client_timeout": "1m",
