@@ -39,9 +39,7 @@ from rewriter.vllm_answers import (
     answer_json,
     answer_object,
     checked_logprob,
-    coalesce,
     completions_delta,
-    completions_stream_line,
     generate_delta,
     is_int,
     malformed_answer,
@@ -56,7 +54,15 @@ from rewriter.vllm_request import (
     dump_body,
     generation_body,
 )
-from rewriter.vllm_stream import LineSplitter, ResumedText, stream_line_limit
+from rewriter.vllm_stream import (
+    LineSplitter,
+    Pacer,
+    ResumedText,
+    earliest,
+    passed,
+    read_pieces,
+    stream_line_limit,
+)
 
 __all__ = ["Completion", "CompletionDelta", "PolicyError", "PolicyInfo", "VLLMClient"]
 
@@ -106,26 +112,6 @@ class _Bounded:
     ) -> None:
         self._bounds.discard(self)
         await self._timeout.__aexit__(kind, exc, tb)  # raises TimeoutError where it expired
-
-
-def _handed_on(pieces: list[CompletionDelta]) -> list[CompletionDelta]:
-    """``pieces`` as few as can be (``coalesce``), each saying whether another follows at once
-    (``more``: a writer sends those in one write)."""
-    pieces = coalesce(pieces)
-    for i, piece in enumerate(pieces):
-        piece.more = i < len(pieces) - 1
-    return pieces
-
-
-def _passed(deadline: float | None, now: float) -> bool:
-    return deadline is not None and now >= deadline
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    """The earlier of two deadlines (None: never)."""
-    if a is None:
-        return b
-    return a if b is None or a <= b else b
 
 
 class VLLMClient:
@@ -558,16 +544,12 @@ class VLLMClient:
         finished = False
         lines = LineSplitter(stream_line_limit(len(prompt_ids)))
         fast = path != GENERATE_PATH  # vLLM's /v1/completions lines: completions_stream_line
-        interval = self.flush_interval_s
+        pacer = Pacer(self.flush_interval_s)
         loop = asyncio.get_running_loop()
         content = resp.content
-        # Pieces read but not handed on yet (``flush_interval_s``), and the earliest time the
-        # next piece may go (at once for the first).
-        held: list[CompletionDelta] = []
-        next_flush = 0.0
-        # While pieces are held, the stream waits for the interval's end without reading: the
-        # tokens that come meanwhile wait in the connection's buffer, read in one go (no
-        # wake-up per token). The end of the stream ends that wait (``woken``).
+        # While pieces are held (``pacer.holding``), the stream waits for the interval's end
+        # without reading: the tokens that come meanwhile wait in the connection's buffer and
+        # are read in one go (no wake-up per token). The stream's end ends that wait.
         sleeping: list[asyncio.Future[None]] = []
 
         def woken() -> None:
@@ -575,17 +557,17 @@ class VLLMClient:
                 if not waiter.done():
                     waiter.set_result(None)
 
-        if interval:
+        if pacer.interval:
             content.on_eof(woken)
         async with resp:
             while True:
                 # Bounded per wait, never across a yield: the caller's own awaits (writing to
                 # a slow client) are not the policy's time.
                 try:
-                    if held and not content.is_eof() and loop.time() < next_flush:
+                    if pacer.holding(loop.time()) and not content.is_eof():
                         waiter = loop.create_future()
                         sleeping[:] = [waiter]
-                        bound = self._bounded(_earliest(deadline, next_flush))
+                        bound = self._bounded(earliest(deadline, pacer.next_flush))
                         try:
                             async with bound:
                                 await waiter
@@ -596,7 +578,7 @@ class VLLMClient:
                         # meanwhile is read now; nothing at all by the deadline is a stall.
                         data = content.read_nowait(-1)
                         ended = not data and content.at_eof()
-                        if not data and not ended and _passed(deadline, loop.time()):
+                        if not data and not ended and passed(deadline, loop.time()):
                             raise TimeoutError
                     else:
                         async with self._bounded(deadline):
@@ -604,60 +586,26 @@ class VLLMClient:
                         ended = not data
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     # What was read before the failure goes on first, as it came.
-                    for delta in _handed_on(held):
+                    for delta in pacer.release():
                         yield delta
                     if isinstance(exc, TimeoutError):  # ours, or the connection's read timeout
                         raise self._stalled() from exc
                     raise
-                # Every line already here is parsed before any is yielded: the tokens that came
-                # in one read (the policy ran ahead of this proxy or of its client) go on as one
-                # piece, one event to the client rather than one per token (``coalesce``); a
-                # reader that keeps up gets each token alone, unless it came within
-                # ``flush_interval_s`` of the last piece. Where a read holds more than one
-                # piece (a finish, then more), each says whether another follows at once
-                # (``more``): a writer sends those in one write.
-                batch: list[CompletionDelta] = []
-                error: PolicyError | None = None
-                done = ends = False
-                try:
-                    for line in lines.rest() if ended else lines.feed(data) if data else ():
-                        if not line.startswith(b"data:"):
-                            continue  # blank lines, SSE comments (": ping"), event names
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            done = True
-                            break
-                        pieces = completions_stream_line(payload) if fast else None
-                        if pieces is None:
-                            choices = answer_choices(answer_json(payload, "a stream line"))
-                            pieces = [parse(choice) for choice in choices]
-                        for delta in pieces:
-                            if delta.token_ids or delta.finish_reason is not None:
-                                deadline = self._deadline()
-                                if delta.finish_reason is not None:
-                                    finished = ends = True
-                            elif not (delta.text or delta.weight_versions):
-                                # A keep-alive: not passed on, so that a caller waiting for the
-                                # first piece before it answers (a status line) still waits for
-                                # a real one.
-                                continue
-                            batch.append(delta)
-                except PolicyError as exc:
-                    error = exc  # after the pieces before it, as they came
-                if interval:
-                    held += batch
-                    now = loop.time()
-                    if ends or done or ended or error is not None or now >= next_flush:
-                        batch, held = held, []
-                        if batch:  # keep-alives alone send nothing: no interval starts
-                            next_flush = now + interval
-                    else:
-                        batch = []
-                for delta in _handed_on(batch):
+                # Every line already here is parsed before any is handed on: the tokens that
+                # came in one read (the policy ran ahead of this proxy or of its client) go on
+                # as one piece, one event to the client rather than one per token; so do those
+                # that came within ``flush_interval_s`` of the last piece (``Pacer``).
+                fed = lines.rest() if ended else lines.feed(data) if data else []
+                read = read_pieces(fed, parse, fast)
+                if read.progress:
+                    deadline = self._deadline()
+                finished = finished or read.finished
+                final = read.finished or read.done or ended or read.error is not None
+                for delta in pacer.take(read.pieces, loop.time(), final):
                     yield delta
-                if error is not None:
-                    raise error
-                if done:
+                if read.error is not None:
+                    raise read.error
+                if read.done:
                     return
                 if ended:
                     break
