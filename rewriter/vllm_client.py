@@ -138,10 +138,11 @@ class VLLMClient:
         tokens) would never trip it; this deadline moves only when tokens or the finish do.
 
         ``flush_interval_s``: the least time between two pieces a stream hands on (0: each
-        read's tokens at once). Tokens that come sooner wait, read and parsed, and go on
-        together with the next (``coalesce``): one event to the client, one relay through
-        mitmproxy, for several tokens. A generation's first piece and its finish are never
-        held, so neither the time to the first token nor the end of the answer moves."""
+        read's tokens at once; rewriter/vllm_stream.py ``Pacer``). Tokens that come sooner wait
+        in the connection's buffer, unread, and go on together with the next (``coalesce``):
+        one event to the client, one relay through mitmproxy, for several tokens. A
+        generation's first piece and its finish are never held, so neither the time to the
+        first token nor the end of the answer moves."""
         if api not in ("auto", "completions", "generate"):
             raise ValueError(f"api must be auto, completions or generate, not {api!r}")
         address = parse_policy_url(base_url)
