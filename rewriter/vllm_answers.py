@@ -202,27 +202,16 @@ def completions_stream_line(payload: bytes) -> list[CompletionDelta] | None:
                 return None  # null or an integer: the careful path turns it into a float
         ids = choice.get("token_ids")
         if ids is None and "tokens" in lp:
-            tokens = lp["tokens"]
-            if type(tokens) is not list:
+            try:
+                ids = tokens_as_ids(lp["tokens"])
+            except PolicyError:
                 return None
-            ids = []
-            for token in tokens:
-                if type(token) is not str or not token.startswith(TOKEN_ID_PREFIX):
-                    return None
-                digits = token[9:]  # len(TOKEN_ID_PREFIX)
-                if not (digits.isascii() and digits.isdigit() and len(digits) <= 10):
-                    return None
-                ids.append(int(digits))
             if ids and max(ids) >= _ID_LIMIT:
                 return None
         elif ids is None:
             ids = []
-        elif type(ids) is not list:
+        elif type(ids) is not list or not are_token_ids(ids):
             return None
-        else:
-            for value in ids:
-                if type(value) is not int or not 0 <= value < _ID_LIMIT:
-                    return None
         if len(ids) != len(logprobs):
             return None
         text = choice.get("text")
@@ -270,6 +259,11 @@ def generate_delta(choice: dict[str, Any]) -> CompletionDelta:
     return answer_delta(choice, logprobs, spans)
 
 
+def are_token_ids(values: list[Any]) -> bool:
+    """Every value a token id: an int (not a bool) in [0, 2**31)."""
+    return all(is_int(x) and 0 <= x < _ID_LIMIT for x in values)
+
+
 def answer_delta(
     choice: dict[str, Any],
     logprobs: list[float],
@@ -280,9 +274,9 @@ def answer_delta(
     ``token_ids``, the ids, as ``tokens_as_ids`` reads them) each spells its way."""
     if ids is None:
         ids = typed_field(choice, "token_ids", list) or []
-        if not all(is_int(x) and 0 <= x < 2**31 for x in ids):
+        if not are_token_ids(ids):
             raise malformed_answer("token_ids that are not token ids", ids)
-    elif ids and max(ids) >= 2**31:  # tokens_as_ids's: ints, none negative
+    elif ids and max(ids) >= _ID_LIMIT:  # tokens_as_ids's: ints, none negative
         raise malformed_answer("token_ids that are not token ids", ids)
     if len(logprobs) != len(ids):
         raise PolicyError(
