@@ -101,6 +101,8 @@ def bench_tools(n: int) -> list[dict[str, Any]]:
 
 # Milliseconds between a stream's tokens in the fake server and the stub (bench/paced.py sets it).
 PACE_ENV = "OVERHEAD_PACE_MS"
+# The most tokens a streamed answer asks for (bench/paced.py --tokens): the stub's reply is this long.
+REPLY_ENV = "OVERHEAD_REPLY_TOKENS"
 # The conversations' system prompt (--system-tokens makes it longer, as agents' are).
 SYSTEM = "You are a terse assistant."
 # Each one token of Qwen3's with and without a leading space: n words are n tokens.
@@ -240,7 +242,8 @@ def serve_stub() -> None:
     stub = StubPolicy(str(QWEN3))
     stub.chunk_delay_s = float(os.environ.get(PACE_ENV) or 0) / 1000.0
     stub.tok = _CachedTokenizer(stub.tok)  # type: ignore[assignment]
-    stub.default_reply = "".join(reply_words(2 * STREAM_TOKENS))
+    longest = max(2 * STREAM_TOKENS, int(os.environ.get(REPLY_ENV) or 0))
+    stub.default_reply = "".join(reply_words(longest))
     print(stub.start(), flush=True)
     sys.stdin.read()
     stub.stop()

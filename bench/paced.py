@@ -281,6 +281,7 @@ def main() -> int:
         parser.error("--pace-ms must be >= 0, --clients and --rounds >= 1")
     wanted = [p for p in PATHS if p in only]
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
+    os.environ[overhead.REPLY_ENV] = str(args.tokens)
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
