@@ -46,6 +46,7 @@ from capture.gateway import (  # noqa: E402
     TOKEN_HEADER,
     Gateway,
 )
+from capture.heap import settle_heap  # noqa: E402
 from capture.options import (  # noqa: E402
     Settings,
     all_options,
@@ -199,6 +200,9 @@ class AgentTap:
         finally:
             self._ready.set()
         if self.gateway is not None:
+            # Start-up's objects (tokenizer, templates, schemas) live as long as the process:
+            # out of the collector's sight from here on (capture/heap.py).
+            settle_heap()
             await announce_ready(self.gateway, self.hosts)
 
     async def _start_gateway(self) -> None:
