@@ -39,7 +39,7 @@ class GatewayConfig:
     policy_timeout_s: float = 300.0
     # Least time between two events of a stream (agenttap_stream_flush_ms); 0: each read's
     # tokens at once. See VLLMClient's flush_interval_s.
-    stream_flush_s: float = 0.05
+    stream_flush_s: float = 0.2
     # Concurrent policy requests (HTTP connections); a streaming session holds one per call.
     policy_max_connections: int = 1024
     # Generations at once per policy server (0: unbounded) and calls that may wait for one

@@ -145,7 +145,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "agenttap_stream_flush_ms",
-        "50",
+        "200",
         "Least milliseconds between two events of a streamed answer (a whole number; 0: every "
         "token as soon as it is read). Tokens that come sooner go with the next event; the "
         "first token and the end of an answer are never held.",

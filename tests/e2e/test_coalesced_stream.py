@@ -2,7 +2,7 @@
 every token chunk of a stream in one write, so they wait in the proxy's socket together) is
 answered in fewer events than tokens, in every provider's wire format, with the whole text, the
 same parsed reply, and the same recorded row, every token's id and logprob, as when the tokens
-come one by one (a token every 50 ms: the proxy keeps up and sends each as it comes).
+come one by one (a token every 250 ms: the proxy keeps up and sends each as it comes).
 
 Real mitmdump with the addon, real HTTPS through it, the vLLM-shaped stub.
 """
@@ -43,8 +43,9 @@ TOOLS = [
     }
 ]
 USER = "Count to ten."
-# A token every PACE_S: the proxy keeps up, each token is its own event.
-PACE_S = 0.05
+# A token every PACE_S, longer than agenttap_stream_flush_ms's 200 ms default: the proxy keeps
+# up, each token is its own event.
+PACE_S = 0.25
 # What a row must hold alike however the tokens were sent on.
 ROW_FIELDS = ("completion_ids", "completion_logprobs", "finish_reason", "response_finish_reason")
 

@@ -120,9 +120,10 @@ def test_streamed_chunks_as_tokens_arrive(
 ) -> None:
     script(stub, "One two three four five.")
     gem = client(stub_proxy, "gem-stream", monkeypatch)
-    # A token every 50 ms: the proxy keeps up, so each goes out as it comes (tokens that came
-    # together go out together: tests/e2e/test_coalesced_stream.py).
-    stub.chunk_delay_s = 0.05
+    # A token every 250 ms, longer than agenttap_stream_flush_ms's 200 ms default: the proxy
+    # keeps up, so each goes out as it comes (tokens that came within the interval go out
+    # together: tests/e2e/test_coalesced_stream.py).
+    stub.chunk_delay_s = 0.25
     try:
         chunks = list(
             gem.models.generate_content_stream(
