@@ -50,8 +50,9 @@ NOTES = {
     "every SDK reads them; an event of several tokens spares the proxy a relay through "
     "mitmproxy and a TLS record per token (docs/BENCHMARKS.md, streams per core). At 200 ms "
     "an answer updates 5 times a second; an agent under training reads the whole answer "
-    "anyway, and its first token and its end are never held. A person watching a scaffold's screen may prefer 50 (20 updates a second, about a "
-    "fifth more proxy CPU a token at 48 streams); 0 sends each read's tokens at once (still "
+    "anyway, and its first token and its end are never held. A person watching a scaffold's "
+    "screen may prefer 50 (20 updates a second, about a fifth more proxy CPU a token at 48 "
+    "streams); 0 sends each read's tokens at once (still "
     "together where several came in one read).",
     "agenttap_client_timeout": "the clock also starts after a CONNECT, and stops while the "
     "proxy answers and on WebSockets.",
