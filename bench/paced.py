@@ -1,6 +1,6 @@
 """CPU per streamed token at a generation's pace: what bounds how many streams one proxy carries.
 
-    .venv/bin/python bench/paced.py [--clients 48] [--pace-ms 10] [--tokens 64] [--seconds 20]
+    .venv/bin/python bench/paced.py [--clients 48] [--pace-ms 10] [--tokens 64[,512]] [--seconds 20]
         [--only mitmdump,mitmdump-s,agenttap,litellm,rllm] [--baseline REF] [--rounds 1]
 
 ``bench/overhead.py`` answers at once, so its streams arrive in a few large reads. A real policy
@@ -23,6 +23,12 @@ Printed per path: tokens per second streamed, the proxy's CPU microseconds per t
 many streams at 50 tokens/s one proxy process (one core) could carry at that cost, the client's
 events per token (under 1: tokens that waited went out together), and the time to the first
 token's text (median and p95 over the calls).
+
+``--tokens 64,512`` runs every path at each answer length (interleaved in every round) and adds
+a table that splits each path's CPU into a cost per call (the request, the session, the record:
+what a one-token answer would cost) and a cost per token streamed, a straight line through the
+first and last lengths; and the answer length above which agenttap spends less per token than
+mitmdump-s.
 """
 
 from __future__ import annotations
@@ -224,8 +230,9 @@ def pct(values: list[float], q: float) -> float:
     return overhead.pct(values, q) if values else 0.0
 
 
-def report(tallies: dict[str, Tally]) -> None:
+def report(tallies: dict[str, Tally], tokens: int) -> None:
     first_name = next(iter(tallies), "")
+    print(f"\n{tokens}-token answers:")
     print(
         f"\n| path | tokens/s | proxy CPU µs/token | × {first_name} | × mitmdump-s | "
         f"streams at {STREAM_RATE} tok/s per core | events/token | first token p50 / p95 ms |"
@@ -246,11 +253,47 @@ def report(tallies: dict[str, Tally]) -> None:
         )
 
 
+def split_costs(runs: dict[int, dict[str, Tally]]) -> None:
+    """Each path's CPU as a cost per call plus a cost per token: the line through its CPU per
+    call at the shortest and the longest answers run."""
+    short, long = min(runs), max(runs)
+    lines: dict[str, tuple[float, float]] = {}
+    for name, at_short in runs[short].items():
+        at_long = runs[long].get(name)
+        if at_long is None or not at_short.tokens or not at_long.tokens:
+            continue
+        per_call = [t.cpu_s / (t.tokens / n) for n, t in ((short, at_short), (long, at_long))]
+        per_token = (per_call[1] - per_call[0]) / (long - short)
+        lines[name] = (per_call[0] - per_token * short, per_token)
+    print(
+        f"\nSplit from the {short}- and {long}-token answers:\n"
+        "\n| path | CPU per call, ms | CPU per token, µs | per token × mitmdump-s | "
+        "less per token than mitmdump-s from |\n|---|---:|---:|---:|---:|"
+    )
+    ref = lines.get("mitmdump-s")
+    for name, (fixed, slope) in lines.items():
+        vs = f"{slope / ref[1]:.2f}×" if ref and ref[1] > 0 else "-"
+        # fixed + slope * n < ref_fixed + ref_slope * n  <=>  n > (fixed - ref_fixed) / (ref_slope - slope)
+        above = "-"
+        if ref and name != "mitmdump-s":
+            if slope < ref[1]:
+                above = f"{max(0.0, (fixed - ref[0]) / (ref[1] - slope)):.0f} tokens"
+            else:
+                above = "never"
+        print(f"| {name} | {1e3 * fixed:.2f} | {1e6 * slope:.1f} | {vs} | {above} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=48)
     parser.add_argument("--pace-ms", type=float, default=10.0)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed answer")
+    parser.add_argument(
+        "--tokens",
+        default="64",
+        metavar="N[,N...]",
+        help="tokens per streamed answer; several: each path runs at each, and the CPU is split "
+        "into a cost per call and a cost per token",
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="per path and round")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every path, interleaved")
     parser.add_argument(
@@ -279,9 +322,15 @@ def main() -> int:
         parser.error(f"--only takes paths among {', '.join(PATHS)}")
     if args.pace_ms < 0 or args.clients < 1 or args.rounds < 1:
         parser.error("--pace-ms must be >= 0, --clients and --rounds >= 1")
+    try:
+        lengths = sorted({int(n) for n in args.tokens.split(",")})
+    except ValueError:
+        parser.error(f"--tokens takes whole numbers, comma-separated, not {args.tokens!r}")
+    if lengths[0] < 1:
+        parser.error("--tokens must be 1 or more")
     wanted = [p for p in PATHS if p in only]
     os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
-    os.environ[overhead.REPLY_ENV] = str(args.tokens)
+    os.environ[overhead.REPLY_ENV] = str(lengths[-1])
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
@@ -319,35 +368,41 @@ def main() -> int:
                     )
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
-            f"{args.clients} clients, a token every {args.pace_ms:g} ms, {args.tokens}-token "
-            f"answers, {args.seconds:g} s per path x {args.rounds} round(s); logs in {work}",
+            f"{args.clients} clients, a token every {args.pace_ms:g} ms, "
+            f"{'/'.join(map(str, lengths))}-token answers, {args.seconds:g} s per path x "
+            f"{args.rounds} round(s); logs in {work}",
             flush=True,
         )
         for name, why in skipped.items():
             print(f"  {name}: left out ({why})", flush=True)
-        tallies = {server.name: Tally() for server in proxies}
+        runs = {n: {server.name: Tally() for server in proxies} for n in lengths}
         for _ in range(args.rounds):
-            for server in proxies:
-                if server.name in skipped:
-                    continue
-                try:
-                    tally = asyncio.run(
-                        run_path(client_path(server, ca), args.clients, args.tokens, args.seconds)
+            for n in lengths:
+                for server in proxies:
+                    if server.name in skipped:
+                        continue
+                    try:
+                        tally = asyncio.run(
+                            run_path(client_path(server, ca), args.clients, n, args.seconds)
+                        )
+                    except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+                        # A path that fails is left out of the tables, with why and its log's end.
+                        tail = server.log.read_text(errors="replace")[-1500:]
+                        skipped[server.name] = f"{exc}"[:300]
+                        for tallies in runs.values():
+                            tallies.pop(server.name, None)
+                        print(f"  {server.name}: failed ({exc}); its log ends:\n{tail}", flush=True)
+                        continue
+                    runs[n][server.name].add(tally)
+                    print(
+                        f"  {server.name}, {n} tokens: {tally.tokens / tally.seconds:.0f} "
+                        f"tokens/s, {1e6 * tally.cpu_s / max(tally.tokens, 1):.1f} µs/token",
+                        flush=True,
                     )
-                except (RuntimeError, OSError, aiohttp.ClientError) as exc:
-                    # A path that fails is left out of the table, with why and its log's end.
-                    tail = server.log.read_text(errors="replace")[-1500:]
-                    skipped[server.name] = f"{exc}"[:300]
-                    del tallies[server.name]
-                    print(f"  {server.name}: failed ({exc}); its log ends:\n{tail}", flush=True)
-                    continue
-                tallies[server.name].add(tally)
-                print(
-                    f"  {server.name}: {tally.tokens / tally.seconds:.0f} tokens/s, "
-                    f"{1e6 * tally.cpu_s / max(tally.tokens, 1):.1f} µs/token",
-                    flush=True,
-                )
-        report(tallies)
+        for n, tallies in runs.items():
+            report(tallies, n)
+        if len(lengths) > 1:
+            split_costs(runs)
         for name, why in skipped.items():
             print(f"left out: {name} ({why})")
     finally:

@@ -139,7 +139,7 @@ class VLLMClient:
 
         ``flush_interval_s``: the least time between two pieces a stream hands on (0: each
         read's tokens at once; rewriter/vllm_stream.py ``Pacer``). Tokens that come sooner wait
-        in the connection's buffer, unread, and go on together with the next (``coalesce``):
+        in the response's buffer, not parsed, and go on together with the next (``coalesce``):
         one event to the client, one relay through mitmproxy, for several tokens. A
         generation's first piece and its finish are never held, so neither the time to the
         first token nor the end of the answer moves."""
@@ -549,8 +549,10 @@ class VLLMClient:
         loop = asyncio.get_running_loop()
         content = resp.content
         # While pieces are held (``pacer.holding``), the stream waits for the interval's end
-        # without reading: the tokens that come meanwhile wait in the connection's buffer and
-        # are read in one go (no wake-up per token). The stream's end ends that wait.
+        # without reading: the tokens that come meanwhile wait in the response's buffer (the
+        # event loop still moves each from the socket; this task is not woken for it) and are
+        # parsed in one go. The stream's end ends that wait. Pausing the socket's reads as well
+        # saved nothing measurable and would hold the finish until the interval ended.
         sleeping: list[asyncio.Future[None]] = []
 
         def woken() -> None:
