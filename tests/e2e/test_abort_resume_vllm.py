@@ -24,6 +24,9 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 300
 PAUSE_AFTER_CHUNKS = 40
 RESUME_LOG = "generation aborted by the policy server; resuming"
+# The pause is timed by the chunks the client has read: each token its own chunk, as soon as it
+# is read (agenttap_stream_flush_ms's interval would put several tokens in one).
+EACH_TOKEN = ["--set", "agenttap_stream_flush_ms=0"]
 
 
 def _post(url: str) -> None:
@@ -177,7 +180,7 @@ def _one_paused_stream(
 def test_stream_aborted_by_pause_is_resumed_and_stitched(
     vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    proxy = start_proxy(vllm_url, tmp_path / "out", confdir)
+    proxy = start_proxy(vllm_url, tmp_path / "out", confdir, extra=EACH_TOKEN)
     try:
         paused = stream_through_a_pause(vllm_url, proxy, monkeypatch, "abort-resume")
     finally:

@@ -19,6 +19,7 @@ import pytest
 from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
 from tests.e2e.test_abort_resume_vllm import (
+    EACH_TOKEN,
     MAX_TOKENS,
     PAUSE_AFTER_CHUNKS,
     RESUME_LOG,
@@ -66,7 +67,7 @@ def test_weight_sync_mid_stream_gives_two_spans(
     generate_vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = generate_vllm_url
-    proxy = start_proxy(url, tmp_path / "out", confdir)
+    proxy = start_proxy(url, tmp_path / "out", confdir, extra=EACH_TOKEN)
     try:
         paused = stream_through_a_pause(
             url,
