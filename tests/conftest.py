@@ -36,8 +36,16 @@ QWEN25 = SHARED / "tokenizers" / "qwen2.5-instruct"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
 CAPTURE = REPO / "addons" / "capture.py"
 
+from capture.options import all_options  # noqa: E402
 from rewriter import policy_server  # noqa: E402
 from tests.stub_vllm import StubPolicy  # noqa: E402
+
+# A token every this many seconds: slower than agenttap_stream_flush_ms's default, so a proxy that
+# keeps up sends each token as its own event (the tests that count events per token pace so).
+ONE_EVENT_PER_TOKEN_S = (
+    next(int(o.default) for o in all_options() if o.name == "agenttap_stream_flush_ms") / 1000
+    + 0.05
+)
 
 
 @pytest.fixture(scope="session")

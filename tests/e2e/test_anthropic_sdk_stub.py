@@ -15,7 +15,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.conftest import IM_END, Proxy, start_proxy
+from tests.conftest import IM_END, ONE_EVENT_PER_TOKEN_S, Proxy, start_proxy
 from tests.stub_vllm import StubPolicy
 
 TOOLS: list[dict[str, Any]] = [
@@ -145,10 +145,9 @@ def test_stream_with_sdk_helper(
     script(stub, "One two three four five.")
     client = stub_proxy.anthropic("anth-stream", monkeypatch)
     texts = []
-    # A token every 250 ms, longer than agenttap_stream_flush_ms's 200 ms default: the proxy
-    # keeps up, so each goes out as it comes (tokens that came within the interval go out
-    # together: tests/e2e/test_coalesced_stream.py).
-    stub.chunk_delay_s = 0.25
+    # A token slower than the flush interval: the proxy keeps up, so each goes out as it comes
+    # (tokens that came within the interval go out together: tests/e2e/test_coalesced_stream.py).
+    stub.chunk_delay_s = ONE_EVENT_PER_TOKEN_S
     try:
         with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=USER) as s:
             for text in s.text_stream:

@@ -2,7 +2,8 @@
 every token chunk of a stream in one write, so they wait in the proxy's socket together) is
 answered in fewer events than tokens, in every provider's wire format, with the whole text, the
 same parsed reply, and the same recorded row, every token's id and logprob, as when the tokens
-come one by one (a token every 250 ms: the proxy keeps up and sends each as it comes).
+come one by one (slower than the flush interval: the proxy keeps up and sends each as it
+comes).
 
 Real mitmdump with the addon, real HTTPS through it, the vLLM-shaped stub.
 """
@@ -19,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import IM_END, Proxy
+from tests.conftest import IM_END, ONE_EVENT_PER_TOKEN_S, Proxy
 from tests.stub_vllm import StubPolicy
 
 TEXT = "One two three four five six seven eight nine ten, and that is all of them."
@@ -43,9 +44,8 @@ TOOLS = [
     }
 ]
 USER = "Count to ten."
-# A token every PACE_S, longer than agenttap_stream_flush_ms's 200 ms default: the proxy keeps
-# up, each token is its own event.
-PACE_S = 0.25
+# A token every PACE_S: the proxy keeps up, each token is its own event.
+PACE_S = ONE_EVENT_PER_TOKEN_S
 # What a row must hold alike however the tokens were sent on.
 ROW_FIELDS = ("completion_ids", "completion_logprobs", "finish_reason", "response_finish_reason")
 

@@ -21,7 +21,7 @@ from google.genai import errors, types
 from pydantic import BaseModel
 
 from rewriter.policy_server import free_port
-from tests.conftest import IM_END, Proxy, start_proxy
+from tests.conftest import IM_END, ONE_EVENT_PER_TOKEN_S, Proxy, start_proxy
 from tests.stub_vllm import StubPolicy
 
 MODEL = "gemini-2.5-flash"
@@ -120,10 +120,9 @@ def test_streamed_chunks_as_tokens_arrive(
 ) -> None:
     script(stub, "One two three four five.")
     gem = client(stub_proxy, "gem-stream", monkeypatch)
-    # A token every 250 ms, longer than agenttap_stream_flush_ms's 200 ms default: the proxy
-    # keeps up, so each goes out as it comes (tokens that came within the interval go out
-    # together: tests/e2e/test_coalesced_stream.py).
-    stub.chunk_delay_s = 0.25
+    # A token slower than the flush interval: the proxy keeps up, so each goes out as it comes
+    # (tokens that came within the interval go out together: tests/e2e/test_coalesced_stream.py).
+    stub.chunk_delay_s = ONE_EVENT_PER_TOKEN_S
     try:
         chunks = list(
             gem.models.generate_content_stream(
