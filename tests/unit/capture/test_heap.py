@@ -29,7 +29,10 @@ def test_settling_freezes_what_lives_and_raises_the_young_threshold(restored_gc:
     kept = [Node() for _ in range(100)]
     _, middle, old = gc.get_threshold()
     frozen = settle_heap()
-    assert frozen == gc.get_freeze_count() > len(kept)
+    # Frozen objects still die by reference counting (any thread may drop one), so the count
+    # can only fall after settling.
+    assert len(kept) < frozen
+    assert 0 < gc.get_freeze_count() <= frozen
     assert gc.get_threshold() == (YOUNG_THRESHOLD, middle, old)
     # What was alive at settling is out of the collector's sight from then on.
     tracked = {id(o) for o in gc.get_objects()}
