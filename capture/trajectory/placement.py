@@ -271,7 +271,7 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             n = i + 1
             cands = [
                 c
-                for c in self._by_reply.get(key, ())
+                for c in self._by_reply_at.get((key, keys[i - 1] if i else None, n), ())
                 if len(c.conv) == n
                 and c.header == header
                 and (c.prompt_ids is not None or c.children)
@@ -297,7 +297,7 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         """The latest call that was sent this very request (so this one is a retry)."""
         if not keys or keys[-1][0] == "assistant":
             return None
-        pool = self._by_len.get(len(keys) + 1, [])
+        pool = self._by_request_end.get((len(keys) + 1, keys[-1]), [])
         cands = [
             c
             for c in pool
@@ -468,7 +468,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
                 # This call's prompt starts with the parent's whole sequence: one copy is enough.
                 parent.prompt_ids = None
         self._by_reply.setdefault(reply_key, []).append(call)
-        self._by_len.setdefault(len(call.conv), []).append(call)
+        before = call.conv[-2] if len(call.conv) > 1 else None
+        self._by_reply_at.setdefault((reply_key, before, len(call.conv)), []).append(call)
+        self._by_request_end.setdefault((len(call.conv), before), []).append(call)
         for tool_id in call.tool_ids:
             self._by_tool_id[tool_id] = call
         for tool_call in reply.tool_calls:

@@ -34,7 +34,12 @@ class ThreadState:
         self.calls: list[CallNode] = []
         self._by_reply: dict[MessageKey, list[CallNode]] = {}
         self._by_tool_id: dict[str, CallNode] = {}
-        self._by_len: dict[int, list[CallNode]] = {}  # calls by the length of their conversation
+        # Calls by how their conversation ends, so that placing a request compares it with the
+        # few calls it could extend or repeat, not with every call of a long session that
+        # shares a reply text ("Done.", the same tool call): (reply, the message before it,
+        # length) and (length, the request's last message).
+        self._by_reply_at: dict[tuple[MessageKey, MessageKey | None, int], list[CallNode]] = {}
+        self._by_request_end: dict[tuple[int, MessageKey | None], list[CallNode]] = {}
         # String values of tool-call arguments the policy produced: a sub-agent's first user
         # message equal to one of them was spawned by that call. Several calls may share a value
         # (two sub-agents given the same task): each spawn takes the first one not yet taken.

@@ -461,6 +461,45 @@ def test_a_reply_id_decides_between_identical_text_replies(template: ChatTemplat
     assert thread_of["a2"] == thread_of["a1"] != thread_of["b1"]
 
 
+def test_many_conversations_with_the_same_replies_each_extend_and_retry_their_own(
+    template: ChatTemplate,
+) -> None:
+    """One long session: forty tasks of three turns, every reply "Done.", each step's request
+    unlike every other task's only in its user messages. Placement looks calls up by how their
+    conversation ends (the reply, the message before it); each turn still extends its own
+    task's call, and a repeated request (a client's retry) is a sibling of its own task's."""
+    threads = ThreadSet("s", template)
+    last: dict[int, CallNode] = {}
+    for task in range(40):
+        msgs = [Message("system", "Agent.")]
+        for step in range(3):
+            msgs.append(Message("user", f"Step {step} of task {task}."))
+            call = _one_call(threads, list(msgs), "Done.", template, f"t{task}s{step}")
+            if step:
+                assert call.kind == "extend" and call.parent is last[task], (task, step)
+            last[task] = call
+            msgs.append(Message("assistant", "Done."))
+    # Task 7's last request again, as the client's retry: its sibling, under its parent.
+    msgs = [Message("system", "Agent.")]
+    for step in range(3):
+        msgs.append(Message("user", f"Step {step} of task 7."))
+        if step < 2:
+            msgs.append(Message("assistant", "Done."))
+    retry = threads.assemble(msgs, TOOLS, None, client_retry=True)
+    assert retry.kind == "retry" and retry.sibling_of is last[7]
+    threads.release(retry)
+    again = _one_call(threads, msgs, "Done.", template, "t7s2-again", retry=True)
+    assert again.parent is last[7].parent and again.prompt_ids == last[7].prompt_ids
+    rows, thread_of = threads.export()
+    assert len({thread_of[f"t{task}s2"] for task in range(40)}) == 40
+    assert all(
+        thread_of[f"t{task}s0"] == thread_of[f"t{task}s1"] == thread_of[f"t{task}s2"]
+        for task in range(40)
+        if task != 7
+    )
+    assert sum(sum(r.loss_mask) for r in rows) == sum(len(c.sampled_ids) for c in threads.calls)
+
+
 def test_retry_makes_a_dead_sibling_and_the_live_row_keeps_the_history(
     template: ChatTemplate,
 ) -> None:
