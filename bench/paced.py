@@ -232,22 +232,24 @@ def pct(values: list[float], q: float) -> float:
 
 def report(tallies: dict[str, Tally], tokens: int) -> None:
     first_name = next(iter(tallies), "")
+    # When mitmdump-s runs first, its column is the first path's: printed once.
+    vs_s_header = "" if first_name == "mitmdump-s" else " × mitmdump-s |"
     print(f"\n{tokens}-token answers:")
     print(
-        f"\n| path | tokens/s | proxy CPU µs/token | × {first_name} | × mitmdump-s | "
+        f"\n| path | tokens/s | proxy CPU µs/token | × {first_name} |{vs_s_header} "
         f"streams at {STREAM_RATE} tok/s per core | events/token | first token p50 / p95 ms |"
-        "\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        f"\n|---|---:|---:|---:|{'---:|' if vs_s_header else ''}---:|---:|---:|"
     )
     per_token = {n: 1e6 * t.cpu_s / max(t.tokens, 1) for n, t in tallies.items()}
     ref = next(iter(per_token.values()), 0.0)
     ref_s = per_token.get("mitmdump-s")
     for name, tally in tallies.items():
         cost = per_token[name]
-        vs_s = f"{cost / ref_s:.2f}×" if ref_s else "-"
+        vs_s = (f" {cost / ref_s:.2f}× |" if ref_s else " - |") if vs_s_header else ""
         first = [1e3 * s for s in tally.first_token_s]
         print(
             f"| {name} | {tally.tokens / max(tally.seconds, 1e-9):.0f} | {cost:.1f} | "
-            f"{cost / ref:.2f}× | {vs_s} | {1e6 / (max(cost, 1e-9) * STREAM_RATE):.0f} | "
+            f"{cost / ref:.2f}× |{vs_s} {1e6 / (max(cost, 1e-9) * STREAM_RATE):.0f} | "
             f"{tally.events / max(tally.tokens, 1):.2f} | "
             f"{pct(first, 0.5):.0f} / {pct(first, 0.95):.0f} |"
         )
