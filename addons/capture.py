@@ -200,9 +200,6 @@ class AgentTap:
         finally:
             self._ready.set()
         if self.gateway is not None:
-            # Start-up's objects (tokenizer, templates, schemas) live as long as the process:
-            # out of the collector's sight from here on (capture/heap.py).
-            settle_heap()
             await announce_ready(self.gateway, self.hosts)
 
     async def _start_gateway(self) -> None:
@@ -217,6 +214,10 @@ class AgentTap:
             return
         gateway = await start_gateway(settings, self._template)
         self.gateway = gateway
+        # Start-up's objects (tokenizer, templates, schemas) live as long as the process: out of
+        # the collector's sight from here on (capture/heap.py). Before the banner: its full
+        # collection takes a moment, and "agenttap ready:" follows the banner at once.
+        settle_heap()
         announce_start(gateway, self.hosts)
 
     async def done(self) -> None:
