@@ -271,9 +271,9 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
             n = i + 1
             cands = [
                 c
+                # The index's key holds the length: every call found has n messages.
                 for c in self._by_reply_at.get((key, keys[i - 1] if i else None, n), ())
-                if len(c.conv) == n
-                and c.header == header
+                if c.header == header
                 and (c.prompt_ids is not None or c.children)
                 and c.conv == keys[:n]
             ]
@@ -301,10 +301,7 @@ class ThreadSet(RewritePlacement, NewThreadPlacement):
         cands = [
             c
             for c in pool
-            if c.header == header
-            and len(c.conv) == len(keys) + 1
-            and c.prompt_ids is not None
-            and c.conv[:-1] == keys
+            if c.header == header and c.prompt_ids is not None and c.conv[:-1] == keys
         ]
         cands = self._consistent(cands, id_calls)
         if not cands:
