@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls exactly this). Installs what it needs first: both
-# environments and the tiny model are built from scratch on a clean clone.
+# environments and the tiny model are built from scratch on a clean clone. Prints how long setup
+# and the tests took at the end (docs/TESTING.md: the suite's budget is 25 minutes of tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STARTED=$SECONDS
+SETUP_S=""
+report() {
+  local rc=$? total=$((SECONDS - STARTED))
+  local tests=$((total - ${SETUP_S:-$total}))
+  printf '[test.sh] total %dm%02ds (setup %dm%02ds, checks and tests %dm%02ds), exit %d\n' \
+    $((total / 60)) $((total % 60)) $((${SETUP_S:-$total} / 60)) $((${SETUP_S:-$total} % 60)) \
+    $((tests / 60)) $((tests % 60)) "$rc"
+}
+trap report EXIT
 bash scripts/setup.sh
+SETUP_S=$((SECONDS - STARTED))
 .venv/bin/python -m ruff check rewriter capture addons tests bench scripts examples
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

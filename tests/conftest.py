@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -39,6 +41,12 @@ CAPTURE = REPO / "addons" / "capture.py"
 from capture.options import all_options  # noqa: E402
 from rewriter import policy_server  # noqa: E402
 from tests.stub_vllm import StubPolicy  # noqa: E402
+from tests.support.vllm_servers import (  # noqa: E402
+    BY_FIXTURE,
+    PRESTARTED,
+    SESSION,
+    VllmServers,
+)
 
 # A token every this many seconds: slower than agenttap_stream_flush_ms's default, so a proxy that
 # keeps up sends each token as its own event (the tests that count events per token pace so).
@@ -72,25 +80,63 @@ def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
+# The session's real vLLM servers (tests/support/vllm_servers.py): those the collected tests
+# need start in the background when collection ends, and boot while the unit tests run.
+_SERVERS: VllmServers | None = None
+
+
+def _vllm_servers() -> VllmServers:
+    global _SERVERS
+    if _SERVERS is None:
+        root = Path(tempfile.mkdtemp(prefix="agenttap-test-vllm-"))
+        _SERVERS = VllmServers(root, QWEN3)
+    return _SERVERS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One compile cache for every vLLM this session starts on TCP (policy_server.start_vllm
+    # keeps a value already set): a server of a shape already built reuses its kernels.
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="agenttap-test-vllm-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("VLLM_CACHE_ROOT"), True))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    wanted = {
+        BY_FIXTURE[name]
+        for item in session.items
+        for name in getattr(item, "fixturenames", ())
+        if name in BY_FIXTURE
+    }
+    for config in sorted(wanted, key=lambda c: c.name):
+        if config in PRESTARTED:
+            _vllm_servers().start(config)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Whatever ended the session (a failure with -x, Ctrl-C): no vLLM outlives it.
+    if _SERVERS is not None:
+        _SERVERS.stop_all()
+        shutil.rmtree(_SERVERS.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vllm_servers() -> VllmServers:
+    return _vllm_servers()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(vllm_servers: VllmServers) -> Iterator[str]:
     """A real vLLM serving the tiny fp32 Qwen3 model (cold start about a minute)."""
-    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
-    port = policy_server.free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=32768)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        policy_server.wait_ready(url, proc, timeout_s=600)
-    except policy_server.PolicyServerError:
-        print(log.read_text()[-5000:])
-        raise
+    url = vllm_servers.ready(SESSION).url
     _VLLM_OUTS[url] = []
     yield url
     try:
-        check_recorded_rows(model, _VLLM_OUTS.pop(url))
+        check_recorded_rows(policy_server.ensure_tiny_model(tokenizer=QWEN3), _VLLM_OUTS.pop(url))
     finally:
-        policy_server.stop(proc)
+        vllm_servers.stop(SESSION)
 
 
 # OUT folders of the proxies each session-wide real vLLM answered (start_proxy records them).

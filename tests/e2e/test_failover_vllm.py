@@ -9,15 +9,16 @@ import json
 import os
 import signal
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
 from tests.e2e.test_abort_resume_vllm import LongStream, stream_long_story
 from tests.e2e.test_trajectory_vllm import _rescore
+from tests.support.vllm_servers import DOOMED, Server, VllmServers
 
 pytestmark = pytest.mark.vllm
 
@@ -25,16 +26,23 @@ MAX_TOKENS = 1500
 KILL_AFTER_CHUNKS = 20
 
 
+@pytest.fixture
+def doomed_vllm(vllm_servers: VllmServers) -> Iterator[Server]:
+    """A second server like the session's, for this test alone to kill."""
+    yield vllm_servers.ready(DOOMED)
+    vllm_servers.stop(DOOMED)
+
+
 def test_a_replica_killed_mid_stream_hands_the_generation_over(
-    vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    vllm_url: str,
+    doomed_vllm: Server,
+    confdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
-    port = policy_server.free_port()
-    doomed_url = f"http://127.0.0.1:{port}"
-    doomed = policy_server.start_vllm(model, port, log_path=tmp_path / "doomed.log")
+    doomed_url, doomed = doomed_vllm.url, doomed_vllm.proc
     proxy = None
     try:
-        policy_server.wait_ready(doomed_url, doomed, timeout_s=600)
         proxy = start_proxy(f"{doomed_url},{vllm_url}", tmp_path / "out", confdir)
         # Idle replicas: a new session goes where its hash says; this one to the doomed one.
         session = next(
@@ -85,4 +93,3 @@ def test_a_replica_killed_mid_stream_hands_the_generation_over(
     finally:
         if proxy is not None:
             proxy.stop()
-        policy_server.stop(doomed)

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,9 +40,17 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
 class RunProxy:
     """``scripts/run_proxy.sh`` started as a user would, its output in a log file."""
 
-    def __init__(self, tmp_path: Path, confdir: Path, cwd: Path = REPO, out: str = "") -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        confdir: Path,
+        cwd: Path = REPO,
+        out: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
         from rewriter import policy_server
 
+        self.cwd, self.token = cwd, (env or {}).get("AGENTTAP_TOKEN", "")
         self.port = policy_server.free_port()
         self.api_port = policy_server.free_port()
         self.log = tmp_path / "run_proxy.log"
@@ -52,6 +60,7 @@ class RunProxy:
                  "--api-port", str(self.api_port), "--out", out or str(tmp_path / "out"),
                  "--confdir", str(confdir)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+                env={**os.environ, **(env or {})},
             )  # fmt: skip
 
     def output(self) -> str:
@@ -130,6 +139,8 @@ def check_start_up_lines(output: str, port: int) -> None:
     assert not any("PyTorch was not found" in line for line in lines)
 
 
+# The full runs (below) start first and boot meanwhile.
+@pytest.mark.usefixtures("full_runs")
 @pytest.mark.parametrize("loading_s", [0.0, 8.0], ids=["just-spawned", "loading"])
 def test_stopping_run_proxy_while_the_embedded_policy_starts_leaves_nothing(
     confdir: Path, tmp_path: Path, loading_s: float
@@ -145,76 +156,112 @@ def test_stopping_run_proxy_while_the_embedded_policy_starts_leaves_nothing(
         run.kill_all()
 
 
-def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
-    confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run = RunProxy(tmp_path, confdir)
+# The full runs, each ended its own way. Their embedded policies' cold starts (about a minute of
+# CPU each) overlap when they start together, instead of queueing one after another.
+FULL_RUNS = ("serve", "ctrl-c", "mitmdump-exits-first")
+
+
+@pytest.fixture(scope="module")
+def full_runs(
+    confdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, RunProxy]]:
+    """``run_proxy.sh`` started three times at once. "serve" as a user first runs it; the two
+    stop tests with a token given in the environment, started from another folder with a
+    relative --out (OUT is there, as the user meant)."""
+    # Each run first brings the environments up to date (scripts/setup.sh): once here, so three
+    # runs at once never install into .venv together (a changed pyproject.toml would).
+    subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh")], check=True, capture_output=True,
+        env={**os.environ, "AGENTTAP_SKIP_CLIENTS": "1", "AGENTTAP_SKIP_BROWSER": "1",
+             "AGENTTAP_SKIP_PEERS": "1", "AGENTTAP_SKIP_TRAIN": "1"},
+    )  # fmt: skip
+    runs: dict[str, RunProxy] = {}
     try:
-        _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
-        # The moment the ready line is out, both listeners take a connection (no retry).
-        for port in (run.port, run.api_port):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-        check_start_up_lines(run.output(), run.port)
-        policy_url = re.search(r"POLICY_URL=(\S+)", run.output())
-        assert policy_url, run.output()[-3000:]
-        # The embedded policy is on a unix socket in the private folder, with no TCP listener
-        # on this host's network (issue 37 item 2; tests/e2e/test_policy_private.py).
-        assert policy_url.group(1) == f"unix:{run.vllm_socket()}"
-        private = Path(run.vllm_socket()).parent
-        assert {p.name for p in private.iterdir()} >= {"token", "policy.log", "vllm.sock"}
-        group = vllm_group(run.vllm_socket())
-        assert len(group) >= 3 and tcp_listeners_of(group) == {}
-        with urlopen(policy_url.group(1), "/v1/models", timeout=30) as resp:
-            (model,) = json.load(resp)["data"]
-        assert model["max_model_len"] >= 32768, model
-
-        proxy = Proxy(
-            port=run.port,
-            out=tmp_path / "out",
-            ca=confdir / "mitmproxy-ca-cert.pem",
-            log=run.log,
-            proc=run.proc,
-        )  # type: ignore[arg-type]
-        client = proxy.openai("run-proxy", monkeypatch)
-        # About as long as Claude Code's first call (its system prompt and tools): ~12.2k tokens.
-        words = " ".join(f"rule{i}" for i in range(2600))
-        resp = client.chat.completions.create(
-            model="claude-sonnet-4-5",
-            messages=[{"role": "system", "content": words}, {"role": "user", "content": "Hi"}],
-            max_tokens=8,
-        )
-        assert resp.usage is not None
-        print(f"run_proxy.sh embedded policy: a {resp.usage.prompt_tokens}-token prompt served")
-        assert resp.usage.prompt_tokens >= CLAUDE_CODE_FIRST_CALL_TOKENS
-
-        # The lines printed for base-URL mode work as printed, SESSION replaced by a name.
-        base_url = f"http://127.0.0.1:{run.api_port}/sess/SESSION/v1"
-        assert f"OPENAI_BASE_URL={base_url}" in run.output()
-        import openai
-
-        direct = openai.OpenAI(
-            base_url=base_url.replace("SESSION", "run-proxy-base"), api_key="k", max_retries=0
-        )
-        monkeypatch.delenv("HTTPS_PROXY", raising=False)
-        answer = direct.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
-        )
-        assert answer.usage is not None and answer.usage.completion_tokens > 0
-        token = re.search(r"AGENTTAP_TOKEN=(\S+)", run.output())
-        assert token, run.output()[-3000:]
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{run.api_port}/sessions",
-            headers={"Authorization": f"Bearer {token.group(1)}"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            live = {s["id"]: s for s in json.load(resp)["sessions"]}
-        assert live["run-proxy-base"]["metrics"]["calls"] == 1
-        # The token is on no command line and in no environment (/proc is readable by all).
-        assert not processes_with(token.group(1).encode())
-        assert not processes_with(b"agenttap_token=")
-        run.stop_and_check_nothing_is_left()
+        for name in FULL_RUNS:
+            tmp_path = tmp_path_factory.mktemp(f"run-proxy-{name}")
+            if name == "serve":
+                runs[name] = RunProxy(tmp_path, confdir)
+                continue
+            token = "env-token-" + os.urandom(12).hex()
+            elsewhere = tmp_path / "elsewhere"
+            elsewhere.mkdir()
+            runs[name] = RunProxy(
+                tmp_path, confdir, cwd=elsewhere, out="rel-out", env={"AGENTTAP_TOKEN": token}
+            )
+        yield runs
     finally:
-        run.kill_all()
+        for run in runs.values():
+            run.kill_all()
+
+
+def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
+    full_runs: dict[str, RunProxy], confdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = full_runs["serve"]
+    tmp_path = run.log.parent
+    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+    # The moment the ready line is out, both listeners take a connection (no retry).
+    for port in (run.port, run.api_port):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    check_start_up_lines(run.output(), run.port)
+    policy_url = re.search(r"POLICY_URL=(\S+)", run.output())
+    assert policy_url, run.output()[-3000:]
+    # The embedded policy is on a unix socket in the private folder, with no TCP listener
+    # on this host's network (issue 37 item 2; tests/e2e/test_policy_private.py).
+    assert policy_url.group(1) == f"unix:{run.vllm_socket()}"
+    private = Path(run.vllm_socket()).parent
+    assert {p.name for p in private.iterdir()} >= {"token", "policy.log", "vllm.sock"}
+    group = vllm_group(run.vllm_socket())
+    assert len(group) >= 3 and tcp_listeners_of(group) == {}
+    with urlopen(policy_url.group(1), "/v1/models", timeout=30) as resp:
+        (model,) = json.load(resp)["data"]
+    assert model["max_model_len"] >= 32768, model
+
+    proxy = Proxy(
+        port=run.port,
+        out=tmp_path / "out",
+        ca=confdir / "mitmproxy-ca-cert.pem",
+        log=run.log,
+        proc=run.proc,
+    )  # type: ignore[arg-type]
+    client = proxy.openai("run-proxy", monkeypatch)
+    # About as long as Claude Code's first call (its system prompt and tools): ~12.2k tokens.
+    words = " ".join(f"rule{i}" for i in range(2600))
+    resp = client.chat.completions.create(
+        model="claude-sonnet-4-5",
+        messages=[{"role": "system", "content": words}, {"role": "user", "content": "Hi"}],
+        max_tokens=8,
+    )
+    assert resp.usage is not None
+    print(f"run_proxy.sh embedded policy: a {resp.usage.prompt_tokens}-token prompt served")
+    assert resp.usage.prompt_tokens >= CLAUDE_CODE_FIRST_CALL_TOKENS
+
+    # The lines printed for base-URL mode work as printed, SESSION replaced by a name.
+    base_url = f"http://127.0.0.1:{run.api_port}/sess/SESSION/v1"
+    assert f"OPENAI_BASE_URL={base_url}" in run.output()
+    import openai
+
+    direct = openai.OpenAI(
+        base_url=base_url.replace("SESSION", "run-proxy-base"), api_key="k", max_retries=0
+    )
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    answer = direct.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+    token = re.search(r"AGENTTAP_TOKEN=(\S+)", run.output())
+    assert token, run.output()[-3000:]
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{run.api_port}/sessions",
+        headers={"Authorization": f"Bearer {token.group(1)}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        live = {s["id"]: s for s in json.load(resp)["sessions"]}
+    assert live["run-proxy-base"]["metrics"]["calls"] == 1
+    # The token is on no command line and in no environment (/proc is readable by all).
+    assert not processes_with(token.group(1).encode())
+    assert not processes_with(b"agenttap_token=")
+    run.stop_and_check_nothing_is_left()
 
 
 def environ_holds(secret: bytes) -> list[int]:
@@ -230,34 +277,27 @@ def environ_holds(secret: bytes) -> list[int]:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "mitmdump-exits-first"])
 def test_run_proxy_stops_everything_it_started_whatever_ends_first(
-    confdir: Path, tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+    full_runs: dict[str, RunProxy], how: str
 ) -> None:
     """Ctrl-C (SIGINT to the script's process group, as a terminal sends it), or mitmdump
     ending on its own: the embedded vLLM and mitmdump are gone, no listener is left, and a
     token given in the environment reached no child's environment."""
-    token = "env-token-" + os.urandom(12).hex()
-    monkeypatch.setenv("AGENTTAP_TOKEN", token)
-    # Started from another folder with a relative --out: OUT is there, as the user meant.
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    run = RunProxy(tmp_path, confdir, cwd=elsewhere, out="rel-out")
-    try:
-        _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
-        assert f"AGENTTAP_TOKEN={token}" in run.output()
-        assert f"shards in {elsewhere / 'rel-out'}" in run.output()
-        # The script's own environment was given it; no process it started holds it.
-        assert set(environ_holds(token.encode())) <= {run.proc.pid}
-        if how == "ctrl-c":
-            os.killpg(run.proc.pid, signal.SIGINT)
-        else:
-            (mitmdump,) = processes_with(f"--listen-port {run.port}".encode())
-            os.kill(mitmdump, signal.SIGTERM)
-        run.proc.wait(60)
-        _wait_for("the vLLM server to stop", lambda: not run.vllm_running(), 60)
-        _wait_for("mitmdump to stop", lambda: not run.mitmdump_running(), 30)
-        run.check_private_folder_is_gone()
-        for port in (run.port, run.api_port):
-            with socket.socket() as sock:
-                assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
-    finally:
-        run.kill_all()
+    run = full_runs[how]
+    token, elsewhere = run.token, run.cwd
+    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+    assert f"AGENTTAP_TOKEN={token}" in run.output()
+    assert f"shards in {elsewhere / 'rel-out'}" in run.output()
+    # The script's own environment was given it; no process it started holds it.
+    assert set(environ_holds(token.encode())) <= {run.proc.pid}
+    if how == "ctrl-c":
+        os.killpg(run.proc.pid, signal.SIGINT)
+    else:
+        (mitmdump,) = processes_with(f"--listen-port {run.port}".encode())
+        os.kill(mitmdump, signal.SIGTERM)
+    run.proc.wait(60)
+    _wait_for("the vLLM server to stop", lambda: not run.vllm_running(), 60)
+    _wait_for("mitmdump to stop", lambda: not run.mitmdump_running(), 30)
+    run.check_private_folder_is_gone()
+    for port in (run.port, run.api_port):
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"

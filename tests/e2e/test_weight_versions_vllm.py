@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rewriter import policy_server
 from tests.conftest import QWEN3, start_proxy
 from tests.e2e.test_abort_resume_vllm import (
     EACH_TOKEN,
@@ -26,6 +25,7 @@ from tests.e2e.test_abort_resume_vllm import (
     stream_through_a_pause,
 )
 from tests.e2e.test_trajectory_vllm import _rescore
+from tests.support.vllm_servers import SCALE_OUT, VllmServers
 
 pytestmark = pytest.mark.vllm
 
@@ -44,23 +44,10 @@ def _set_version(url: str, version: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def generate_vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def generate_vllm_url(vllm_servers: VllmServers) -> Iterator[str]:
     """A second real vLLM, this one serving /inference/v1/generate (``--enable-scale-out``)."""
-    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
-    port = policy_server.free_port()
-    log = tmp_path_factory.mktemp("vllm-generate") / "vllm.log"
-    proc = policy_server.start_vllm(
-        model, port, log_path=log, max_model_len=8192, extra_args=["--enable-scale-out"]
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        policy_server.wait_ready(url, proc, timeout_s=600)
-    except policy_server.PolicyServerError:
-        print(log.read_text()[-5000:])
-        policy_server.stop(proc)
-        raise
-    yield url
-    policy_server.stop(proc)
+    yield vllm_servers.ready(SCALE_OUT).url
+    vllm_servers.stop(SCALE_OUT)
 
 
 def test_weight_sync_mid_stream_gives_two_spans(

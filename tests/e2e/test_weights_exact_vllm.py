@@ -36,6 +36,7 @@ from rewriter import policy_server
 from rewriter.policy_url import urlopen
 from tests.conftest import QWEN3, REPO, Proxy, proxy_token, start_proxy
 from tests.e2e.test_policy_weights_vllm import control, hf
+from tests.support.vllm_servers import LORA, VllmServers
 
 pytestmark = pytest.mark.vllm
 
@@ -333,22 +334,12 @@ def test_a_paused_replica_is_unhealthy_and_no_call_waits_on_it(
 
 
 @pytest.fixture(scope="module")
-def lora_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def lora_vllm(vllm_servers: VllmServers) -> Iterator[str]:
     """The untied tiny model served with runtime LoRA loading (--max-lora-rank 8)."""
-    model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
-    port = policy_server.free_port()
-    log = tmp_path_factory.mktemp("vllm-lora") / "vllm.log"
-    proc = policy_server.start_vllm(model, port, log_path=log, max_model_len=4096, max_lora_rank=8)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        policy_server.wait_ready(url, proc, timeout_s=900)
-    except policy_server.PolicyServerError:
-        print(log.read_text()[-5000:])
-        policy_server.stop(proc)
-        raise
-    LORA_LOGS.append(log)
-    yield url
-    policy_server.stop(proc)
+    server = vllm_servers.ready(LORA)
+    LORA_LOGS.append(server.log)
+    yield server.url
+    vllm_servers.stop(LORA)
 
 
 # The LoRA server's log: printed when a call fails, as the 502 only says "EngineCore encountered
