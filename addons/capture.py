@@ -11,7 +11,7 @@ Saved flows (``mitmdump -w FILE``) show the client's original request
 (``https://api.openai.com/...``), without the gateway's headers or the client's credentials, and
 carry the session id in ``flow.metadata["agenttap_session"]``; so
 ``mitmdump -n -C FILE -s addons/capture.py --set ...`` replays them through the policy again,
-offline (see ``tests/flows.py``)."""
+offline (see ``tests/support/flows.py``)."""
 
 from __future__ import annotations
 

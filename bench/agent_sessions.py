@@ -1354,7 +1354,7 @@ def main(argv: list[str] | None = None) -> int:
     context = min(args.context, args.max_model_len - args.max_tokens - 64)
 
     from rewriter import policy_server
-    from tests.conftest import start_proxy
+    from tests.support.proxies import start_proxy
 
     tok = Tokenizer()
     plan = build_plan(
@@ -1585,7 +1585,7 @@ def fmt_cpus(cores: set[int]) -> str:
 def check_threads(outs: list[Path], run_id: str, turns: int) -> bool:
     """What agenttap recorded: each measured session one thread of all its calls (every call
     extended the one before: no rewrite, no re-render of the history)."""
-    from tests.conftest import read_threads
+    from tests.support.proxies import read_threads
 
     rows = [r for out in outs for r in read_threads(out) if r["session_id"].startswith(run_id)]
     rows = [r for r in rows if "-warm-" not in r["session_id"]]

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/concurrency.py [--clients 1200] [--runs 5] [--timeout 240] [--proxies N]
 
-Starts the scripted stub policy (tests/stub_vllm.py, in a process of its own, with vLLM's
+Starts the scripted stub policy (tests/support/stub_vllm.py, in a process of its own, with vLLM's
 listen backlog) and a real mitmdump with the addon, then, per run, opens ``--clients`` streaming
 chat-completions calls at once, each its own session, over HTTPS through the proxy (CONNECT,
 TLS trusting the proxy's CA) on loopback, and reads each stream to its end. A call is ``ok``
@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from tests.conftest import QWEN3, Proxy, start_proxy  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.proxies import Proxy, start_proxy  # noqa: E402
 
 REPLY = "one two three four five six seven eight nine ten eleven twelve"
 
@@ -45,7 +46,7 @@ def raise_fd_limit() -> int:
 
 def serve_stub(chunk_delay: float) -> None:
     """The stub policy in this process, until stdin closes (``--serve-stub``)."""
-    from tests.stub_vllm import StubPolicy
+    from tests.support.stub_vllm import StubPolicy
 
     stub = StubPolicy(str(QWEN3))
     stub.default_reply = REPLY

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap, Session  # noqa: E402
-from tests.conftest import QWEN3  # noqa: E402
-from tests.stub_vllm import StubPolicy  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.stub_vllm import StubPolicy  # noqa: E402
 
 
 def timed(fn, *args):  # type: ignore[no-untyped-def]

@@ -3,11 +3,11 @@
     .venv/bin/python bench/fuzz.py [--requests 10000] [--workers 2] [--seed 0]
                                    [--providers openai.chat,anthropic,...]
 
-Starts the scripted stub policy (``tests/stub_vllm.py``) and a real mitmdump with the addon, then
+Starts the scripted stub policy (``tests/support/stub_vllm.py``) and a real mitmdump with the addon, then
 sends ``--requests`` fuzzed requests per provider (``openai.chat``, ``openai.responses``,
 ``anthropic``, ``gemini``; their count routes included) and as many fuzzed message sequences on
 the Responses API's WebSocket (``openai.responses.websocket``, one connection each). The requests
-come from the CI fuzz tests' strategies (``tests/fuzzing.py``), drawn by hypothesis with a seed
+come from the CI fuzz tests' strategies (``tests/support/fuzzing.py``), drawn by hypothesis with a seed
 per worker process. Every answer is checked as the tests check it (no 5xx, the provider's own
 error format, WebSocket refusals as error events or 1007/1008/1009 closes); a failure is counted
 and its first examples printed, and the run goes on. After each provider, a well-formed session
@@ -35,10 +35,11 @@ sys.path.insert(0, str(REPO))
 
 from hypothesis import strategies as st  # noqa: E402
 
-from tests import fuzzing  # noqa: E402
-from tests.conftest import QWEN3, Proxy, start_proxy  # noqa: E402
-from tests.hostile import good_body, post  # noqa: E402
-from tests.stub_vllm import StubPolicy  # noqa: E402
+from tests.support import fuzzing  # noqa: E402
+from tests.support.hostile import good_body, post  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.proxies import Proxy, start_proxy  # noqa: E402
+from tests.support.stub_vllm import StubPolicy  # noqa: E402
 
 ALL = [*fuzzing.PROVIDERS, fuzzing.WEBSOCKET]
 SHOWN_FAILURES = 5

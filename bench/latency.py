@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 from rewriter import policy_server  # noqa: E402
 from rewriter.canonical import Message  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
-from tests.conftest import QWEN3, read_turns, start_proxy  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.proxies import read_turns, start_proxy  # noqa: E402
 
 SESSION = "bench-latency"
 

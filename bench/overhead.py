@@ -16,7 +16,7 @@ Paths, all in one run, interleaved (each round rotates which path goes first):
 - ``mitmdump-s``: the same with ``bench/stream_responses.py``: streams relayed as they come,
   chunk by chunk, which is what agenttap does (and what a user forwarding SSE would set up).
 - ``agenttap``: mitmdump + addons/capture.py, same mode, same client, same CA; answered by the
-  vLLM-shaped stub (tests/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
+  vLLM-shaped stub (tests/support/stub_vllm.py, real Qwen3 tokenizer, its decoding cached so it answers
   at once), prompts rendered and calls recorded as in real use.
 - ``agenttap-2``: the same, as a pool of ``--pool`` agenttap processes (default 2), each
   conversation's session on one of them (by a hash of its name), as ``capture/client/ray_pool.py``
@@ -237,7 +237,7 @@ class _CachedTokenizer:
 def serve_stub() -> None:
     """The vLLM-shaped stub policy, answering at once (``--serve-stub``), or streaming a token
     every OVERHEAD_PACE_MS milliseconds (bench/paced.py)."""
-    from tests.stub_vllm import StubPolicy
+    from tests.support.stub_vllm import StubPolicy
 
     stub = StubPolicy(str(QWEN3))
     stub.chunk_delay_s = float(os.environ.get(PACE_ENV) or 0) / 1000.0

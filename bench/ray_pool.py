@@ -37,13 +37,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from capture.client.ray_pool import ProxyPool  # noqa: E402
-from tests.conftest import QWEN3  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
 
 
 def serve_stub(conn: Any, pace_ms: float = 0.0, tokens: int = 64) -> None:
     """A stub policy in this (child) process; sends its URL, serves until the pipe closes.
     With ``pace_ms``: answers of about ``tokens`` tokens, one streamed every ``pace_ms``."""
-    from tests.stub_vllm import StubPolicy
+    from tests.support.stub_vllm import StubPolicy
 
     stub = StubPolicy(str(QWEN3))
     stub.default_reply = "A short answer of a few tokens."

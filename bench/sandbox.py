@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap  # noqa: E402
-from tests.conftest import QWEN3  # noqa: E402
-from tests.stub_vllm import StubPolicy  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.stub_vllm import StubPolicy  # noqa: E402
 
 AGENT = r"""
 import base64, http.client, json, os, ssl, sys, time, urllib.parse

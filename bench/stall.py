@@ -24,9 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import QWEN3, start_proxy  # noqa: E402
-from tests.hostile import good_body, post  # noqa: E402
-from tests.stub_vllm import StubPolicy  # noqa: E402
+from tests.support.hostile import good_body, post  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
+from tests.support.proxies import start_proxy  # noqa: E402
+from tests.support.stub_vllm import StubPolicy  # noqa: E402
 
 
 def huge_text(kb: int) -> str:

@@ -46,8 +46,8 @@ import capture.storage.shards as shards_mod  # noqa: E402
 from capture.storage import journal_lines  # noqa: E402
 from capture.storage.sessions import SessionStore  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
-from tests.agent_sessions import Script, build, corpus, record  # noqa: E402
-from tests.conftest import QWEN3  # noqa: E402
+from tests.support.agent_sessions import Script, build, corpus, record  # noqa: E402
+from tests.support.paths import QWEN3  # noqa: E402
 
 
 @dataclass

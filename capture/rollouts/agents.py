@@ -4,12 +4,12 @@ flags that make it run without asking (permissions, sandbox, trust).
 Checked against the versions the setup scripts pin (Claude Code 2.1.330, Codex 0.169.0, Gemini
 CLI 0.61.0, OpenCode 1.18.33 in ``scripts/install_clients.sh``; mini-swe-agent 2.4.6 in
 ``scripts/setup_agents.sh``; OpenHands 1.16.0 in ``scripts/setup_openhands.sh``) by
-``tests/e2e/test_rollouts.py``, ``tests/e2e/test_rollouts_scaffolds.py`` and
-``tests/e2e/test_rollouts_openhands.py``. Each agent runs in proxy mode: the session's ``env``
-(capture/control/endpoints.py ``Endpoints.env``) carries the proxy, the CA under every name
-these CLIs read it from, and its session's secret as the keys; each gets a fresh ``HOME`` (what
-an agent needs in it before it starts is written by ``prepare_home``) so no earlier run's
-configuration or history leaks in, and runs in the rollout's bubblewrap sandbox
+``tests/e2e/rollouts/test_rollouts.py``, ``tests/e2e/rollouts/test_rollouts_scaffolds.py`` and
+``tests/e2e/rollouts/test_rollouts_openhands.py``. Each agent runs in proxy mode: the
+session's ``env`` (capture/control/endpoints.py ``Endpoints.env``) carries the proxy, the CA
+under every name these CLIs read it from, and its session's secret as the keys; each gets a
+fresh ``HOME`` (what an agent needs in it before it starts is written by ``prepare_home``) so
+no earlier run's configuration or history leaks in, and runs in the rollout's bubblewrap sandbox
 (capture/rollouts/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR`` writable), which
 is why the CLIs' own permission prompts and sandboxes are switched off here.
 """

@@ -34,34 +34,34 @@ BLOCKS = [
 
 # Variables the pages export, beyond a session's env: each is read by a client the tests drive.
 CLIENT_VARIABLES = {"CODEX_HOME", "GEMINI_CLI_TRUST_WORKSPACE"}
-# mini-swe-agent's own switches (tests/e2e/test_mini_swe_agent.py sets each).
+# mini-swe-agent's own switches (tests/e2e/clis/test_mini_swe_agent.py sets each).
 CLIENT_VARIABLES |= {"MSWEA_CONFIGURED", "MSWEA_COST_TRACKING", "LITELLM_LOCAL_MODEL_COST_MAP"}
-# OpenHands' own (tests/e2e/test_openhands.py sets each).
+# OpenHands' own (tests/e2e/clis/test_openhands.py sets each).
 CLIENT_VARIABLES |= {"LLM_MODEL", "LLM_API_KEY", "OPENHANDS_SUPPRESS_BANNER"}
-# Harbor imports agenttap's environment from it (tests/e2e/test_harbor_terminus.py sets it).
+# Harbor imports agenttap's environment from it (tests/e2e/clis/test_harbor_terminus.py sets it).
 CLIENT_VARIABLES |= {"PYTHONPATH"}
 # The line the banner prints for a shell to source (export AGENTTAP_API=... AGENTTAP_TOKEN=...).
 BANNER_VARIABLES = {w.split("=", 1)[0] for w in shlex.split(export_line("a", "t", "k", "p"))[1:]}
 # Agent CLIs the README runs, and the end-to-end test that runs each the same way.
 CLI_TESTS = {
-    "claude": "tests/e2e/test_claude_code.py",
-    "codex": "tests/e2e/test_codex.py",
-    "gemini": "tests/e2e/test_gemini_cli.py",
-    "opencode": "tests/e2e/test_opencode.py",
-    "mini": "tests/e2e/test_mini_swe_agent.py",
-    "openhands": "tests/e2e/test_openhands.py",
-    "harbor": "tests/e2e/test_harbor_terminus.py",
+    "claude": "tests/e2e/clis/test_claude_code.py",
+    "codex": "tests/e2e/clis/test_codex.py",
+    "gemini": "tests/e2e/clis/test_gemini_cli.py",
+    "opencode": "tests/e2e/clis/test_opencode.py",
+    "mini": "tests/e2e/clis/test_mini_swe_agent.py",
+    "openhands": "tests/e2e/clis/test_openhands.py",
+    "harbor": "tests/e2e/clis/test_harbor_terminus.py",
 }
 # Scripts the README runs, and what runs each (CI runs scripts/test.sh, which runs setup.sh).
 SCRIPT_RUNNERS = {
     "scripts/setup.sh": ".ci/run",
     "scripts/test.sh": ".ci/run",
-    "scripts/run_proxy.sh": "tests/e2e/test_run_proxy.py",
+    "scripts/run_proxy.sh": "tests/e2e/policy/test_run_proxy.py",
 }
 # What the README runs in the trainer's environment, and the test that runs each.
 TRAIN_RUNNERS = {
-    "examples/train_grpo.py": "tests/e2e/test_train_example.py",
-    "capture/train/check_logprobs.py": "tests/e2e/test_train_trl_loop.py",
+    "examples/train_grpo.py": "tests/e2e/rollouts/test_train_example.py",
+    "capture/train/check_logprobs.py": "tests/e2e/rollouts/test_train_trl_loop.py",
 }
 
 

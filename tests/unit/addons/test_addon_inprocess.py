@@ -1,5 +1,5 @@
 """The addon's options and refusals in-process, through mitmproxy's own test harness (``taddons``):
-no mitmdump, no sockets. The same rules ``tests/e2e/test_fail_closed.py`` checks end to end through a
+no mitmdump, no sockets. The same rules ``tests/e2e/hostile/test_fail_closed.py`` checks end to end through a
 real mitmdump, here fast and one by one."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 no value, repeated, misspelled, a list; from --set or from config.yaml) stops the addon's
 startup with an error naming the option, and the addon then refuses what an agent sends.
 
-A real mitmdump per case (``tests/e2e/test_fail_closed.py`` did ~280) costs over a second of
+A real mitmdump per case (``tests/e2e/hostile/test_fail_closed.py`` did ~280) costs over a second of
 CPU each just to import; here one mitmproxy master per case, in this process, goes through what
 mitmdump's ``tools/main.py`` does with the same inputs, in its order: ``--set`` values with
 ``opts.set(..., defer=True)`` (agenttap's options are unknown until the script loads), then
@@ -37,14 +37,14 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from capture.policy import startup
 from rewriter.template import ChatTemplate
-from tests.conftest import CAPTURE
-from tests.fail_closed_cases import (  # noqa: F401 (the test is collected here)
+from tests.support.fail_closed_cases import (  # noqa: F401 (the test is collected here)
     cases,
     good_options,
     startup_inputs,
     test_every_option_is_in_the_matrix,
 )
-from tests.stub_vllm import StubPolicy
+from tests.support.paths import CAPTURE
+from tests.support.stub_vllm import StubPolicy
 
 # A flow the addon neither answers nor refuses within this long is one it let through (a
 # configuration it took for good waits for its gateway instead: see AgentTap._route).

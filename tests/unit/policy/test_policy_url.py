@@ -30,8 +30,8 @@ from rewriter.policy_url import (
 )
 from rewriter.template import ChatTemplate
 from rewriter.vllm_client import VLLMClient
-from tests.conftest import QWEN3
-from tests.stub_vllm import StubPolicy
+from tests.support.paths import QWEN3
+from tests.support.stub_vllm import StubPolicy
 
 
 # -- the spelling -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Weight updates (capture/policy/weights.py) against a scripted server with vLLM's dev routes
 (/pause?mode=abort, /collective_rpc, /reset_prefix_cache, /update_weight_version, /resume) and
 its /v1/completions stream (which labels no versions: agenttap does). The real vLLM:
-``tests/e2e/test_policy_weights_vllm.py``."""
+``tests/e2e/policy/test_policy_weights_vllm.py``."""
 
 from __future__ import annotations
 

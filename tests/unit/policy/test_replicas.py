@@ -15,8 +15,8 @@ from capture.policy.pools import PolicyPools
 from capture.policy.replicas import ReplicasBusy, ReplicaSet
 from rewriter.canonical import SamplingParams
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
-from tests.conftest import QWEN3
-from tests.stub_vllm import StubPolicy
+from tests.support.paths import QWEN3
+from tests.support.stub_vllm import StubPolicy
 
 
 class FakeClient:

@@ -10,7 +10,7 @@ import pytest
 
 from capture.policy.startup import RUN_PROXY_FLAGS, check_policy, main
 from rewriter.template import ChatTemplate
-from tests.conftest import QWEN3
+from tests.support.paths import QWEN3
 
 
 def closed_port() -> int:

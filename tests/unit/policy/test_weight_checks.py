@@ -1,5 +1,5 @@
 """Weights the policy serves are checked (capture/policy/weights.py, replicas.py, pools.py),
-against two vLLM-shaped stubs in dev mode (tests/stub_vllm.py: a reload of a folder shifts
+against two vLLM-shaped stubs in dev mode (tests/support/stub_vllm.py: a reload of a folder shifts
 every logprob it gives by that folder's ``folders`` entry, as other weights would):
 
 - an update's probe passes on a replica that serves the trainer's weights and fails, with the
@@ -9,7 +9,7 @@ every logprob it gives by that folder's ``folders`` entry, as other weights woul
 - a reload nobody pushed through agenttap is found by the next check (fingerprint), the
   replica leaves rotation, the window is kept and the metric hook told;
 - a paused (or sleeping) server is unhealthy and says so, and calls go elsewhere at once.
-The real vLLM: tests/e2e/test_weights_exact_vllm.py.
+The real vLLM: tests/e2e/policy/test_weights_exact_vllm.py.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from capture.policy.pools import PolicyPools
 from capture.policy.replicas import OWN_FINGERPRINT_IDS, PAUSED, SERVING, SLEEPING, UNVERIFIED
 from capture.policy.weights import Probe, WeightUpdateError, check_probe
 from rewriter.canonical import SamplingParams
-from tests.conftest import QWEN3
-from tests.stub_vllm import StubPolicy
+from tests.support.paths import QWEN3
+from tests.support.stub_vllm import StubPolicy
 
 PROBE_IDS = [9707, 11, 1246, 525, 498, 30, 358, 2776, 6915]
 

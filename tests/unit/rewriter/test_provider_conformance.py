@@ -19,12 +19,12 @@ from rewriter.canonical import RequestError
 from rewriter.providers import registered
 from rewriter.providers.base import Call, Provider, RouteKind
 from rewriter.vllm_client import PolicyError
-from tests.hostile import Answer, assert_provider_error, good_body
+from tests.support.hostile import Answer, assert_provider_error, good_body
 
 
 @dataclass(frozen=True)
 class Example:
-    """How to call a provider: its error format (``tests.hostile`` protocol name), its model turn
+    """How to call a provider: its error format (``tests.support.hostile`` protocol name), its model turn
     (method, host, path, query) and a valid body for it."""
 
     protocol: str

@@ -2,7 +2,7 @@
 was placed in the session's tree before the write; when it ends it must be committed to that
 very tree (or, where the tree was let go, to a tree of its own), never to a fresh tree that
 numbers its calls anew: rows would then put a call's span where another call's tokens are.
-Every call is trained exactly once, at its own ids (tests/e2e/test_flush_race.py: the same
+Every call is trained exactly once, at its own ids (tests/e2e/ops/test_flush_race.py: the same
 through a real mitmdump, under load)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from capture.storage.sessions import SessionStore
 from capture.trajectory import Assembly
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
-from tests.conftest import read_threads, read_turns
+from tests.support.proxies import read_threads, read_turns
 
 SYSTEM = Message("system", "You are a careful agent.")
 

@@ -12,7 +12,7 @@ import capture.storage.shards
 from capture.storage.sessions import SessionStore
 from rewriter.canonical import ChatRequest, Message
 from rewriter.template import ChatTemplate
-from tests.conftest import read_threads, read_turns, record_turn
+from tests.support.proxies import read_threads, read_turns, record_turn
 
 TURNS = 5
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from capture.storage.reader import load_threads
-from tests.viewer_data import write_long_prompt_session
+from tests.support.viewer_data import write_long_prompt_session
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from capture.storage.rows import turn_row
 from capture.storage.sessions import SessionStore
 from capture.storage.shards import THREAD_SCHEMA, TURN_SCHEMA, rows_to_table
 from rewriter.template import ChatTemplate
-from tests.agent_sessions import Script, build, corpus, record
+from tests.support.agent_sessions import Script, build, corpus, record
 
 BYTES_PER_TOKEN = 16
 

@@ -1,6 +1,6 @@
 """``python -m capture.train.check_logprobs``'s messages over rows of several weight versions
 (issue 40): it names the versions present and suggests ``--version``. The model is a stand-in
-here (the forward itself is checked with real weights in tests/e2e/test_train_trl_loop.py)."""
+here (the forward itself is checked with real weights in tests/e2e/rollouts/test_train_trl_loop.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from capture.storage.reader import load_threads
 from capture.train import check_logprobs
-from tests.viewer_data import write_run
+from tests.support.viewer_data import write_run
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ step), rows whose trained tokens carry their version's logprobs (a row spanning 
 and one row labelled version 2 that version 1's weights sampled: found, and only it.
 
 The trainer's environment (.venv-train: torch, transformers) runs the tool, as a user does;
-tests/two_versions.py builds the models and rows there."""
+tests/support/two_versions.py builds the models and rows there."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 TOLERANCE = 1e-3
@@ -32,7 +32,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("two-versions")
-    done = run("tests/two_versions.py", str(folder))
+    done = run("tests/support/two_versions.py", str(folder))
     assert done.returncode == 0, done.stderr[-3000:]
     made = json.loads(done.stdout.strip().splitlines()[-1])
     assert "t-mixed" in made["threads"] and made["tokens"] == {"1": 18, "2": 24}

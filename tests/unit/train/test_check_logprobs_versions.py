@@ -14,7 +14,7 @@ import pytest
 
 from capture.storage.reader import load_threads
 from capture.train import check_logprobs
-from tests.viewer_data import write_run
+from tests.support.viewer_data import write_run
 
 # A session of step 1 (versions v1, v1): its rows say v1, but v0's weights sampled them.
 MIXED = "t-grpo-01-0-2"

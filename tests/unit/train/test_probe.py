@@ -3,7 +3,7 @@ weights' own forward, also inside TRL's training step: there accelerate runs the
 in bf16 autocast (``GRPOConfig``'s default), which put the example's in-memory probe ~0.05 from
 the saved folder's logprobs (issue 38 item 2), and the model is in train mode, with dropout.
 
-A real ``GRPOTrainer`` step in the trainer's environment (tests/probe_under_trl.py, .venv-train);
+A real ``GRPOTrainer`` step in the trainer's environment (tests/support/probe_under_trl.py, .venv-train);
 the saved folder loaded afresh stands for what a policy server loads."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 # What agenttap_weights_tolerance allows in fp32; the probe must be far inside it.
@@ -26,7 +26,7 @@ def under_trl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         pytest.fail(f"{TRAIN_PYTHON} is missing: scripts/setup_train.sh builds it")
     folder = tmp_path_factory.mktemp("probe-under-trl")
     done = subprocess.run(
-        [str(TRAIN_PYTHON), "tests/probe_under_trl.py", str(folder)],
+        [str(TRAIN_PYTHON), "tests/support/probe_under_trl.py", str(folder)],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

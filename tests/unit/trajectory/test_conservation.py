@@ -616,7 +616,7 @@ def test_recovery_from_the_journal_gives_the_same_rows(template: ChatTemplate, t
     rows the live process would have written: same ids, masks, dead flags, links."""
     from capture.storage.sessions import SessionStore
     from rewriter.canonical import ChatRequest
-    from tests.conftest import read_threads, record_turn
+    from tests.support.proxies import read_threads, record_turn
 
     live, crashed = (
         SessionStore(tmp_path / "live", template),

@@ -1,6 +1,6 @@
 """An answer with no visible output and the scaffold's request asking again (issue 40): Claude Code
 re-sends its request with "[Your previous response had no visible output...]" appended to the last
-user message (seen through the real CLI: tests/e2e/test_claude_code_empty_retry.py). The empty
+user message (seen through the real CLI: tests/e2e/clis/test_claude_code_empty_retry.py). The empty
 answer's row is a dead end (``dead_reason`` ``empty``) hung off the row that went on
 (``parent_relation`` ``retry``), so ``to_rl_batch`` and ``main_row`` count the rollout once.
 Sessions are built in-process as the gateway places them (real Qwen3 template)."""

@@ -18,7 +18,7 @@ from capture.storage.rewards import write_rewards
 from capture.viewer import data as viewer
 from capture.viewer.data import ShardSource
 from capture.viewer.http import ViewerRoutes, icon, offline_app
-from tests.viewer_data import (
+from tests.support.viewer_data import (
     REMINDER,
     write_agent_session,
     write_long_prompt_session,

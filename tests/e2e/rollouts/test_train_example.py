@@ -1,0 +1,99 @@
+"""examples/train_grpo.py as a user runs it (in .venv-train): real Claude Code rollouts from the
+real vLLM, GRPO steps, the weights saved and pushed (each push checked against the trainer's
+probe), a line per step. Then the same command again, with the same ``--seed`` and ``--out``:
+the same rewards, losses and tokens (issue 40 item 5: vLLM's sampling is seeded per call, torch by
+the seed). The session's vLLM gets its original weights back after each run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capture.client.launcher import AgentTap
+from rewriter import policy_server
+from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
+from tests.e2e.rollouts.test_train_trl_loop import TRAIN_PYTHON
+from tests.support.paths import QWEN3, REPO
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not TRAIN_PYTHON.exists(), reason="no .venv-train: run scripts/setup_train.sh to build it"
+    ),
+]
+
+SEED = 5
+STEPS = 2  # the second step's rollouts are sampled by the first step's trained weights
+# What the probe of each push may be off by (agenttap_weights_tolerance in fp32).
+TOLERANCE = 1e-3
+
+
+def run_example(policy_url: str, out: Path, confdir: Path, seed: int = SEED) -> str:
+    """One run of the example on ``policy_url``; its output. The policy gets its original
+    weights back afterwards, so the next run starts where this one did."""
+    try:
+        done = subprocess.run(
+            [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url",
+             policy_url, "--steps", str(STEPS), "--n", "2", "--seed", str(seed),
+             "--out", str(out)],
+            cwd=out.parent, env={**os.environ}, capture_output=True, text=True, timeout=1200,
+        )  # fmt: skip
+    finally:
+        model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+        with AgentTap.start(policy_url, QWEN3, out.parent / "restore", confdir=confdir) as tap:
+            tap.update_weights(model, DEFAULT_WEIGHT_VERSION)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def first_run(
+    vllm_url: str, confdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, str]]:
+    out = tmp_path_factory.mktemp("train-example") / "run"
+    yield out, run_example(vllm_url, out, confdir)
+
+
+def what_repeats(stdout: str) -> list[str]:
+    """The run's lines that a seed must repeat: each step's rewards (each rollout's, in full),
+    loss, grad norm and tokens; not its times or the push's |diff|."""
+    lines = re.findall(r"^step +\d+  rewards .*$", stdout, flags=re.M)
+    lines += [
+        re.sub(r"  rollout .*", "", line)
+        for line in re.findall(r"^step +\d+  reward .*$", stdout, flags=re.M)
+    ]
+    lines += re.findall(r"^reward by step: .*$", stdout, flags=re.M)
+    return lines
+
+
+def test_steps_of_the_example(first_run: tuple[Path, str]) -> None:
+    out, stdout = first_run
+    print(stdout[-4000:])
+    line = re.search(r"step  1  reward (\S+) \((\d)/4 scored\).*grad_norm (\S+)", stdout)
+    assert line, stdout[-3000:]
+    assert line.group(2) == "4"  # every agent's rollout scored (a limit reached is no failure)
+    assert "sampled by default -> pushed step-1" in stdout
+    assert "sampled by step-1 -> pushed step-2" in stdout
+    # Every push was checked against the trainer's in-memory probe, and passed.
+    pushes = re.findall(r"\(checked, max \|diff\| (\S+)\)$", stdout, flags=re.M)
+    assert len(pushes) == STEPS, stdout[-3000:]
+    assert all(float(diff) < TOLERANCE for diff in pushes), pushes
+    assert "reward by step: " in stdout
+    assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()
+    assert any((out / "shards" / "threads").glob("*.parquet"))
+
+
+def test_the_same_seed_gives_the_same_rewards(
+    first_run: tuple[Path, str], vllm_url: str, confdir: Path
+) -> None:
+    out, stdout = first_run
+    again = run_example(vllm_url, out, confdir)  # the same --out: the agents' prompts hold it
+    expected = what_repeats(stdout)
+    assert len(expected) == 2 * STEPS + 1, stdout[-3000:]
+    print("\n".join(expected))
+    assert what_repeats(again) == expected, again[-3000:]
