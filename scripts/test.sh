@@ -18,4 +18,9 @@ bash scripts/setup.sh
 SETUP_S=$((SECONDS - STARTED))
 .venv/bin/python -m ruff check rewriter capture addons tests bench scripts examples
 .venv/bin/python -m mypy
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Two workers: much of an end-to-end test is waiting on other processes (docs/TESTING.md).
+# AGENTTAP_TEST_WORKERS=0 runs everything in this one process, one test after another.
+WORKERS=${AGENTTAP_TEST_WORKERS:-2}
+PARALLEL=()
+[ "$WORKERS" = "0" ] || PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${PARALLEL[@]}" "$@"

@@ -61,25 +61,73 @@ def tok(qwen3_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
-# The session's real vLLM servers (tests/support/vllm_servers.py): those the collected tests
-# need start in the background when collection ends, and boot while the unit tests run.
+# The run's real vLLM servers (tests/support/vllm_servers.py): those the collected tests need
+# start in the background when collection ends, and boot while the unit tests run. Under
+# pytest-xdist the workers share them through AGENTTAP_TEST_RUN_DIR, which the controller makes.
+RUN_DIR = "AGENTTAP_TEST_RUN_DIR"
 _SERVERS: VllmServers | None = None
 
 
 def _vllm_servers() -> VllmServers:
     global _SERVERS
     if _SERVERS is None:
-        root = Path(tempfile.mkdtemp(prefix="agenttap-test-vllm-"))
-        _SERVERS = VllmServers(root, QWEN3)
+        _SERVERS = VllmServers(Path(os.environ[RUN_DIR]), QWEN3)
     return _SERVERS
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # One compile cache for every vLLM this session starts on TCP (policy_server.start_vllm
-    # keeps a value already set): a server of a shape already built reuses its kernels.
+    if _is_worker(config):
+        return  # the controller's folders, in the environment it started this worker with
+    # Made before xdist starts its workers, which inherit them through the environment.
+    if RUN_DIR not in os.environ:
+        os.environ[RUN_DIR] = tempfile.mkdtemp(prefix="agenttap-test-run-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(RUN_DIR), True))
+    # One compile cache for every vLLM this run starts on TCP (policy_server.start_vllm keeps
+    # a value already set): a server of a shape already built reuses its kernels.
     if "VLLM_CACHE_ROOT" not in os.environ:
         os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="agenttap-test-vllm-cache-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("VLLM_CACHE_ROOT"), True))
+    # The tiny policy model, built once here: workers (and run_proxy.sh) only read it.
+    if policy_server.VLLM_PYTHON.exists() and not config.option.collectonly:
+        policy_server.ensure_tiny_model(tokenizer=QWEN3)
+
+
+# Modules that start vLLM servers of their own (about 3.5 GB each, up to four at once): under
+# xdist they run one after another on one worker, never two at once, and first (the longest
+# part of the run). The trainers' (torch) and the examples (which write into the checkout)
+# share a group of their own.
+OWN_SERVERS = "own-vllm-servers"
+_GROUPS = {
+    "tests/e2e/policy/test_failover_vllm.py": OWN_SERVERS,
+    "tests/e2e/policy/test_weight_versions_vllm.py": OWN_SERVERS,
+    "tests/e2e/policy/test_weights_exact_vllm.py": OWN_SERVERS,
+    "tests/e2e/policy/test_run_proxy.py": OWN_SERVERS,
+    "tests/e2e/policy/test_policy_private.py": OWN_SERVERS,
+    "tests/e2e/hostile/test_hostile_config_and_recovery.py": OWN_SERVERS,
+    "tests/e2e/rollouts/test_train_trl_loop.py": "trainers",
+    "tests/e2e/rollouts/test_train_verl.py": "trainers",
+    "tests/e2e/rollouts/test_train_example.py": "trainers",
+    "tests/e2e/rollouts/test_examples.py": "trainers",
+    # Each starts a local Ray cluster: two at once on one machine may find each other's.
+    "tests/e2e/rollouts/test_ray_pool.py": "ray",
+    "tests/e2e/ops/test_shards_and_recovery.py": "ray",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """For ``--dist loadgroup`` (scripts/test.sh): a module's tests stay on one worker (its
+    module fixtures, a proxy or a CLI's install, are made once), the modules of a group in
+    _GROUPS share one, and in a worker the OWN_SERVERS group comes first."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(_GROUPS.get(module, module)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: _GROUPS.get(item.nodeid.split("::", 1)[0]) != OWN_SERVERS)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -97,10 +145,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    # Whatever ended the session (a failure with -x, Ctrl-C): no vLLM outlives it.
-    if _SERVERS is not None:
-        _SERVERS.stop_all()
-        shutil.rmtree(_SERVERS.root, ignore_errors=True)
+    # Whatever ended the session (a failure with -x, Ctrl-C): no vLLM outlives it. A worker
+    # stops its own; the controller (or a run without workers) every server of the run.
+    if _is_worker(session.config):
+        if _SERVERS is not None:
+            _SERVERS.stop_all()
+        session.config.workeroutput["row_checks"] = ROW_CHECKS  # type: ignore[attr-defined]
+        return
+    VllmServers(Path(os.environ[RUN_DIR]), QWEN3).stop_all(everything=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: a worker's row checks, printed with the run's summary."""
+    ROW_CHECKS.extend(getattr(node, "workeroutput", {}).get("row_checks", []))
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,25 @@ vLLM in three processes, then compiling the model. Started when collection ends,
 boot while the unit tests run (they come first, ``testpaths``), so the first e2e test that
 needs one finds it ready. One compile cache serves the whole session (``VLLM_CACHE_ROOT``, set
 in ``tests/conftest.py``): a second server of the same shape reuses the C++ kernels the first
-one built."""
+one built.
+
+Under pytest-xdist every worker is a session of its own; the servers are still one per
+configuration for the whole run. ``root`` is then a folder all workers share (made by the
+controller, ``AGENTTAP_TEST_RUN_DIR``): the first worker to ask starts a server under a file
+lock and writes where it listens; the others attach to it. The controller stops them all when
+the run ends (``stop_all(everything=True)``): a worker that is done must not take a server from
+one still running."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import signal
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,50 +58,83 @@ BY_FIXTURE: dict[str, ServerConfig] = {
     "lora_vllm": LORA,
     "doomed_vllm": DOOMED,
 }
-
 # Started when collection ends, not when first asked for. The session's server only: each
 # server holds about 3.5 GB, and the others live for one module each.
 PRESTARTED = frozenset({SESSION})
+
+
+class _Attached:
+    """A server another worker started: enough of ``Popen`` for ``wait_ready`` (is it alive)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            self.returncode = 1
+        return self.returncode
 
 
 @dataclass
 class Server:
     url: str
     log: Path
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | _Attached
     ready: bool = False
 
 
 @dataclass
 class VllmServers:
-    """The session's servers by configuration; ``root`` holds their logs."""
+    """The run's servers by configuration; ``root`` holds their logs and where they listen."""
 
     root: Path
     tokenizer: Path
     _servers: dict[ServerConfig, Server] = field(default_factory=dict)
 
+    @contextmanager
+    def _locked(self, config: ServerConfig) -> Iterator[Path]:
+        with open(self.root / f"vllm-{config.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield self.root / f"vllm-{config.name}.json"
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def start(self, config: ServerConfig) -> Server:
-        """Start ``config``'s server unless it is running: returns at once, it boots meanwhile."""
+        """Start ``config``'s server unless it is running (here or in another worker): returns
+        at once, it boots meanwhile."""
         server = self._servers.get(config)
         if server is not None and server.proc.poll() is None:
             return server
-        model = policy_server.ensure_tiny_model(tokenizer=self.tokenizer)
-        port = policy_server.free_port()
-        log = self.root / f"vllm-{config.name}.log"
-        proc = policy_server.start_vllm(
-            model, port, log_path=log, max_model_len=config.max_model_len,
-            extra_args=list(config.extra_args), max_lora_rank=config.max_lora_rank,
-        )  # fmt: skip
-        server = Server(f"http://127.0.0.1:{port}", log, proc)
-        self._servers[config] = server
-        return server
+        with self._locked(config) as record:
+            if record.exists():
+                known = json.loads(record.read_text())
+                attached = _Attached(known["pid"])
+                if attached.poll() is None:
+                    server = Server(known["url"], Path(known["log"]), attached)
+                    self._servers[config] = server
+                    return server
+            model = policy_server.ensure_tiny_model(tokenizer=self.tokenizer)
+            port = policy_server.free_port()
+            log = self.root / f"vllm-{config.name}.log"
+            proc = policy_server.start_vllm(
+                model, port, log_path=log, max_model_len=config.max_model_len,
+                extra_args=list(config.extra_args), max_lora_rank=config.max_lora_rank,
+            )  # fmt: skip
+            server = Server(f"http://127.0.0.1:{port}", log, proc)
+            record.write_text(json.dumps({"url": server.url, "log": str(log), "pid": proc.pid}))
+            self._servers[config] = server
+            return server
 
     def ready(self, config: ServerConfig, timeout_s: float = 900) -> Server:
         """``config``'s server, serving (started now if it was not)."""
         server = self.start(config)
         if not server.ready:
             try:
-                policy_server.wait_ready(server.url, server.proc, timeout_s=timeout_s)
+                policy_server.wait_ready(server.url, server.proc, timeout_s=timeout_s)  # type: ignore[arg-type]
             except policy_server.PolicyServerError:
                 print(server.log.read_text(errors="replace")[-5000:])
                 self.stop(config)
@@ -96,14 +143,45 @@ class VllmServers:
         return server
 
     def stop(self, config: ServerConfig) -> None:
-        server = self._servers.pop(config, None)
-        if server is None:
+        """Stop ``config``'s server: a module's own (one worker uses it). The session's server,
+        shared by workers, is left to ``stop_all(everything=True)`` at the end of the run."""
+        if config == SESSION and os.environ.get("PYTEST_XDIST_WORKER"):
             return
-        try:
-            policy_server.stop(server.proc)
-        except ProcessLookupError:  # a test killed it (failover): reap what is left
-            server.proc.wait()
+        self._servers.pop(config, None)
+        with self._locked(config) as record:
+            if record.exists():
+                _kill_group(json.loads(record.read_text())["pid"])
+                record.unlink()
 
-    def stop_all(self) -> None:
+    def stop_all(self, everything: bool = False) -> None:
+        """This process's servers; with ``everything``, every server any worker started."""
         for config in list(self._servers):
             self.stop(config)
+        if everything:
+            for record in self.root.glob("vllm-*.json"):
+                _kill_group(json.loads(record.read_text())["pid"])
+                record.unlink()
+
+
+def _kill_group(pid: int) -> None:
+    """vLLM runs in a session of its own (its API server, engine core and workers): all of it
+    goes, also when another process started it (and reaps it)."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(300):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # our own child: reap it, or it stays a zombie that kill(0) still finds
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -124,6 +124,12 @@ def check_curl(words: list[str]) -> None:
 def check(line: str) -> None:
     words = shlex.split(line.replace("...", "ARGS"))
     head = words[0]
+    if re.fullmatch(r"[A-Z][A-Z0-9_]*=\S*", head):
+        # A variable set for one command: the script it runs reads it; then the command itself.
+        name, script = head.split("=", 1)[0], REPO / words[1]
+        assert script.is_file() and name in script.read_text(), f"{words[1]} never reads {name}"
+        check(shlex.join(words[1:]))
+        return
     if head == "export":
         env_names = set(Endpoints("http://a", "http://p", "/ca", "/bundle").env("S"))
         for assignment in words[1:]:
