@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rewriter.policy_url import MAX_SOCKET_PATH_BYTES, unix_url, urlopen
@@ -137,11 +137,13 @@ def start_vllm(
     extra_args: list[str] | None = None,
     netns: list[str] | None = None,
     max_lora_rank: int = 0,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """vLLM on 127.0.0.1:``port``, or with ``socket_path`` on that unix socket only (its
     folder must be private: ``private_folder``). With a socket, vLLM's ipc sockets, file store
-    and caches go in its folder too, and ``netns`` (``own_network()``) prefixes the command."""
-    env = dict(os.environ)
+    and caches go in its folder too, and ``netns`` (``own_network()``) prefixes the command.
+    ``env_overrides``: variables set for vLLM alone, over this process's environment."""
+    env = {**os.environ, **(env_overrides or {})}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /resume: partial rollouts in tests

@@ -63,6 +63,12 @@ BY_FIXTURE: dict[str, ServerConfig] = {
 PRESTARTED = frozenset({SESSION})
 
 
+# vLLM on a CPU pins its one compute thread to core 0 (it keeps the other for the rest): every
+# server of the run, and their compiles, would queue on that core while the tests use the other.
+# One thread still (the same arithmetic), left to the scheduler.
+ONE_FLOATING_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 class _Attached:
     """A server another worker started: enough of ``Popen`` for ``wait_ready`` (is it alive)."""
 
@@ -123,6 +129,7 @@ class VllmServers:
             proc = policy_server.start_vllm(
                 model, port, log_path=log, max_model_len=config.max_model_len,
                 extra_args=list(config.extra_args), max_lora_rank=config.max_lora_rank,
+                env_overrides=ONE_FLOATING_THREAD,
             )  # fmt: skip
             server = Server(f"http://127.0.0.1:{port}", log, proc)
             record.write_text(json.dumps({"url": server.url, "log": str(log), "pid": proc.pid}))
