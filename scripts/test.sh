@@ -22,5 +22,5 @@ SETUP_S=$((SECONDS - STARTED))
 # AGENTTAP_TEST_WORKERS=0 runs everything in this one process, one test after another.
 WORKERS=${AGENTTAP_TEST_WORKERS:-2}
 PARALLEL=()
-[ "$WORKERS" = "0" ] || PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
+[ "$WORKERS" = "0" ] || PARALLEL=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${PARALLEL[@]}" "$@"

@@ -107,7 +107,6 @@ _GROUPS = {
     "tests/e2e/policy/test_weights_exact_vllm.py": OWN_SERVERS,
     "tests/e2e/policy/test_run_proxy.py": OWN_SERVERS,
     "tests/e2e/policy/test_policy_private.py": OWN_SERVERS,
-    "tests/e2e/hostile/test_hostile_config_and_recovery.py": OWN_SERVERS,
     "tests/e2e/rollouts/test_train_trl_loop.py": "trainers",
     "tests/e2e/rollouts/test_train_verl.py": "trainers",
     "tests/e2e/rollouts/test_train_example.py": "trainers",
@@ -118,16 +117,30 @@ _GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)
+def _group(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return _GROUPS.get(module, module)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For ``--dist loadgroup`` (scripts/test.sh): a module's tests stay on one worker (its
-    module fixtures, a proxy or a CLI's install, are made once), the modules of a group in
-    _GROUPS share one, and in a worker the OWN_SERVERS group comes first."""
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(_GROUPS.get(module, module)))
+    """In an xdist worker, the OWN_SERVERS group first: it is the longest part of the run."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: _GROUPS.get(item.nodeid.split("::", 1)[0]) != OWN_SERVERS)
+        items.sort(key=lambda item: _group(item.nodeid) != OWN_SERVERS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's controller hands out work by group (scripts/test.sh): a module's tests stay on one
+    worker (its module fixtures, a proxy or a CLI's install, are made once), and the modules of
+    a group in _GROUPS share one, in collection order. (xdist's own ``--dist loadgroup`` names a
+    test's group in its node id, which pytest 9.2 no longer lets a plugin change.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

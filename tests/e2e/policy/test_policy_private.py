@@ -34,6 +34,7 @@ from rewriter.vllm_answers import Completion
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import start_proxy
 from tests.support.stub_vllm import StubPolicy
+from tests.support.vllm_servers import ONE_FLOATING_THREAD
 
 PY = REPO / ".venv" / "bin" / "python"
 # Run as another uid: the system's, which any user may execute (the checkout may not be).
@@ -151,6 +152,7 @@ def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> N
             [str(PY), "-m", "rewriter.policy_server", "--max-model-len", "4096",
              "--log", str(tmp_path / "vllm.log")],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            env={**os.environ, **ONE_FLOATING_THREAD},
         )  # fmt: skip
     vllm_pgid = 0
     try:

@@ -25,6 +25,7 @@ from rewriter.policy_url import urlopen
 from tests.e2e.policy.test_policy_private import tcp_listeners_of, vllm_group
 from tests.support.paths import REPO
 from tests.support.proxies import Proxy, processes_with
+from tests.support.vllm_servers import ONE_FLOATING_THREAD
 
 pytestmark = pytest.mark.vllm
 
@@ -61,7 +62,7 @@ class RunProxy:
                  "--api-port", str(self.api_port), "--out", out or str(tmp_path / "out"),
                  "--confdir", str(confdir)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **ONE_FLOATING_THREAD, **(env or {})},
             )  # fmt: skip
 
     def output(self) -> str:

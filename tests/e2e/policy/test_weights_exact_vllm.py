@@ -37,7 +37,7 @@ from rewriter.policy_url import urlopen
 from tests.e2e.policy.test_policy_weights_vllm import control, hf
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import Proxy, proxy_token, start_proxy
-from tests.support.vllm_servers import LORA, VllmServers
+from tests.support.vllm_servers import LORA, ONE_FLOATING_THREAD, VllmServers
 
 pytestmark = pytest.mark.vllm
 
@@ -91,6 +91,13 @@ class Tied:
         self.pushes, self.wrong = root / "pushes", root / "wrong"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def lora_boots_meanwhile(vllm_servers: VllmServers) -> None:
+    """The LoRA server (fixture ``lora_vllm``, last in this module) boots while the tied pair's
+    tests run, instead of after them."""
+    vllm_servers.start(LORA)
+
+
 @pytest.fixture(scope="module")
 def tied() -> Iterator[Tied]:
     root = Path(tempfile.mkdtemp(prefix="at-w-"))  # short: unix socket paths are bounded
@@ -111,7 +118,7 @@ def tied() -> Iterator[Tied]:
         procs.append(
             policy_server.start_vllm(
                 model, socket_path=sock, netns=prefix, max_model_len=4096,
-                log_path=root / f"vllm-{name}.log",
+                log_path=root / f"vllm-{name}.log", env_overrides=ONE_FLOATING_THREAD,
             )
         )  # fmt: skip
         urls.append(f"unix:{sock}")
