@@ -150,11 +150,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         BY_FIXTURE[name]
         for item in session.items
         for name in getattr(item, "fixturenames", ())
-        if name in BY_FIXTURE
+        if name in BY_FIXTURE and BY_FIXTURE[name] in PRESTARTED
     }
     for config in sorted(wanted, key=lambda c: c.name):
-        if config in PRESTARTED:
-            _vllm_servers().start(config)
+        _vllm_servers().start(config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -165,7 +164,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             _SERVERS.stop_all()
         session.config.workeroutput["row_checks"] = ROW_CHECKS  # type: ignore[attr-defined]
         return
-    VllmServers(Path(os.environ[RUN_DIR]), QWEN3).stop_all(everything=True)
+    _vllm_servers().stop_all(everything=True)
 
 
 @pytest.hookimpl(optionalhook=True)
