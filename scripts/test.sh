@@ -18,9 +18,9 @@ bash scripts/setup.sh
 SETUP_S=$((SECONDS - STARTED))
 .venv/bin/python -m ruff check rewriter capture addons tests bench scripts examples
 .venv/bin/python -m mypy
-# One process by default. AGENTTAP_TEST_WORKERS=2 runs two workers (35 min here, against 67 for
-# the old suite in one): not yet the default, two tests still trip over each other (docs/TESTING.md).
-WORKERS=${AGENTTAP_TEST_WORKERS:-0}
+# Two workers by default (docs/TESTING.md: how work is shared out between them, and which tests
+# hold the session's vLLM alone). AGENTTAP_TEST_WORKERS=0 runs everything in this one process.
+WORKERS=${AGENTTAP_TEST_WORKERS:-2}
 PARALLEL=()
 [ "$WORKERS" = "0" ] || PARALLEL=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${PARALLEL[@]}" "$@"

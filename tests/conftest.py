@@ -128,6 +128,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: _group(item.nodeid) != OWN_SERVERS)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A test on the session's vLLM holds it from its fixtures' setup to their teardown: shared,
+    or alone when it changes the server for everyone (marked ``policy_exclusive``). Under xdist
+    that keeps one worker's pause or weight push from reaching the other worker's test."""
+    if "vllm_url" not in getattr(item, "fixturenames", ()):
+        return (yield)
+    exclusive = item.get_closest_marker("policy_exclusive") is not None
+    with _vllm_servers().using(SESSION, exclusive):
+        return (yield)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's controller hands out work by group (scripts/test.sh): a module's tests stay on one

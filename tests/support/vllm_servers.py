@@ -13,7 +13,12 @@ configuration for the whole run. ``root`` is then a folder all workers share (ma
 controller, ``AGENTTAP_TEST_RUN_DIR``): the first worker to ask starts a server under a file
 lock and writes where it listens; the others attach to it. The controller stops them all when
 the run ends (``stop_all(everything=True)``): a worker that is done must not take a server from
-one still running."""
+one still running.
+
+A test that changes a shared server for everyone (pauses it, pushes new weights: marked
+``policy_exclusive``) must not overlap another worker's test on that server: a pause cuts the
+other's stream, new weights change what it samples. ``using`` is a readers-writer lock across
+workers: tests on the server share it, an exclusive one waits for them and holds it alone."""
 
 from __future__ import annotations
 
@@ -108,6 +113,26 @@ class VllmServers:
                 yield self.root / f"vllm-{config.name}.json"
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @contextmanager
+    def using(self, config: ServerConfig, exclusive: bool) -> Iterator[None]:
+        """Hold ``config``'s server for one test: shared, or alone (``exclusive``). Every new
+        holder passes a turnstile first, which an exclusive one keeps while it waits: the tests
+        after it wait too, so the other worker cannot keep the server to itself."""
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        with (
+            open(self.root / f"vllm-{config.name}.turnstile", "w") as turnstile,
+            open(self.root / f"vllm-{config.name}.use", "w") as use,
+        ):
+            fcntl.flock(turnstile, mode)
+            try:
+                fcntl.flock(use, mode)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(use, fcntl.LOCK_UN)
 
     def start(self, config: ServerConfig) -> Server:
         """Start ``config``'s server unless it is running (here or in another worker): returns

@@ -20,7 +20,8 @@ from tests.e2e.providers.test_trajectory_vllm import _rescore
 from tests.support.paths import QWEN3
 from tests.support.proxies import start_proxy
 
-pytestmark = pytest.mark.vllm
+# It changes the session's vLLM for everyone: no other test may use it meanwhile.
+pytestmark = [pytest.mark.vllm, pytest.mark.policy_exclusive]
 
 MAX_TOKENS = 300
 PAUSE_AFTER_CHUNKS = 40

@@ -26,7 +26,8 @@ from tests.e2e.policy.test_abort_resume_vllm import LongStream, stream_long_stor
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import Proxy, proxy_token, start_proxy
 
-pytestmark = pytest.mark.vllm
+# It changes the session's vLLM for everyone: no other test may use it meanwhile.
+pytestmark = [pytest.mark.vllm, pytest.mark.policy_exclusive]
 
 HF_PYTHON = policy_server.VLLM_PYTHON  # torch + transformers live there, not in the proxy's
 STREAM_TOKENS = 1200

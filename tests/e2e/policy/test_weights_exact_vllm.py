@@ -226,6 +226,7 @@ def test_tied_embeddings_update_exactly_on_every_replica(
     print(f"tied: update without a probe {bare:.2f} s")
 
 
+@pytest.mark.policy_exclusive  # pushes weights into the session's vLLM
 def test_untied_update_is_exact(
     vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

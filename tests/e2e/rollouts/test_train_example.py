@@ -22,6 +22,7 @@ from tests.support.paths import QWEN3, REPO
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.policy_exclusive,  # pushes weights into the session's vLLM
     pytest.mark.skipif(
         not TRAIN_PYTHON.exists(), reason="no .venv-train: run scripts/setup_train.sh to build it"
     ),

@@ -29,7 +29,8 @@ from rewriter import policy_server
 from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
 from tests.support.paths import QWEN3, REPO
 
-pytestmark = pytest.mark.vllm
+# It changes the session's vLLM for everyone: no other test may use it meanwhile.
+pytestmark = [pytest.mark.vllm, pytest.mark.policy_exclusive]
 
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 TOLERANCE = 1e-3
