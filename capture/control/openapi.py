@@ -135,14 +135,35 @@ def openapi_spec(server: str) -> dict[str, Any]:
                             "metadata": {"type": "object"},
                             "verifier": {
                                 "type": "object",
-                                "required": ["command"],
+                                "description": "one of command and pytest",
                                 "properties": {
                                     "command": {"type": "array", "items": {"type": "string"}},
+                                    "pytest": {
+                                        "type": "array",
+                                        "items": {"type": "string"},
+                                        "description": "node ids: the reward is the share "
+                                        "that passed (a JUnit report, on the seed)",
+                                    },
+                                    "python": {"type": "string"},
+                                    "keep": {
+                                        "type": "array",
+                                        "items": {"type": "string"},
+                                        "description": "globs of the agent's files graded "
+                                        "on a fresh copy of the seed workdir",
+                                    },
                                     "restore": {
                                         "type": "array",
                                         "items": {"type": "string"},
                                         "description": "relative paths put back from the "
                                         "workdir into the agent's copy before scoring",
+                                    },
+                                    "on_error": {"type": "string", "enum": ["skip", "score"]},
+                                    "reward_range": {
+                                        "type": "array",
+                                        "items": {"type": "number"},
+                                        "minItems": 2,
+                                        "maxItems": 2,
+                                        "description": "[lo, hi], default [0, 1]",
                                     },
                                 },
                             },

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import shutil
 import time
@@ -68,6 +67,7 @@ from capture.rollouts.sandbox import (
     sandbox_argv,
     sanitize,
 )
+from capture.rollouts.scoring import graded_folder, score, verifier_command
 from capture.rollouts.spec import RolloutSpec
 from capture.storage.sessions import take_back_rewards
 from capture.storage.shards import REWARD_VERIFIER
@@ -99,6 +99,13 @@ class Run:
     error: str | None = None
     agent_output: str = ""
     verifier_output: str = ""
+    # The verifier's stderr: shown, never read for the reward.
+    verifier_stderr: str = ""
+    # With "keep" or the pytest verifier: what of the agent's was graded and what was left out.
+    graded: dict[str, Any] | None = None
+    # The pytest verifier's tests by outcome; a rewards.json's named rewards.
+    tests: dict[str, Any] | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = 0.0
@@ -128,6 +135,10 @@ class Run:
             "workdir": str((self.base or self.folder) / "work"),
             "agent_output": self.agent_output,
             "verifier_output": self.verifier_output,
+            "verifier_stderr": self.verifier_stderr,
+            "graded": self.graded,
+            "tests": self.tests,
+            "rewards": self.rewards,
             "sanitized": self.sanitized,
             "limit": self.limit,
             "usage": self.usage,
@@ -330,7 +341,9 @@ class Rollouts:
             elif (
                 taken is None
                 and spec.verifier is not None
-                and (run.error is None or (failure is not None and spec.on_error == "score"))
+                and (
+                    run.error is None or (failure is not None and spec.verifier.on_error == "score")
+                )
             ):
                 run.status = "scoring"
                 await self._verify(rollout, run)
@@ -349,7 +362,7 @@ class Rollouts:
         quota, run.quota = run.quota, None
         if quota is None:
             return
-        names = ("work", "home", "verifier-home")
+        names = ("work", "graded", "home", "verifier-home")
         try:
             skipped = await asyncio.to_thread(quota.unmount_keeping, names, run.folder)
         except OSError as exc:
@@ -446,22 +459,28 @@ class Rollouts:
         folders: tuple[Path, Path, Path],
         log: Path,
         timeout_s: float,
+        stderr_log: Path | None = None,
     ) -> Ended:
         """Run ``command`` (the agent or the verifier) in the rollout's sandbox under the
         kernel's limits (a cgroup of its own: memory, pids, CPU seconds; rlimits; its output
-        kept to ``output_mb`` in ``log``) until it ends, runs past ``timeout_s``, goes past a
-        limit or the rollout is cancelled; then every process of it is ended."""
+        kept to ``output_mb`` in ``log``, its stderr apart in ``stderr_log`` when given) until
+        it ends, runs past ``timeout_s``, goes past a limit or the rollout is cancelled; then
+        every process of it is ended."""
         limits = rollout.spec.sandbox_limits
         cgroup = RolloutCgroup.create(f"{rollout.id}-{run.index}-{role}", limits)
         pump = OutputPump(log, limits.output_mb * MIB)
+        errors = OutputPump(stderr_log, limits.output_mb * MIB) if stderr_log else None
         timed_out, limit, gone = False, None, True
         try:
             run.child = child = await self._spawn(
                 rollout, command, env, *folders, network=role == "agent",
-                prefix=cgroup.launch_prefix(),
+                prefix=cgroup.launch_prefix(), stderr_apart=errors is not None,
             )  # fmt: skip
             assert child.proc.stdout is not None
-            pumping = asyncio.ensure_future(pump.run(child.proc.stdout))
+            pumping: asyncio.Future[Any] = asyncio.ensure_future(pump.run(child.proc.stdout))
+            if errors is not None:
+                assert child.proc.stderr is not None
+                pumping = asyncio.gather(pumping, errors.run(child.proc.stderr))
             waiting = asyncio.ensure_future(child.proc.wait())
             watching = asyncio.ensure_future(watch(cgroup, run.quota, pump))
             try:
@@ -481,6 +500,8 @@ class Rollouts:
                 await pumping
             # An agent the kernel killed (out of memory) may have exited before a poll saw it.
             limit = limit or limit_hit(cgroup, run.quota, pump)
+            if limit is None and errors is not None and errors.hit:
+                limit = "output"
             if role == "agent":
                 run.exit_code = child.proc.returncode
             run.usage[role] = cgroup.usage()
@@ -518,17 +539,18 @@ class Rollouts:
         tmp: Path,
         network: bool,
         prefix: list[str],
+        stderr_apart: bool = False,
     ) -> Child:
         """Start ``command`` in ``work`` (its output on a pipe), in the rollout's sandbox: only
         ``work``, ``home`` and ``tmp`` writable; with ``network``, the proxy's and the API's
         ports handed in by the forwarder (the agent), else no network at all (the verifier).
         ``prefix`` runs first, as this process's user (it joins the run's cgroup, sets the
-        rlimits, then execs the rest)."""
+        rlimits, then execs the rest). Its stderr joins its stdout unless ``stderr_apart``."""
         common: dict[str, Any] = {
             "env": env,
             "stdin": asyncio.subprocess.DEVNULL,
             "stdout": asyncio.subprocess.PIPE,
-            "stderr": asyncio.subprocess.STDOUT,
+            "stderr": asyncio.subprocess.PIPE if stderr_apart else asyncio.subprocess.STDOUT,
             "start_new_session": True,
         }
         if rollout.bwrap is None:
@@ -577,77 +599,87 @@ class Rollouts:
         return child
 
     async def _verify(self, rollout: Rollout, run: Run) -> None:
-        """Score the agent's copy: the seed's ``restore`` paths put back, the verifier run in a
-        sandbox of its own (a fresh HOME and TMPDIR, PYTHONSAFEPATH=1 so a module the agent
-        dropped in the workdir does not shadow the standard library). Its last output line is
-        the reward; anything else is an error, its output kept."""
+        """Score the agent's work in a sandbox of its own (a fresh HOME and TMPDIR,
+        PYTHONSAFEPATH=1 so a module the agent dropped does not shadow the standard library):
+        on a fresh copy of the seed plus the agent's kept files (``keep``, the pytest
+        verifier), else in the agent's copy with the seed's ``restore`` paths put back. The
+        reward comes from the verifier's stdout, ``$AGENTTAP_REWARD_FILE`` or the pytest
+        verifier's JUnit report (capture/rollouts/scoring.py); anything else is an error, its
+        output kept."""
         spec = rollout.spec
-        assert spec.verifier is not None
+        verifier = spec.verifier
+        assert verifier is not None
         base = run.base or run.folder
         work = base / "work"
         home, tmp = base / "verifier-home", base / "verifier-tmp"
-        if spec.restore and spec.workdir is not None:
-            try:
-                await asyncio.to_thread(restore, spec.workdir, work, spec.restore)
-            except (UnsafeWorkdir, OSError) as exc:
-                run.error = f"the verifier's restore failed: {exc}"
-                return
-        # What the agent left to trip the verifier (a link out of the workdir, a FIFO that
-        # blocks a read) goes before it runs.
-        removed = await asyncio.to_thread(sanitize, work)
-        if removed:
-            run.sanitized = removed[:100]
-            logger.info(
-                "agenttap: rollout %s/%d: removed %d link(s) out of the workdir or special "
-                "file(s) before scoring: %s",
-                rollout.id, run.index, len(removed), ", ".join(removed[:5]),
-            )  # fmt: skip
+        try:
+            graded = await asyncio.to_thread(
+                graded_folder, verifier, spec.workdir, work, base / "graded"
+            )
+            if graded is None and verifier.restore and spec.workdir is not None:
+                await asyncio.to_thread(restore, spec.workdir, work, verifier.restore)
+        except (UnsafeWorkdir, OSError) as exc:
+            run.error = f"the verifier's files could not be made ready: {exc}"
+            return
+        if graded is not None:
+            run.graded = graded.summary()
+            work = base / "graded"
+        else:
+            # What the agent left to trip the verifier (a link out of the workdir, a FIFO that
+            # blocks a read) goes before it runs.
+            removed = await asyncio.to_thread(sanitize, work)
+            if removed:
+                run.sanitized = removed[:100]
+                logger.info(
+                    "agenttap: rollout %s/%d: removed %d link(s) out of the workdir or special "
+                    "file(s) before scoring: %s",
+                    rollout.id, run.index, len(removed), ", ".join(removed[:5]),
+                )  # fmt: skip
         home.mkdir()
         tmp.mkdir()
-        if rollout.bwrap is not None:
-            await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            "LANG": os.environ.get("LANG", "C.UTF-8"),
-            "HOME": str(home),
-            "TMPDIR": str(tmp),
-            "PYTHONSAFEPATH": "1",
-            "AGENTTAP_SESSION": run.session_id,
-        }
-        log = run.folder / "verifier.log"
         try:
+            kept = [work / rel for rel in (graded.kept if graded is not None else [])]
+            command, extra = await asyncio.to_thread(verifier_command, verifier, tmp, kept)
+            if rollout.bwrap is not None:
+                await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+                "LANG": os.environ.get("LANG", "C.UTF-8"),
+                "HOME": str(home),
+                "TMPDIR": str(tmp),
+                "PYTHONSAFEPATH": "1",
+                "AGENTTAP_SESSION": run.session_id,
+                **extra,
+            }
+            log, errors = run.folder / "verifier.log", run.folder / "verifier-stderr.log"
             ended = await self._supervised(
-                rollout, run, "verifier", spec.verifier, env, (work, home, tmp), log,
-                VERIFIER_TIMEOUT_S,
+                rollout, run, "verifier", command, env, (work, home, tmp), log,
+                VERIFIER_TIMEOUT_S, stderr_log=errors,
             )  # fmt: skip
+            stdout, stderr = _tail(log, VERIFIER_TAIL), _tail(errors, VERIFIER_TAIL)
+            run.verifier_output = stdout[-OUTPUT_KEPT:]
+            run.verifier_stderr = stderr[-OUTPUT_KEPT:]
+            if ended.timed_out:
+                run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
+            elif ended.limit is not None:
+                run.limit = ended.limit
+                run.error = limit_words("verifier", ended.limit, spec.sandbox_limits)
+            if ended.timed_out or ended.limit is not None or rollout.cancelled:
+                return  # stopped: its output is no score
+            assert run.child is not None
+            scored = await asyncio.to_thread(
+                score, verifier, run.child.proc.returncode, stdout, stderr, tmp
+            )
         except OSError as exc:
             run.error = f"the verifier could not start: {exc}"
             return
         finally:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
-        output = _tail(log, VERIFIER_TAIL)
-        run.verifier_output = output[-OUTPUT_KEPT:]
-        assert run.child is not None
-        returncode = run.child.proc.returncode
-        if ended.timed_out:
-            run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
-        elif ended.limit is not None:
-            run.limit = ended.limit
-            run.error = limit_words("verifier", ended.limit, spec.sandbox_limits)
-        if ended.timed_out or ended.limit is not None or rollout.cancelled:
-            return  # stopped: its output is no score
-        if returncode != 0:
-            run.error = f"the verifier exited with {returncode}"
+        run.tests, run.rewards = scored.tests, scored.rewards
+        if scored.error is not None:
+            run.error = scored.error
             return
-        lines = [line.strip() for line in output.splitlines() if line.strip()]
-        try:
-            reward = float(lines[-1]) if lines else math.nan
-        except ValueError:
-            reward = math.nan
-        if not math.isfinite(reward):
-            run.error = "the verifier's last line is not a number (it must print the reward last)"
-            return
-        run.reward = reward
+        run.reward = scored.reward
 
     async def _close(self, run: Run) -> None:
         """Close the run's session with its reward (the verifier's: the rows' ``reward_source``

@@ -19,7 +19,7 @@ from capture.control.sessions import (
 )
 from capture.rollouts.agents import agent_command
 from capture.rollouts.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
-from capture.rollouts.sandbox import check_restore
+from capture.rollouts.verifier import VerifierSpec, parse_verifier
 
 # The most a rollout request may ask for at once (the cap applies on top of it).
 MAX_N = 256
@@ -42,12 +42,9 @@ class RolloutSpec:
     # The kernel's limits on each agent and verifier (memory, pids, disk, CPU, output).
     sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)
     metadata: dict[str, Any] = field(default_factory=dict)
-    verifier: list[str] | None = None
-    # Paths (relative) put back from the seed workdir into the agent's copy before scoring.
-    restore: tuple[str, ...] = ()
-    # Score a rollout whose agent failed (exited non-zero, made no call) all the same:
-    # "score"; "skip" (the default): its reward stays null.
-    on_error: str = "skip"
+    # What scores each agent, on which files, and how its reward is read
+    # (capture/rollouts/verifier.py); None: its rows carry no reward.
+    verifier: VerifierSpec | None = None
     # "bwrap" or "none"; None: the option's (agenttap_sandbox).
     sandbox: str | None = None
     # Shown read-only in the sandbox, beyond the system, the agent's install and the CA.
@@ -97,34 +94,8 @@ def parse_rollout(body: Any) -> RolloutSpec:
     session_limits = {k: v for k, v in (raw_limits or {}).items() if k not in SANDBOX_LIMIT_KEYS}
     limits = parse_limits(session_limits)
     verifier = None
-    restore_paths: tuple[str, ...] = ()
-    on_error = "skip"
     if body.get("verifier") is not None:
-        spec = body["verifier"]
-        command_ok = (
-            isinstance(spec, dict)
-            and set(spec) <= {"command", "restore", "on_error"}
-            and isinstance(spec.get("command"), list)
-            and spec["command"]
-            and all(isinstance(a, str) for a in spec["command"])
-        )
-        if not command_ok:
-            raise ValueError(
-                '"verifier" must be {"command": ["program", "arg", ...], "restore"?: ["path", '
-                '...], "on_error"?: "skip" | "score"}'
-            )
-        if any("\x00" in arg for arg in spec["command"]):
-            raise ValueError('"verifier.command" holds a NUL character')
-        on_error = spec.get("on_error", "skip")
-        if on_error not in ("skip", "score"):
-            raise ValueError(
-                '"verifier.on_error" must be "skip" (a failed agent gets no reward) or "score" '
-                "(the verifier scores it all the same)"
-            )
-        verifier = list(spec["command"])
-        restore_paths = check_restore(spec.get("restore", []))
-        if restore_paths and workdir is None:
-            raise ValueError('"restore" puts paths back from the "workdir": give one')
+        verifier = parse_verifier(body["verifier"], has_workdir=workdir is not None)
     sandbox = body.get("sandbox")
     if sandbox is not None and sandbox not in SANDBOXES:
         raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
@@ -159,8 +130,6 @@ def parse_rollout(body: Any) -> RolloutSpec:
         sandbox_limits=sandbox_limits,
         metadata=check_metadata(body.get("metadata")),
         verifier=verifier,
-        restore=restore_paths,
-        on_error=on_error,
         sandbox=sandbox,
         expose=expose,
         egress=egress,

@@ -88,7 +88,8 @@ def test_a_rollout_request_is_read(tmp_path: Path) -> None:
          "limits": {"deadline_s": 60}, "verifier": {"command": ["pytest", "-q"]},
          "metadata": {"task_id": "t"}, "id": "run-1"}
     )  # fmt: skip
-    assert spec.n == 3 and spec.workdir == tmp_path and spec.verifier == ["pytest", "-q"]
+    assert spec.n == 3 and spec.workdir == tmp_path and spec.verifier is not None
+    assert spec.verifier.command == ("pytest", "-q")
     assert spec.limits == {"deadline_s": 60.0} and spec.id == "run-1"
     # The agent's own timeout follows its deadline, with a minute to end cleanly.
     assert spec.timeout_s == 120.0
@@ -104,7 +105,8 @@ def test_the_sandbox_and_restore_are_read(tmp_path: Path, monkeypatch: pytest.Mo
     )  # fmt: skip
     # A relative workdir is the proxy's, resolved once: the copy does not depend on a later cwd.
     assert spec.workdir == tmp_path / "task" and spec.workdir.is_absolute()
-    assert spec.restore == ("tests", "setup.cfg") and spec.sandbox == "none"
+    assert spec.verifier is not None and spec.verifier.restore == ("tests", "setup.cfg")
+    assert spec.sandbox == "none"
     # No "sandbox": the option's (agenttap_sandbox) applies.
     assert parse_rollout({"agent": "codex", "prompt": "x"}).sandbox is None
     assert parse_rollout({"agent": "codex", "prompt": "x", "sandbox": "bwrap"}).sandbox == "bwrap"
