@@ -119,6 +119,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         token=settings.token,
         advertise_host=settings.advertise_host,
         max_rollouts=settings.max_rollouts,
+        rollout_memory_mb=settings.rollout_memory_mb,
         proxy_url=await proxy_url(settings.advertise_host),
         ca_path=str(ca),
         bundle_path=str(bundle),

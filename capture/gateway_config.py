@@ -63,6 +63,8 @@ class GatewayConfig:
     advertise_host: str = ""
     # Agents that rollouts (POST /rollouts) may run at once.
     max_rollouts: int = 8
+    # What rollouts' running agents may be promised together (MiB); None: 80% of MemTotal.
+    rollout_memory_mb: int | None = None
     # mitmdump's proxy URL (http://HOST:PORT) and CA certificate, for sessions' environments.
     proxy_url: str = ""
     ca_path: str = ""

@@ -331,6 +331,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         lambda text: parse_whole(text, positive=True),
     ),
     Option(
+        "agenttap_rollout_memory_mb",
+        "",
+        "Memory (MiB) that rollouts' running agents and verifiers may be promised together "
+        "(each run: its memory_mb plus its disk_mb tmpfs); past it a rollout waits, or gets 429 "
+        "with Retry-After when it asked not to wait. Also the cap of the rollouts' parent "
+        "cgroup. Empty: 80% of this host's memory (a whole number above 0).",
+        lambda text: parse_whole(text, positive=True) if text.strip() else None,
+    ),
+    Option(
         "agenttap_advertise_host",
         "",
         "Host name or address put in the URLs handed to clients (proxy URL, base URLs); empty: "
@@ -443,6 +452,7 @@ class Settings:
     token: str = ""
     advertise_host: str = ""
     max_rollouts: int = 8
+    rollout_memory_mb: int | None = None
     passthrough: tuple[str, ...] = ()
     check_policy: bool = True
     fsync_before_reply: bool = False
@@ -511,6 +521,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         token=values["agenttap_token"] or values["agenttap_token_file"],
         advertise_host=values["agenttap_advertise_host"],
         max_rollouts=values["agenttap_max_rollouts"],
+        rollout_memory_mb=values["agenttap_rollout_memory_mb"],
         passthrough=values["agenttap_passthrough"],
         check_policy=values["agenttap_check_policy"],
         fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",

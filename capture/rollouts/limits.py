@@ -380,6 +380,25 @@ def _rmdir_sync(folder: Path, timeout_s: float) -> bool:
         time.sleep(0.01)
 
 
+def cap_instance_memory(total_mb: int) -> str:
+    """Cap this instance's parent cgroup (every run's cgroup is made under it) at ``total_mb``:
+    what all its runs use together, whatever each was promised. One line for the log."""
+    h = _host()
+    try:
+        if h.kind == "v2":
+            (h.bases["unified"] / "memory.max").write_text(str(total_mb * MIB))
+        elif "memory" in h.bases:
+            d = h.bases["memory"]
+            (d / "memory.limit_in_bytes").write_text(str(total_mb * MIB))
+            if (d / "memory.memsw.limit_in_bytes").exists():
+                (d / "memory.memsw.limit_in_bytes").write_text(str(total_mb * MIB))
+        else:
+            return f"rollouts' total memory: {total_mb} MiB promised at most (no memory cgroup)"
+    except OSError as exc:
+        return f"rollouts' total memory: {total_mb} MiB promised at most; NOT capped ({exc})"
+    return f"rollouts' total memory: {total_mb} MiB, promised and capped (the parent cgroup)"
+
+
 def remove_stale() -> list[str]:
     """What instances of agenttap in this PID namespace left behind when they died (a crash, a
     SIGKILL): their runs' cgroups (every process in them killed) and tmpfs mounts (detached:

@@ -37,6 +37,7 @@ from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.ports import RolloutHost
+from capture.rollouts.admission import MemoryBudget, default_budget_mb, run_need_mb
 from capture.rollouts.agents import prepare_home
 from capture.rollouts.limits import (
     MIB,
@@ -44,6 +45,7 @@ from capture.rollouts.limits import (
     OutputPump,
     RolloutCgroup,
     SandboxLimits,
+    cap_instance_memory,
     limit_hit,
     mechanism,
     release,
@@ -212,6 +214,10 @@ class Rollouts:
         if removed:
             logger.info("agenttap: removed what an earlier instance left: %s", ", ".join(removed))
         logger.info("%s", mechanism())
+        # What running agents and verifiers are promised together (capture/rollouts/admission.py).
+        total_mb = api.gateway.config.rollout_memory_mb or default_budget_mb()
+        self.memory = MemoryBudget(total_mb)
+        logger.info("agenttap: %s", cap_instance_memory(total_mb))
 
     @property
     def root(self) -> Path:
@@ -244,6 +250,9 @@ class Rollouts:
         running = self.running_agents()
         if running + spec.n > self.max_running:
             raise Busy(running, self.max_running)
+        # Each run's memory and tmpfs, given back as it ends (_run); MemoryBusy if it does not
+        # fit now, NeverFits (a ValueError) if it never can.
+        self.memory.take(self.memory_need(spec))
         if bwrap is None:
             logger.warning(
                 "agenttap: rollout %s runs its agents and verifier unsandboxed (sandbox none): "
@@ -266,6 +275,10 @@ class Rollouts:
         rollout.task = asyncio.get_running_loop().create_task(self._run_all(rollout))
         logger.info("agenttap: rollout %s: %d x %s started", spec.id, spec.n, spec.command[0])
         return rollout
+
+    @staticmethod
+    def memory_need(spec: RolloutSpec) -> int:
+        return spec.n * run_need_mb(spec.sandbox_limits)
 
     def _check_expose(self, expose: tuple[Path, ...]) -> None:
         """Refuse (ValueError) exposing a folder agenttap keeps from agents: OUT, mitmproxy's
@@ -356,6 +369,7 @@ class Rollouts:
             await self._keep_files(run)
             await self._close(run)
             run.wall_time_s = time.monotonic() - run.started_at
+            self.memory.give_back(run_need_mb(spec.sandbox_limits))
 
     async def _keep_files(self, run: Run) -> None:
         """The run's work/ and HOMEs out of its size-capped tmpfs, onto disk in its folder."""

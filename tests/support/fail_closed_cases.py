@@ -45,6 +45,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_weights_check_s": "soon",
     "agenttap_advertise_host": "not a host!",
     "agenttap_max_rollouts": "0",
+    "agenttap_rollout_memory_mb": "-5",
     "agenttap_max_staleness": "-1",
     "agenttap_passthrough": "*.openai.com",
     "agenttap_check_policy": "maybe",
