@@ -37,6 +37,7 @@ from typing import Any
 from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
+from capture.logsafe import printable
 from capture.ports import RolloutHost
 from capture.rollouts.agents import prepare_home
 from capture.rollouts.limits import (
@@ -600,7 +601,7 @@ class Rollouts:
             logger.info(
                 "agenttap: rollout %s/%d: removed %d link(s) out of the workdir or special "
                 "file(s) before scoring: %s",
-                rollout.id, run.index, len(removed), ", ".join(removed[:5]),
+                rollout.id, run.index, len(removed), printable(", ".join(removed[:5])),
             )  # fmt: skip
         home.mkdir()
         tmp.mkdir()
