@@ -47,6 +47,7 @@ from capture.gateway import (  # noqa: E402
     Gateway,
 )
 from capture.heap import settle_heap  # noqa: E402
+from capture.logsafe import printable  # noqa: E402
 from capture.options import (  # noqa: E402
     Settings,
     all_options,
@@ -262,7 +263,7 @@ class AgentTap:
             # The requests inside this tunnel are flows of their own on the same connection.
             self._tunnel_sessions[flow.client_conn.id] = (user, password)
 
-    async def _public_egress(self, flow: http.HTTPFlow, user: str, password: str) -> bool:
+    async def _public_egress(self, flow: http.HTTPFlow, user: str | None, password: str) -> bool:
         """A CONNECT of a session whose rollout asked for ``"egress": "public"``, with that
         session's secret, to a host whose every address is public: pinned to its address (the
         one checked is the one dialled) and relayed unread, like a passthrough host."""
@@ -275,7 +276,10 @@ class AgentTap:
         try:
             address = await public_address(host, port)
         except EgressRefused as exc:
-            logger.warning("agenttap: session %s: a tunnel to %s refused: %s", user, host, exc)
+            # The user is a rollout's session (ids are a safe charset); the host is the agent's.
+            logger.warning(
+                "agenttap: session %s: a tunnel to %s refused: %s", user, printable(host), exc
+            )
             return False
         self._egress[flow.client_conn.id] = address
         flow.request.host = address  # mitmproxy dials what the request names after this hook

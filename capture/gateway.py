@@ -31,6 +31,7 @@ from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
 from capture.listeners import advertised_host, app_runner, listen, url_host
+from capture.logsafe import printable
 from capture.pipeline.bodies import (
     OVERSIZED_HEADER,
     BufferedRequest,
@@ -401,8 +402,8 @@ class Gateway:
             raise
         except Exception:
             # A defect of ours, never the client's: answer in its provider's format, keep the
-            # traceback for the operator.
-            logger.exception("agenttap: internal error on %s %s", call.method, call.path)
+            # traceback for the operator (the path, the client's, kept on its line).
+            logger.exception("agenttap: internal error on %s %s", call.method, printable(call.path))
             return provider.error(
                 500, "agenttap: internal error in the proxy; its log has the details."
             )

@@ -45,6 +45,7 @@ from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
 from capture.control.openapi import openapi_spec
 from capture.control.policy_routes import PolicyRoutes
+from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.sessions import (
     ControlledSession,
@@ -53,6 +54,7 @@ from capture.control.sessions import (
     parse_limits,
     reject_unknown,
 )
+from capture.logsafe import printable
 from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
@@ -60,7 +62,6 @@ from capture.storage.sessions import RowAnnotations
 from capture.storage.shards import REWARD_CLOSE
 from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
-from rewriter.vllm_client import PolicyError
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ class ControlAPI:
             refused = self._check_token(request, bearer)
             if refused is not None:
                 return refused
+        elif path == "/ready" and method == "GET":
+            # Open to anyone (a load balancer's probe): readiness only without the token; the
+            # servers' URLs (a unix socket's private path), the model and the reasons with it.
+            return await self._ready(request, self._check_token(request, bearer) is None)
         handler, args = self._route(method, path)
         if handler is None:
             return error(
@@ -239,43 +244,8 @@ class ControlAPI:
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    async def _ready(self, request: web.Request) -> web.Response:
-        """Ready once the tokenizer is loaded (it is, or this would not answer) and a policy
-        server in rotation answers; each server's state (serving, loading, paused, sleeping,
-        unverified, failing: GET /replicas says why)."""
-        replicas = self.gateway.policies.default
-        assert replicas is not None
-        states = [{"url": r.url, "state": r.state} for r in replicas.replicas.values()]
-        serving = [r for r in replicas.replicas.values() if r.serving]
-        if not serving:
-            listed = ", ".join(f"{s['url']} {s['state']}" for s in states)
-            reason = f"no policy server is in rotation ({listed}); GET /replicas says why"
-            return web.json_response(
-                {"ready": False, "reason": reason, "replicas": states}, status=503
-            )
-        client = serving[0].client
-        up = self.gateway.metrics.policy_up.labels(client.base_url)
-        try:
-            info = await client.info()
-        except PolicyError as exc:
-            up.set(0)
-            return web.json_response(
-                {
-                    "ready": False,
-                    "reason": f"the policy server does not answer: {exc}",
-                    "replicas": states,
-                },
-                status=503,
-            )
-        up.set(1)
-        return web.json_response(
-            {
-                "ready": True,
-                "model": info.model,
-                "max_model_len": info.max_model_len,
-                "replicas": states,
-            }
-        )
+    async def _ready(self, request: web.Request, detail: bool = False) -> web.Response:
+        return await readiness(self.gateway, detail)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """Prometheus exposition (capture/control/metrics.py); the token as everywhere else
@@ -300,7 +270,9 @@ class ControlAPI:
                 f"GET /sessions lists the live ones; POST /flush without ?session= writes all.",
             )
         written = await self.gateway.flush(session)
-        logger.info("agenttap: flushed %s: %d shard file(s)", session or "all", len(written))
+        logger.info(
+            "agenttap: flushed %s: %d shard file(s)", printable(session or "all"), len(written)
+        )
         return web.json_response({"written": [str(p) for p in written]})
 
     async def body(self, request: web.Request) -> dict[str, Any]:

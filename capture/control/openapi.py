@@ -307,10 +307,12 @@ def openapi_spec(server: str) -> dict[str, Any]:
             "/healthz": {"get": {"responses": {"200": {"description": "alive"}}}},
             "/ready": {
                 "get": {
+                    "summary": "readiness; without the token {ready} alone, with it the model "
+                    "and each server's url and state",
                     "responses": {
                         "200": {"description": "tokenizer loaded, policy answers"},
-                        "503": {"description": "not ready, with the reason"},
-                    }
+                        "503": {"description": "not ready (the reason with the token)"},
+                    },
                 }
             },
         },

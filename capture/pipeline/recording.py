@@ -15,6 +15,7 @@ from typing import Any
 
 from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
+from capture.logsafe import printable
 from capture.storage.journal_sync import JournalSyncer
 from capture.storage.records import FailedCall, TurnRecord
 from capture.storage.sessions import SessionStore
@@ -54,7 +55,7 @@ def failed_line(failed: FailedCall) -> str:
         f"agenttap call failed: session={log_field(failed.session_id)} {failed.protocol} "
         f"{log_field(failed.request_id)} {failed.prompt_tokens}+{failed.completion_tokens} "
         f"tokens after {failed.failed_at - failed.started_at:.2f} s via {failed.backend}: "
-        f"{failed.reason}"
+        f"{printable(failed.reason)}"
     )
 
 

@@ -9,5 +9,5 @@ in), ``limits`` (a run's hard limits: cgroup, tmpfs, prlimit, output), ``harbor_
 venv), ``harbor_rollout`` (the ``terminus-2`` agent's script, run in a rollout's sandbox).
 
 May import: ``capture.ports`` (``RolloutHost``), ``capture.control.sessions``,
-``capture.control.endpoints``, ``capture.egress``. Never ``capture.gateway`` or
-``capture.control.api``."""
+``capture.control.endpoints``, ``capture.egress``, ``capture.logsafe``. Never
+``capture.gateway`` or ``capture.control.api``."""

@@ -36,6 +36,7 @@ from typing import Any
 from capture.control.endpoints import Endpoints
 from capture.control.sessions import END_STOP, agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
+from capture.logsafe import printable
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBudget, default_budget_mb, run_need_mb
 from capture.rollouts.agents import prepare_home
@@ -647,7 +648,7 @@ class Rollouts:
                 logger.info(
                     "agenttap: rollout %s/%d: removed %d link(s) out of the workdir or special "
                     "file(s) before scoring: %s",
-                    rollout.id, run.index, len(removed), ", ".join(removed[:5]),
+                    rollout.id, run.index, len(removed), printable(", ".join(removed[:5])),
                 )  # fmt: skip
         home.mkdir()
         tmp.mkdir()

@@ -18,13 +18,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from capture.client.launcher import AgentTap
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import exposure_warning
 from rewriter.canonical import SamplingParams
@@ -251,6 +254,36 @@ def test_a_tcp_policy_whose_pause_answers_anyone_is_warned_of(
             proxy.proc.wait(30)
         dev.stop()
         plain.stop()
+
+
+def test_ready_names_the_policy_socket_to_the_token_holder_only(confdir: Path) -> None:
+    """Issue 47: ``GET /ready`` answers anyone (a probe), so without the token it says ready
+    and no more: the private folder of the policy's socket stays unnamed (real mitmdump, the
+    stub on a unix socket as vLLM's --uds)."""
+    # Short, under /tmp: a socket path past 107 bytes cannot be bound.
+    folder = Path(tempfile.mkdtemp(prefix="agenttap-ready-"))
+    sock = str(folder / "vllm.sock")
+    stub = StubPolicy(str(QWEN3))
+    stub.start(socket_path=sock)
+    tap = AgentTap.start(stub.url, QWEN3, folder / "out", confdir=confdir)
+    try:
+
+        def ready(token: str | None) -> tuple[int, str]:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            req = urllib.request.Request(f"{tap.api_url}/ready", headers=headers)
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read().decode()
+
+        for token in (None, "wrong-token-0123456789"):
+            status, text = ready(token)
+            assert (status, text) == (200, '{"ready": true}'), text
+            assert str(folder) not in text
+        status, text = ready(tap.token)
+        assert status == 200 and f"unix:{sock}" in text, text
+    finally:
+        tap.close()
+        stub.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.vllm

@@ -59,11 +59,19 @@ def chat(where: Any, text: str, history: list[dict[str, Any]] | None = None) -> 
     return client.chat.completions.create(model="policy", messages=messages)
 
 
-def test_every_route_but_health_wants_the_token(tap: AgentTap) -> None:
+def test_every_route_but_health_wants_the_token(tap: AgentTap, stub: StubPolicy) -> None:
     api = tap.api_url
     assert http(f"{api}/healthz") == (200, {"ok": True})
-    status, ready = http(f"{api}/ready")
+    # /ready answers anyone, but only whether it is ready: the servers' URLs (a unix socket's
+    # private path), the model and the reasons are the token holder's.
+    assert http(f"{api}/ready") == (200, {"ready": True})
+    assert http(f"{api}/ready", token="wrong-token-0123456789") == (200, {"ready": True})
+    assert http("http://agenttap.local/ready", proxy=tap.proxy_url) == (200, {"ready": True})
+    status, ready = http(f"{api}/ready", token=tap.token)
     assert status == 200 and ready["ready"] is True and ready["model"] == "stub-policy"
+    assert [r["url"] for r in ready["replicas"]] == [stub.url]
+    status, ready = http("http://agenttap.local/ready", token=tap.token, proxy=tap.proxy_url)
+    assert status == 200 and ready["replicas"][0]["url"] == stub.url
     for method, path in [
         ("GET", "/sessions"),
         ("POST", "/sessions"),

@@ -62,12 +62,20 @@ def test_egress_none_reaches_nothing_but_the_policy(stub_tap: AgentTap, stub: St
 
 def test_egress_public_reaches_public_hosts_only(stub_tap: AgentTap, stub: StubPolicy) -> None:
     stub_port = stub.url.rsplit(":", 1)[1].rstrip("/")
-    got = run_agent(
-        stub_tap, "public", ["pypi.org:443", f"127.0.0.1:{stub_port}", "localhost:443",
-                             "169.254.169.254:443"],
-    )  # fmt: skip
+    # The policy's own port, spelled as IPv6 forms that carry 127.0.0.1 and as the numbers
+    # the resolver reads (decimal, octal): refused by the number, whatever the spelling.
+    closed = [
+        f"127.0.0.1:{stub_port}",
+        "localhost:443",
+        "169.254.169.254:443",
+        f"[::127.0.0.1]:{stub_port}",
+        f"[::ffff:0:7f00:1]:{stub_port}",
+        f"2130706433:{stub_port}",
+        f"0177.0.0.1:{stub_port}",
+    ]
+    got = run_agent(stub_tap, "public", ["pypi.org:443", *closed])
     # PyPI answers through the tunnel, with its own certificate (verified by the system's CAs):
     # the proxy relays, it does not intercept.
     assert got["pypi.org:443"] == 200, got
-    for target in (f"127.0.0.1:{stub_port}", "localhost:443", "169.254.169.254:443"):
+    for target in closed:
         assert "403" in str(got[target]), (target, got)

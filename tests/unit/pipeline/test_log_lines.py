@@ -42,8 +42,8 @@ def test_call_line() -> None:
     )
 
 
-def test_failed_line() -> None:
-    failed = FailedCall(
+def _failed(reason: str) -> FailedCall:
+    return FailedCall(
         session_id="s1",
         request_id="chatcmpl-1",
         protocol="openai.chat",
@@ -52,14 +52,17 @@ def test_failed_line() -> None:
         backend="http://127.0.0.1:8000",
         user_agent="",
         stream=True,
-        reason="the policy server stopped sending",
+        reason=reason,
         policy_status=0,
         prompt_tokens=900,
         completion_tokens=12,
         started_at=100.0,
         failed_at=102.5,
     )
-    assert failed_line(failed) == (
+
+
+def test_failed_line() -> None:
+    assert failed_line(_failed("the policy server stopped sending")) == (
         "agenttap call failed: session=s1 openai.chat chatcmpl-1 900+12 tokens after 2.50 s "
         "via http://127.0.0.1:8000: the policy server stopped sending"
     )
@@ -71,6 +74,9 @@ def test_a_client_chosen_name_cannot_break_the_line() -> None:
     assert log_field("") == '""'
     line = call_line(_record(session_id="a b\nc"))
     assert "\n" not in line and 'session="a b\\nc" ' in line
+    # The policy's error may quote what the client sent: it stays on the line too.
+    line = failed_line(_failed("bad stop 'x\nagenttap call: forged\u2028'"))
+    assert line.endswith("bad stop 'x\\nagenttap call: forged\\u2028'"), line
 
 
 VLLM_LOG = """\
