@@ -5,10 +5,16 @@ server standing in for the proxy)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
+import sys
 from pathlib import Path
 
+import pytest
+
 from capture.control.bindings import Bindings
-from capture.rollouts.budget import ConnectionBudget, Descriptors
+from capture.ratelog import RateLimitedLog
+from capture.rollouts.budget import ConnectionBudget, Descriptors, open_descriptors
 from capture.rollouts.netbridge import Bridges, NetBridge, Route
 
 
@@ -107,3 +113,52 @@ async def _each_run_its_own() -> None:
 
 def test_each_run_gets_a_bridge_of_its_own() -> None:
     asyncio.run(asyncio.wait_for(_each_run_its_own(), 30))
+
+
+async def _out_of_descriptors() -> dict[str, int]:
+    server, _ = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    log = RateLimitedLog(logging.getLogger("netbridge-test"), interval_s=3600)
+    bridge = NetBridge(
+        [Route("proxy", port, "127.0.0.1", port)], "r-2", Bindings(), ConnectionBudget(64),
+        log=log,
+    )  # fmt: skip
+    await bridge.start()
+    assert bridge.folder is not None
+    # Connections from another process, which keeps its own descriptors.
+    clients = await asyncio.create_subprocess_exec(
+        sys.executable, "-c",
+        "import socket, sys\n"
+        "held = []\n"
+        "for _ in range(20):\n"
+        "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); held.append(s)\n"
+        "sys.stdin.read()\n",
+        str(Path(bridge.folder) / "proxy.sock"), stdin=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        # This process is out of descriptors: every accept fails with EMFILE.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_descriptors() or 0, before[1]))
+        while log.counts.get("accept", 0) < 5:
+            await asyncio.sleep(0.01)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+        assert clients.stdin is not None
+        clients.stdin.close()
+        await clients.wait()
+        await bridge.close()
+        server.close()
+    return log.counts
+
+
+def test_a_failing_accept_is_logged_once_per_interval_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "netbridge-test"):
+        counts = asyncio.run(asyncio.wait_for(_out_of_descriptors(), 30))
+    lines = [r.getMessage() for r in caplog.records if "cannot accept" in r.getMessage()]
+    assert counts["accept"] >= 5
+    # The first at once; the rest counted, told once when the bridge closed.
+    assert len(lines) == 2, lines
+    assert "Too many open files" in lines[0] and "r-2" in lines[0]
+    assert f"({counts['accept'] - 1} more like it" in lines[1]
