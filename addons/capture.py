@@ -41,6 +41,7 @@ from addons.log_filters import quiet_websocket_messages, skip_legacy_log_events 
 from capture.egress import EgressRefused, public_address  # noqa: E402
 from capture.gateway import (  # noqa: E402
     BEARER_HEADER,
+    BOUND_HEADER,
     CONTROL_HOST,
     HOST_HEADER,
     TOKEN_HEADER,
@@ -272,6 +273,9 @@ class AgentTap:
             return False
         if gateway.control.credential_refusal(user, [password], required=True) is not None:
             return False
+        bound = _bound(gateway, flow.client_conn)
+        if bound is not None and bound != user:
+            return False  # a sandbox tunnels as its own session only
         host, port = flow.request.host, flow.request.port
         try:
             address = await public_address(host, port)
@@ -421,6 +425,10 @@ class AgentTap:
             # The gateway checks it against the session's (capture/control/sessions.py).
             req.headers[SESSION_SECRET_HEADER] = quote_session(secret)
         req.headers[HOST_HEADER] = host
+        bound = _bound(self.gateway, flow.client_conn)
+        if bound is not None:
+            # Came through a rollout's bridge: the gateway serves it only as that session.
+            req.headers[BOUND_HEADER] = quote_session(bound)
         if "Content-Encoding" in req.headers:
             # The gateway decodes the body itself (bounded, errors in the provider's format);
             # aiohttp would answer a bad one with a text/plain 400.
@@ -454,7 +462,7 @@ class AgentTap:
         scheme, host, port, authority, host_header = origin
         req = flow.request
         for name in (TOKEN_HEADER, SESSION_HEADER, SESSION_SECRET_HEADER, HOST_HEADER,
-                     BEARER_HEADER):  # fmt: skip
+                     BEARER_HEADER, BOUND_HEADER):  # fmt: skip
             req.headers.pop(name, None)
         answered = flow.response is not None and flow.response.status_code < 400
         if UNSUPPORTED_ENCODING_HEADER in req.headers and answered:
@@ -477,6 +485,12 @@ class AgentTap:
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._restore(flow)
+
+
+def _bound(gateway: Gateway, client: connection.Client) -> str | None:
+    """The rollout session ``client``'s connection is bound to (it came through that run's
+    bridge: capture/control/bindings.py); None: it did not."""
+    return gateway.bindings.session_for(client.peername, client.sockname)
 
 
 def _client_timeout(tap: AgentTap) -> float | None:

@@ -14,6 +14,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
+from capture.control.bindings import binding_refusal
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
 from capture.pipeline.bodies import too_large_message
@@ -37,7 +38,7 @@ BASE_URL_PREFIXES = {
 }
 
 # The gateway's answer to a call on a host: (request, host, the secrets the client gave).
-Answer = Callable[[IncomingRequest, str, list[str]], Awaitable[web.StreamResponse]]
+Answer = Callable[[IncomingRequest, str, list[str], str | None], Awaitable[web.StreamResponse]]
 
 
 def refuse_foreign(
@@ -105,9 +106,11 @@ async def serve_base_url(
     pipeline: TurnPipeline,
     require_session_secret: bool,
     answer: Answer,
+    bound: str | None = None,
 ) -> web.StreamResponse:
     """``/sess/<id>[/openai|/anthropic|/gemini]/<API path>``: the call as if it had been
-    intercepted on its provider's host, in session ``<id>``. No CA, no proxy needed."""
+    intercepted on its provider's host, in session ``<id>``. No CA, no proxy needed. ``bound``:
+    the session a rollout's bridge bound the connection to (any other id gets a 401)."""
     _, _, rest = request.raw_path.partition("/sess/")
     raw_id, _, tail = rest.partition("/")
     raw_path, _, _ = tail.partition("?")
@@ -117,7 +120,9 @@ async def serve_base_url(
         read = await _read_whole(request)
         if read is not None:
             return read
-        refused = control.credential_refusal(session_id, given, required=require_session_secret)
+        refused = binding_refusal(bound, session_id) or control.credential_refusal(
+            session_id, given, required=require_session_secret
+        )
         if refused is not None:
             return web.json_response(
                 {"error": {"message": refused, "type": "authentication_error"}}, status=401
@@ -142,7 +147,7 @@ async def serve_base_url(
     read = await _read_whole(clone)
     if read is not None:
         return read
-    return await answer(clone, host, given)
+    return await answer(clone, host, given, bound)
 
 
 async def _read_whole(request: web.Request) -> web.Response | None:

@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from capture.base_url import refuse_foreign, serve_base_url
+from capture.control.bindings import Bindings, binding_refusal
 from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
@@ -69,6 +70,9 @@ HOST_HEADER = "X-Agenttap-Host"
 # header is removed before (addons/credentials.py); only calls with TOKEN_HEADER are read.
 BEARER_HEADER = "X-Agenttap-Bearer"
 CONTROL_HOST = "agenttap.local"
+# The addon found the client's connection came through a rollout's bridge: the session it is
+# bound to (capture/control/bindings.py). Read only behind TOKEN_HEADER, like every other.
+BOUND_HEADER = "X-Agenttap-Bound"
 # Answers calls on hosts no provider owns (its error format, its 404).
 DEFAULT_PROVIDER = "openai.chat"
 
@@ -107,6 +111,8 @@ class Gateway:
         self.control = SessionControl()
         # Sessions whose agent may tunnel to public hosts (capture/egress.py); rollouts set it.
         self.egress_public: set[str] = set()
+        # The connections rollouts' bridges relay, each bound to its run's session.
+        self.bindings = Bindings()
         self.metrics = Metrics()
         # Every session counts, opened through the API or first seen on a call (proxy mode).
         self.control.on_new = lambda _sid: self.metrics.sessions_opened.inc()
@@ -347,7 +353,10 @@ class Gateway:
                 return self._no_control_plane()
             return await self.api.handle(request, bearer=request.headers.get(BEARER_HEADER, ""))
         secret = unquote_session(request.headers.get(SESSION_SECRET_HEADER, ""))
-        return await self._answer(request, host, [secret])
+        bound = request.headers.get(BOUND_HEADER)
+        return await self._answer(
+            request, host, [secret], unquote_session(bound) if bound is not None else None
+        )
 
     async def _public(self, request: web.Request) -> web.StreamResponse:
         """The API listener: per-session base URLs (/sess/<id>/...) and the control API."""
@@ -357,12 +366,20 @@ class Gateway:
         if refused is not None:
             return refused
         if request.path.startswith("/sess/"):
+            transport = request.transport
+            if transport is None:  # gone: whether it came through a bridge is not known
+                message = "agenttap: the connection closed before its call was read"
+                return web.json_response({"error": {"message": message}}, status=400)
+            bound = self.bindings.session_for(
+                transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+            )
             return await serve_base_url(
                 request,
                 self.control,
                 self.pipeline,
                 self.config.require_session_secret,
                 self._answer,
+                bound,
             )
         return await self.api.handle(request)
 
@@ -374,16 +391,20 @@ class Gateway:
         )
 
     async def _answer(
-        self, request: IncomingRequest, host: str, secrets_given: list[str]
+        self,
+        request: IncomingRequest,
+        host: str,
+        secrets_given: list[str],
+        bound: str | None = None,
     ) -> web.StreamResponse:
+        """``bound``: the session a rollout's bridge bound the client's connection to."""
         call = Call.of(request, host)
         provider, route = self._route(call)
-        # Before anything of the session is read or counted: a caller without its secret
-        # touches nothing of it.
-        refused = self.control.credential_refusal(
-            self.session_id(request, provider),
-            secrets_given,
-            required=self.config.require_session_secret,
+        # Before anything of the session is read or counted: a caller without its secret, or
+        # a sandbox naming a session not its own, touches nothing of it.
+        session_id = self.session_id(request, provider)
+        refused = binding_refusal(bound, session_id) or self.control.credential_refusal(
+            session_id, secrets_given, required=self.config.require_session_secret
         )
         if refused is not None:
             return provider.error(401, refused)
@@ -397,7 +418,7 @@ class Gateway:
                 f"proxy. It answers {self._served(call)} from the policy.",
             )
         try:
-            return await self._serve(request, call, provider, route, secrets_given)
+            return await self._serve(request, call, provider, route, secrets_given, bound)
         except (web.HTTPException, NeedsLoopback):
             raise
         except Exception:
@@ -415,6 +436,7 @@ class Gateway:
         provider: Provider[Any],
         route: Route,
         secrets_given: list[str],
+        bound: str | None = None,
     ) -> web.StreamResponse:
         if route.kind is RouteKind.TURN:
             return await self.pipeline.serve_http(request, call, provider)
@@ -427,7 +449,9 @@ class Gateway:
         if route.kind is RouteKind.WEBSOCKET:
             if not isinstance(request, web.Request):
                 raise NeedsLoopback("a WebSocket")
-            return await provider.serve_websocket(request, call, CheckedTurns(self, secrets_given))
+            return await provider.serve_websocket(
+                request, call, CheckedTurns(self, secrets_given, bound)
+            )
         return provider.error(route.status, route.message)
 
     async def _models(
@@ -446,9 +470,13 @@ class CheckedTurns:
     connection gave. A socket opened under an id nobody had opened yet is refused the turns it
     sends once a trainer opened that id (they would be the opened session's otherwise)."""
 
-    def __init__(self, gateway: Gateway, secrets_given: list[str]) -> None:
+    def __init__(
+        self, gateway: Gateway, secrets_given: list[str], bound: str | None = None
+    ) -> None:
         self.gateway = gateway
         self.secrets_given = secrets_given
+        # The session a rollout's bridge bound the socket's connection to.
+        self.bound = bound
 
     @property
     def max_body_bytes(self) -> int:
@@ -465,8 +493,12 @@ class CheckedTurns:
         user_agent: str = "",
     ) -> web.Response | None:
         gateway = self.gateway
-        refused = gateway.control.credential_refusal(
-            parsed.session_id, self.secrets_given, required=gateway.config.require_session_secret
+        refused = binding_refusal(self.bound, parsed.session_id) or (
+            gateway.control.credential_refusal(
+                parsed.session_id,
+                self.secrets_given,
+                required=gateway.config.require_session_secret,
+            )
         )
         if refused is not None:
             return provider.error(401, refused)

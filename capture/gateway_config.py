@@ -80,4 +80,7 @@ class GatewayConfig:
     sandbox_hide: tuple[Path, ...] = ()
     # Shown read-only in every sandbox (agenttap_sandbox_expose).
     sandbox_expose: tuple[Path, ...] = ()
+    # Connections a sandbox may hold to the proxy and the API at once
+    # (agenttap_rollout_max_connections).
+    rollout_max_connections: int = 64
     extra: dict[str, Any] = field(default_factory=dict)

@@ -73,6 +73,22 @@ class Option:
     parse: Callable[[str], Any]
 
 
+# A sandbox's connections at once: more than this is no budget at all (each holds about five
+# of mitmdump's descriptors).
+MAX_ROLLOUT_CONNECTIONS = 4096
+
+
+def parse_max_connections(text: str) -> int:
+    """A sandbox's connection budget: a whole number from 1 to ``MAX_ROLLOUT_CONNECTIONS``."""
+    value = parse_whole(text, positive=True)
+    if value > MAX_ROLLOUT_CONNECTIONS:
+        raise ValueError(
+            f"is more than {MAX_ROLLOUT_CONNECTIONS} (a sandbox's connections at once; each "
+            f"holds about five of mitmdump's descriptors)"
+        )
+    return value
+
+
 def parse_tolerance(text: str) -> float:
     """A logprob tolerance: a number above 0 (``1e-3``, ``0.05``)."""
     value = float(parse_seconds(text, positive=True))
@@ -297,6 +313,16 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_paths,
     ),
     Option(
+        "agenttap_rollout_max_connections",
+        "64",
+        "Connections each sandboxed rollout agent may hold at once to the proxy and the API "
+        "listener together (its bridge counts both); past it a new one is closed unrelayed "
+        "and counted, and the log says so once per interval. The sandboxes together also "
+        "leave a quarter of mitmdump's descriptors to everything else (a whole number above "
+        "0).",
+        parse_max_connections,
+    ),
+    Option(
         "agenttap_check_policy",
         "true",
         "At start, check that every policy server answers, serves a model, and tokenizes and "
@@ -461,6 +487,7 @@ class Settings:
     sandbox: str = "bwrap"
     sandbox_hide: tuple[Path, ...] = ()
     sandbox_expose: tuple[Path, ...] = ()
+    rollout_max_connections: int = 64
     token_file: Path | None = None
 
 
@@ -530,6 +557,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         sandbox=values["agenttap_sandbox"],
         sandbox_hide=values["agenttap_sandbox_hide"],
         sandbox_expose=values["agenttap_sandbox_expose"],
+        rollout_max_connections=values["agenttap_rollout_max_connections"],
         token_file=(
             Path(texts["agenttap_token_file"].strip()).expanduser().absolute()
             if texts.get("agenttap_token_file", "").strip()

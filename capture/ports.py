@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from capture.control.bindings import Bindings
 from capture.control.endpoints import Endpoints
 from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
@@ -37,6 +38,8 @@ class GatewayCore(Protocol):
     api_token: str
     # Sessions whose agent may open tunnels to public hosts (a rollout's "egress": "public").
     egress_public: set[str]
+    # Connections rollouts' bridges relay, each bound to its run's session.
+    bindings: Bindings
 
     async def flush(self, session_id: str | None = None) -> list[Path]: ...
 

@@ -1,9 +1,10 @@
 """The HTTP control plane a trainer drives: the routes (``api``; ``/replicas`` in
 ``replica_routes``), what they answer with (``answers``: the error body, a session's rows as
 JSON or Arrow), their OpenAPI document (``openapi``), session bookkeeping (``sessions``: limits,
-metrics, secrets), Prometheus ``metrics``, where clients reach an instance (``endpoints``), the
-start-up ``banner``.
+metrics, secrets; ``bindings``: the session each connection out of a sandbox is bound to),
+Prometheus ``metrics``, where clients reach an instance (``endpoints``), the start-up
+``banner``.
 
 May import: ``capture.ports`` (the gateway, seen as ``GatewayCore``), ``capture.storage``,
-``capture.rollouts``, ``capture.viewer``, ``capture.options`` (and its ``capture.option_values``).
-Never ``capture.gateway``."""
+``capture.rollouts``, ``capture.viewer``, ``capture.options`` (and its
+``capture.option_values``). Never ``capture.gateway``."""

@@ -10,22 +10,32 @@ as their host. Nothing else the host listens on (the policy servers, other insta
 workers, every other port) can be reached from inside, as Anthropic's sandbox-runtime bridges
 its proxy into bwrap.
 
-One bridge serves every sandbox of this process; the folder is removed when it closes.
+Each sandboxed agent gets a bridge of its own (a folder, its sockets), so every connection is
+known to come from that sandbox: it is bound to the run's session (capture/control/bindings.py)
+and counted against the run's budget and the process's descriptor reserve
+(capture/rollouts/budget.py). The folder is removed when the agent ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import errno
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
+
+from capture.control.bindings import Bindings
+from capture.ratelog import RateLimitedLog
+from capture.rollouts.budget import ConnectionBudget, Descriptors, raise_nofile
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +43,12 @@ logger = logging.getLogger(__name__)
 INSIDE = Path("/.agenttap")
 BRIDGE_SCRIPT = Path(__file__).with_name("bridge.py")
 CHUNK = 65536
+# agenttap_rollout_max_connections' default.
+DEFAULT_MAX_CONNECTIONS = 64
+LISTEN_BACKLOG = 128
+# accept() failing for want of descriptors or memory: the listener waits this long.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_PAUSE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,12 +88,30 @@ def inside_url(url: str) -> str:
 
 
 class NetBridge:
-    """The unix-socket listeners of every route, in a folder of their own."""
+    """One sandbox's way out: the unix-socket listeners of every route, in a folder of its own
+    (bound at ``/.agenttap`` in that sandbox only), so each connection is known to come from
+    that sandbox. Each relayed connection is bound to the run's session in ``bindings`` while
+    it lasts; at most ``budget``'s connections at once (proxy and API together), and none
+    when the process's ``descriptors`` would eat into their reserve: past either, a new
+    connection is accepted and closed at once, unrelayed, and counted."""
 
-    def __init__(self, routes: list[Route]) -> None:
+    def __init__(
+        self,
+        routes: list[Route],
+        session_id: str = "",
+        bindings: Bindings | None = None,
+        budget: ConnectionBudget | None = None,
+        descriptors: Descriptors | None = None,
+        log: RateLimitedLog | None = None,
+    ) -> None:
         self.routes = routes
+        self.session_id = session_id
+        self.bindings = bindings
+        self.budget = budget or ConnectionBudget(DEFAULT_MAX_CONNECTIONS)
+        self.descriptors = descriptors
+        self.log = log or RateLimitedLog(logger)
         self.folder: Path | None = None
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -91,11 +125,13 @@ class NetBridge:
         try:
             for route in self.routes:
                 path = folder / f"{route.name}.sock"
-                server = await asyncio.start_unix_server(
-                    functools.partial(self._relay, route=route), path=str(path)
-                )
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listeners.append(listener)
+                listener.bind(str(path))
                 path.chmod(0o666)
-                self._servers.append(server)
+                listener.listen(LISTEN_BACKLOG)
+                listener.setblocking(False)
+                self._spawn(self._accept(listener, route))
         except BaseException:
             await self.close()
             raise
@@ -104,44 +140,177 @@ class NetBridge:
         """The forwarder's arguments: ``127.0.0.1:PORT=/.agenttap/NAME.sock`` per route."""
         return [f"127.0.0.1:{r.port}={INSIDE / f'{r.name}.sock'}" for r in self.routes]
 
-    async def _relay(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route
-    ) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket, route: Route) -> None:
+        """Our own accept loop, not asyncio's server: a failing ``accept`` (EMFILE) is logged
+        once per interval with a count, and a connection past the budget is closed before
+        anything is made of it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    return  # the listener closed
+                self.log.note(
+                    "accept",
+                    f"agenttap: the bridge of rollout session {self.session_id} cannot accept "
+                    f"a connection: {exc.strerror} (this process is out of descriptors or "
+                    f"memory); new connections wait {ACCEPT_PAUSE_S:g} s",
+                )
+                await asyncio.sleep(ACCEPT_PAUSE_S)
+                continue
+            refused = self._admit()
+            if refused is not None:
+                conn.close()
+                self.log.note(refused, self._refusal_words(refused))
+                continue
+            self._spawn(self._relay(conn, route))
+
+    def _admit(self) -> str | None:
+        """None: the connection may be relayed (its share taken); else why not."""
+        if not self.budget.take():
+            return "budget"
+        if self.descriptors is not None and not self.descriptors.take():
+            self.budget.give_back()
+            self.budget.refused += 1
+            return "descriptors"
+        return None
+
+    def _release(self) -> None:
+        self.budget.give_back()
+        if self.descriptors is not None:
+            self.descriptors.give_back()
+
+    def _refusal_words(self, why: str) -> str:
+        if why == "budget":
+            return (
+                f"agenttap: rollout session {self.session_id} holds "
+                f"{self.budget.max_connections} connections to the proxy and the API at once, "
+                f"its limit (agenttap_rollout_max_connections): new ones are closed unrelayed"
+            )
+        assert self.descriptors is not None
+        return (
+            f"agenttap: rollout session {self.session_id}: a new connection is closed "
+            f"unrelayed, the sandboxes' connections would eat into the "
+            f"{self.descriptors.reserve} descriptors kept for the proxy and other sessions "
+            f"(limit {self.descriptors.limit}, {self.descriptors.relayed} relayed now)"
+        )
+
+    async def _relay(self, conn: socket.socket, route: Route) -> None:
+        bound: tuple[Any, Any] | None = None
+        up_writer: asyncio.StreamWriter | None = None
+        writer: asyncio.StreamWriter | None = None
         try:
             try:
+                reader, writer = await asyncio.open_unix_connection(sock=conn)
                 up_reader, up_writer = await asyncio.open_connection(
                     route.target_host, route.target_port
                 )
             except OSError as exc:
-                logger.warning(
-                    "agenttap: a sandbox's connection to %s (%s:%d) failed: %s",
-                    route.name, route.target_host, route.target_port, exc,
-                )  # fmt: skip
+                self.log.note(
+                    f"connect-{route.name}",
+                    f"agenttap: a sandbox's connection to {route.name} ({route.target_host}:"
+                    f"{route.target_port}) failed: {exc}",
+                )
                 return
-            try:
-                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
-            finally:
-                up_writer.close()
+            if self.bindings is not None:
+                # Before a byte is relayed: the proxy reads nothing of it unbound.
+                ends = up_writer.get_extra_info("sockname"), up_writer.get_extra_info("peername")
+                self.bindings.bind(*ends, self.session_id)
+                bound = ends
+            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
         finally:
-            writer.close()
-            if task is not None:
-                self._tasks.discard(task)
+            if bound is not None and self.bindings is not None:
+                self.bindings.unbind(*bound)
+            for end in (up_writer, writer):
+                if end is not None:
+                    end.close()
+            if writer is None:
+                conn.close()
+            self._release()
+
+    def usage(self) -> dict[str, int]:
+        """What the run's sandbox did with its connections (for the run's ``usage``)."""
+        return {
+            "connections_peak": self.budget.peak,
+            "connections_refused": self.budget.refused,
+        }
 
     async def close(self) -> None:
-        for server in self._servers:
-            server.close()
-        for task in list(self._tasks):
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await server.wait_closed()
-        self._servers.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.log.flush()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+
+
+class Bridges:
+    """Every run's bridge: one per sandboxed agent, opened before it starts and closed when it
+    ends. Raises the descriptor limit when made, and shares one reserve among them."""
+
+    def __init__(self, bindings: Bindings, max_connections: int, max_running: int) -> None:
+        self.bindings = bindings
+        self.max_connections = max_connections
+        self.descriptors = Descriptors(raise_nofile())
+        self.log = RateLimitedLog(logger)
+        self._open: dict[str, NetBridge] = {}
+        d = self.descriptors
+        words = (
+            f"agenttap: sandboxes may hold {max_connections} connections each to the proxy and "
+            f"the API (agenttap_rollout_max_connections), {d.max_relayed} in all, keeping "
+            f"{d.reserve} of this process's {d.limit} descriptors for the proxy and the "
+            f"sessions that are not sandboxed"
+        )
+        if max_connections * max_running > d.max_relayed:
+            logger.warning(
+                "%s: %d agents (agenttap_max_rollouts) at their limit would need %d; past %d "
+                "a sandbox's new connections are refused (raise the hard RLIMIT_NOFILE, or "
+                "lower one of the options)",
+                words, max_running, max_connections * max_running, d.max_relayed,
+            )  # fmt: skip
+        else:
+            logger.info("%s", words)
+
+    async def open(self, session_id: str, routes: list[Route]) -> NetBridge:
+        """The bridge of the run of ``session_id`` (started if it is not yet)."""
+        bridge = self._open.get(session_id)
+        if bridge is None:
+            bridge = NetBridge(
+                routes,
+                session_id,
+                self.bindings,
+                ConnectionBudget(self.max_connections),
+                self.descriptors,
+                self.log,
+            )
+            await bridge.start()
+            self._open[session_id] = bridge
+        return bridge
+
+    async def close(self, session_id: str) -> dict[str, int] | None:
+        """Close the run's bridge; what it counted (None: it had none)."""
+        bridge = self._open.pop(session_id, None)
+        if bridge is None:
+            return None
+        await bridge.close()
+        return bridge.usage()
+
+    async def close_all(self) -> None:
+        for session_id in list(self._open):
+            await self.close(session_id)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -53,7 +53,14 @@ from capture.rollouts.limits import (
     remove_stale,
     watch,
 )
-from capture.rollouts.netbridge import INSIDE, NetBridge, inside_url, interpreter, route_for
+from capture.rollouts.netbridge import (
+    INSIDE,
+    Bridges,
+    NetBridge,
+    inside_url,
+    interpreter,
+    route_for,
+)
 from capture.rollouts.processes import Child, stop
 from capture.rollouts.sandbox import (
     SANDBOX_UID,
@@ -202,10 +209,9 @@ class Rollouts:
         self.api = api
         self.max_running = max_running
         self._rollouts: dict[str, Rollout] = {}
-        # The unix sockets that lead sandboxes to the proxy and the API (started on the first
-        # sandboxed rollout).
-        self._bridge: NetBridge | None = None
-        self._bridge_lock = asyncio.Lock()
+        # Each sandboxed agent's unix sockets to the proxy and the API (its own folder, bound to
+        # its session, under its connection budget); made on the first sandboxed rollout.
+        self._bridges: Bridges | None = None
         # Where the launcher stages what bwrap binds (an empty folder; mounts go on it only in
         # each launcher's own mount namespace).
         self._stage: Path | None = None
@@ -309,27 +315,33 @@ class Rollouts:
         for rollout in self.all():
             if not rollout.done:
                 await self.cancel(rollout)
-        if self._bridge is not None:
-            await self._bridge.close()
-            self._bridge = None
+        if self._bridges is not None:
+            await self._bridges.close_all()
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage = None
         release()
 
-    async def bridge(self) -> NetBridge:
-        """The bridge into sandboxes' networks: the proxy's port (when mitmdump listens) and
-        the API's (base URLs), started once."""
-        async with self._bridge_lock:
-            if self._bridge is None:
-                ends = self.api.endpoints
-                routes = [route_for("api", ends.api_url)]
-                if ends.proxy_url:
-                    routes.insert(0, route_for("proxy", ends.proxy_url))
-                bridge = NetBridge(routes)
-                await bridge.start()
-                self._bridge = bridge
-            return self._bridge
+    async def bridge(self, run: Run) -> NetBridge:
+        """The bridge into ``run``'s sandbox's network: the proxy's port (when mitmdump
+        listens) and the API's (base URLs), its connections bound to the run's session."""
+        if self._bridges is None:
+            gateway = self.api.gateway
+            self._bridges = Bridges(
+                gateway.bindings, gateway.config.rollout_max_connections, self.max_running
+            )
+        ends = self.api.endpoints
+        routes = [route_for("api", ends.api_url)]
+        if ends.proxy_url:
+            routes.insert(0, route_for("proxy", ends.proxy_url))
+        return await self._bridges.open(run.session_id, routes)
+
+    async def _close_bridge(self, run: Run) -> None:
+        """The run's agent ended: its bridge goes; what it refused joins the run's usage."""
+        if self._bridges is not None:
+            counted = await self._bridges.close(run.session_id)
+            if counted is not None:
+                run.usage["bridge"] = counted
 
     # -- running -------------------------------------------------------------------------------
     async def _run_all(self, rollout: Rollout) -> None:
@@ -488,7 +500,7 @@ class Rollouts:
         timed_out, limit, gone = False, None, True
         try:
             run.child = child = await self._spawn(
-                rollout, command, env, *folders, network=role == "agent",
+                rollout, run, command, env, *folders, network=role == "agent",
                 prefix=cgroup.launch_prefix(), stderr_apart=errors is not None,
             )  # fmt: skip
             assert child.proc.stdout is not None
@@ -522,6 +534,8 @@ class Rollouts:
             run.usage[role] = cgroup.usage()
         finally:
             await cgroup.remove()
+            if role == "agent":
+                await self._close_bridge(run)
         return Ended(timed_out, limit, gone)
 
     def _session_env(self, run: Run, inside: bool) -> dict[str, str]:
@@ -547,6 +561,7 @@ class Rollouts:
     async def _spawn(
         self,
         rollout: Rollout,
+        run: Run,
         command: list[str],
         env: dict[str, str],
         work: Path,
@@ -574,7 +589,7 @@ class Rollouts:
             )
         ends, config = self.api.endpoints, self.api.gateway.config
         path_env = env.get("PATH", "")
-        bridge = await self.bridge() if network else None
+        bridge = await self.bridge(run) if network else None
         inner, python = command, interpreter()
         if bridge is not None:
             inner = [python, "-I", "-S", str(INSIDE / "bridge.py"), *bridge.forwards(), "--"]
