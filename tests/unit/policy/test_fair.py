@@ -253,3 +253,13 @@ async def test_a_server_saturated_by_a_hog_serves_the_victim_next() -> None:
         t.cancel()
     await settle()
     assert replica.waiting == 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "eight", "2.5", ""])
+def test_the_session_bound_option_takes_a_whole_number(bad: str) -> None:
+    from capture.options import parse_settings
+
+    assert parse_settings({}).session_max_inflight == 8
+    assert parse_settings({"agenttap_session_max_inflight": "0"}).session_max_inflight == 0
+    with pytest.raises(ValueError, match="agenttap_session_max_inflight"):
+        parse_settings({"agenttap_session_max_inflight": bad})
