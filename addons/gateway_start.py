@@ -107,6 +107,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         policy_max_connections=settings.policy_connections,
         replica_max_inflight=settings.replica_max_inflight,
         replica_queue=settings.replica_queue,
+        session_max_inflight=settings.session_max_inflight,
         weights_tolerance=settings.weights_tolerance,
         weights_check_s=settings.weights_check_s,
         model_map=settings.model_map,

@@ -127,6 +127,7 @@ class Gateway:
             max_connections=config.policy_max_connections,
             max_in_flight=config.replica_max_inflight,
             max_queue=config.replica_queue,
+            session_max_in_flight=config.session_max_inflight,
             health_interval_s=config.health_interval_s,
             weights_tolerance=config.weights_tolerance,
             weights_check_s=config.weights_check_s,
@@ -169,6 +170,7 @@ class Gateway:
         return {
             "agenttap_sessions_live": len(sessions),
             "agenttap_calls_in_flight": sum(s.in_flight for s in live),
+            "agenttap_calls_queued": self.policies.queued(),
             "agenttap_rollout_agents_running": (
                 self.api.running_agents() if self.api is not None else 0
             ),

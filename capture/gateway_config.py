@@ -46,6 +46,8 @@ class GatewayConfig:
     # beyond that; then the provider's retryable error (capture/policy/replicas.py).
     replica_max_inflight: int = 0
     replica_queue: int = 256
+    # Generations per session at the policy at once (0: unbounded; capture/policy/fair.py).
+    session_max_inflight: int = 8
     # Seconds between health checks of the policy servers (a 1-token generation that also
     # compares their weights' fingerprint); 0: only the one at start.
     health_interval_s: float = 5.0

@@ -205,6 +205,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_whole,
     ),
     Option(
+        "agenttap_session_max_inflight",
+        "8",
+        "Generations one session may have at the policy at once (a whole number; 0: "
+        "unbounded). Its other calls wait their turn in its own queue, in order (at most "
+        "agenttap_replica_queue of them); a busy server's free slots go to the waiting "
+        "sessions in turn.",
+        parse_whole,
+    ),
+    Option(
         "agenttap_client_timeout",
         "60",
         "Seconds a client connection may take to send a whole request (headers and body) after "
@@ -464,6 +473,7 @@ class Settings:
     replica_max_inflight: int
     replica_queue: int
     client_timeout_s: int
+    session_max_inflight: int
     model_map: list[tuple[str, list[str]]]
     model_names: list[str]
     # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
@@ -537,6 +547,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         policy_connections=values["agenttap_policy_connections"],
         replica_max_inflight=values["agenttap_replica_max_inflight"],
         replica_queue=values["agenttap_replica_queue"],
+        session_max_inflight=values["agenttap_session_max_inflight"],
         weights_tolerance=values["agenttap_weights_tolerance"],
         weights_check_s=values["agenttap_weights_check_s"],
         client_timeout_s=values["agenttap_client_timeout"],

@@ -314,7 +314,9 @@ class ControlAPI:
         return web.json_response(
             {
                 "sessions": [
-                    s.summary() | {"backend": policies.backend_of(s.id)}
+                    s.summary()
+                    | {"backend": policies.backend_of(s.id)}
+                    | policies.queue_state(s.id)
                     for s in self.gateway.control.live()
                 ]
             }

@@ -31,6 +31,8 @@ class _Live(Collector):
         helps = {
             "agenttap_sessions_live": "Sessions with unwritten calls, or opened and not closed.",
             "agenttap_calls_in_flight": "Model calls being answered now.",
+            "agenttap_calls_queued": "Model calls waiting for their turn at the policy "
+            "(agenttap_session_max_inflight, agenttap_replica_max_inflight).",
             "agenttap_rollout_agents_running": "Agents that rollouts run now.",
         }
         for name, help_text in helps.items():

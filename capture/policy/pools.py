@@ -4,6 +4,10 @@ Requested model names go to pools of vLLM servers (``agenttap_model_map``, fnmat
 unmatched names: ``agenttap_policy_url``); within a pool a session sticks to one server, so its
 consecutive calls reuse that server's prefix cache. Each session's own model names are kept
 (bounded) so that ``GET /v1/models`` lists the asker's names and never another session's.
+
+A session has at most ``agenttap_session_max_inflight`` generations in flight over all of them
+(``sessions``, capture/policy/fair.py); its other calls wait in its own queue, in order, before
+they ask a server for a slot, so one agent's burst cannot fill a server's slots and queue.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from capture.policy.replicas import Replica, ReplicaSet
+from capture.policy.fair import FairScheduler, QueueFull
+from capture.policy.replicas import Replica, ReplicasBusy, ReplicaSet
 from capture.policy.weights import PolicyWeights
 from rewriter.policy_url import connector, is_unix
 from rewriter.vllm_client import PolicyError, VLLMClient
@@ -58,6 +63,7 @@ class PolicyPools:
         max_connections: int,
         max_in_flight: int = 0,
         max_queue: int = 256,
+        session_max_in_flight: int = 0,
         health_interval_s: float = 5.0,
         weights_tolerance: float = 1e-3,
         weights_check_s: float = 60.0,
@@ -76,6 +82,11 @@ class PolicyPools:
         self._clients: dict[str, VLLMClient] = {}
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
+        # Generations in flight per session over every server (agenttap_session_max_inflight;
+        # 0: unbounded); at most max_queue more of a session's calls wait their turn.
+        self.sessions = FairScheduler(
+            per_session=session_max_in_flight, max_waiting_per_session=max_queue
+        )
         self.health_interval_s = health_interval_s
         # Probes and fingerprints compare within this; the fingerprints are checked this
         # often besides every health check (agenttap_weights_tolerance, _check_s).
@@ -254,7 +265,27 @@ class PolicyPools:
         bounded per replica (ReplicasBusy when its queue is full too), moved on failover."""
         replicas = self.set_for(model)
         replica = replicas.replica_of(client) or replicas.add(client.base_url)
-        return Generation(replicas, session_id, replica)
+        return Generation(replicas, session_id, replica, self.sessions)
+
+    def queue_state(self, session_id: str) -> dict[str, int]:
+        """A session's calls at the policy now: generations running, and calls waiting for
+        their turn (its own queue, then a server's)."""
+        at_servers = sum(r.slots.waiting_of(session_id) for r in self._replicas())
+        return {
+            "policy_in_flight": self.sessions.running_of(session_id),
+            "policy_queued": self.sessions.waiting_of(session_id) + at_servers,
+        }
+
+    def queued(self) -> int:
+        """Calls waiting for a generation slot now, in sessions' queues and servers'."""
+        at_servers = sum(r.slots.waiting for r in self._replicas())
+        return self.sessions.waiting + at_servers
+
+    def _replicas(self) -> list[Replica]:
+        """Every server of every pool (none before ``open``)."""
+        if self.default is None:
+            return []
+        return [r for rs in self.sets() for r in rs.replicas.values()]
 
     def model_names(self, served: str, session_id: str = "") -> list[str]:
         """Names clients may ask for: every one maps to a policy (``model_map``). Besides the
@@ -280,20 +311,46 @@ class Generation:
     """One call's hold on a replica; ``failover`` moves it to another when its replica fails
     mid-generation (passed to ``VLLMClient.stream_resuming``)."""
 
-    def __init__(self, replicas: ReplicaSet, session_id: str, replica: Replica) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        session_id: str,
+        replica: Replica,
+        sessions: FairScheduler | None = None,
+    ) -> None:
         self.replicas = replicas
         self.session_id = session_id
         self.replica = replica
+        self.sessions = sessions or FairScheduler()
         self._held = False
 
     async def acquire(self) -> None:
-        await self.replicas.acquire(self.replica)
+        """The session's turn first (its own bound), then a slot on the server; a call that
+        waits is no error, one past a full queue is ReplicasBusy (the provider's 503)."""
+        try:
+            await self.sessions.acquire(self.session_id)
+        except QueueFull:
+            raise ReplicasBusy(
+                f"session {self.session_id!r} has {self.sessions.running_of(self.session_id)} "
+                f"generations running (agenttap_session_max_inflight) and "
+                f"{self.sessions.waiting_of(self.session_id)} calls waiting "
+                f"(agenttap_replica_queue); retry shortly",
+                503,
+            ) from None
+        try:
+            await self.replicas.acquire(self.replica, self.session_id)
+        except BaseException:
+            self.sessions.release(self.session_id)
+            raise
         self._held = True
 
     async def release(self) -> None:
         if self._held:
             self._held = False
-            await self.replicas.release(self.replica)
+            try:
+                await self.replicas.release(self.replica, self.session_id)
+            finally:
+                self.sessions.release(self.session_id)
 
     async def __aenter__(self) -> Generation:
         await self.acquire()

@@ -5,7 +5,9 @@ whose replica went unhealthy or was removed, goes to the least-loaded healthy re
 loads are broken by the session id's hash (``crc32 % n`` first, then the ones after it), so
 that idle proxies in a pool place a session on the same replica. Generations per replica can be
 bounded (``agenttap_replica_max_inflight``); calls beyond it wait in a bounded queue
-(``agenttap_replica_queue``) and past that are refused with the provider's retryable error. A
+(``agenttap_replica_queue``) and past that are refused with the provider's retryable error.
+While a replica is saturated its free slots go to the waiting sessions in turn, fewest running
+first (capture/policy/fair.py), not to whichever call came first. A
 replica failing mid-generation is marked unhealthy and the generation goes on on another one
 (``failover``; the stitching is ``VLLMClient.stream_resuming``'s).
 
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from capture.policy.fair import FairScheduler, QueueFull
 from rewriter.vllm_client import PolicyError, VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -96,7 +99,9 @@ class Replica:
     verified_at: float = 0.0
     # Whether the last update's probe was checked on it, and its max |diff| then.
     probe_diff: float | None = None
-    _freed: asyncio.Condition | None = field(default=None, repr=False)
+    # Its generation slots, shared fairly between sessions (``in_flight`` and ``waiting``
+    # mirror it after every change; ReplicaSet sizes it).
+    slots: FairScheduler = field(default_factory=FairScheduler, repr=False)
 
     def load(self) -> tuple[int, int]:
         return (self.in_flight + self.waiting, self.sessions)
@@ -135,6 +140,13 @@ class Replica:
                 "fingerprint": (self.fingerprint or [])[1 : 1 + FINGERPRINT_SHOWN],
             },
         }
+
+
+def _mirroring(replica: Replica) -> Callable[[], None]:
+    def mirror() -> None:
+        ReplicaSet._mirror(replica)
+
+    return mirror
 
 
 class ReplicasBusy(PolicyError):
@@ -177,6 +189,7 @@ class ReplicaSet:
         replica = self.replicas.get(url)
         if replica is None:
             replica = Replica(url, self._make_client(url))
+            replica.slots.on_change = _mirroring(replica)
             replica.fingerprint_ids = list(self.fingerprint_ids)
             self.replicas[url] = replica
         return replica
@@ -247,35 +260,31 @@ class ReplicaSet:
         return next((r for r in self.replicas.values() if r.client is client), None)
 
     # -- slots -----------------------------------------------------------------------------
-    async def acquire(self, replica: Replica, force: bool = False) -> None:
-        """A generation slot on ``replica``; waits in its queue while all are taken, raises
-        ReplicasBusy when the queue is full too. ``force``: take one regardless (a generation
-        moved here from a failed replica must not be lost)."""
-        if force or not self.max_in_flight or replica.in_flight < self.max_in_flight:
-            replica.in_flight += 1
-            return
-        if replica.waiting >= self.max_queue:
+    async def acquire(self, replica: Replica, session_id: str = "", force: bool = False) -> None:
+        """A generation slot on ``replica`` for a call of ``session_id``; waits its session's
+        turn while all are taken, raises ReplicasBusy when the queue is full too. ``force``:
+        take one regardless (a generation moved here from a failed replica must not be lost)."""
+        slots = replica.slots
+        slots.capacity = self.max_in_flight
+        slots.max_waiting = self.max_queue
+        try:
+            await slots.acquire(session_id, force=force)
+        except QueueFull:
             raise ReplicasBusy(
-                f"the policy server at {replica.url} is busy: {replica.in_flight} generations "
-                f"running (agenttap_replica_max_inflight) and {replica.waiting} calls waiting "
+                f"the policy server at {replica.url} is busy: {slots.in_flight} generations "
+                f"running (agenttap_replica_max_inflight) and {slots.waiting} calls waiting "
                 f"(agenttap_replica_queue); retry shortly",
                 503,
-            )
-        if replica._freed is None:
-            replica._freed = asyncio.Condition()
-        replica.waiting += 1
-        try:
-            async with replica._freed:
-                await replica._freed.wait_for(lambda: replica.in_flight < self.max_in_flight)
-                replica.in_flight += 1
-        finally:
-            replica.waiting -= 1
+            ) from None
 
-    async def release(self, replica: Replica) -> None:
-        replica.in_flight = max(0, replica.in_flight - 1)
-        if replica._freed is not None:
-            async with replica._freed:
-                replica._freed.notify()
+    async def release(self, replica: Replica, session_id: str = "") -> None:
+        replica.slots.release(session_id)
+
+    @staticmethod
+    def _mirror(replica: Replica) -> None:
+        """``in_flight`` and ``waiting`` (placement's load, /replicas) follow the slots."""
+        replica.in_flight = replica.slots.in_flight
+        replica.waiting = replica.slots.waiting
 
     async def failover(
         self, session_id: str, failed: Replica, error: BaseException
@@ -298,8 +307,8 @@ class ReplicaSet:
         target = self.pick(session_id, exclude=frozenset({failed.url}))
         if target is failed or not target.serving or target.url == failed.url:
             return None
-        await self.release(failed)
-        await self.acquire(target, force=True)
+        await self.release(failed, session_id)
+        await self.acquire(target, session_id, force=True)
         logger.warning(
             "agenttap: policy server %s failed mid-generation (%s); session %r goes on on %s",
             failed.url,

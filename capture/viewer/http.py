@@ -119,6 +119,7 @@ class LiveSource:
         for sess in self.gateway.control.live():
             state = sess.summary()
             state["backend"] = policies.backend_of(sess.id)
+            state.update(policies.queue_state(sess.id))
             out[sess.id] = state
         return out
 

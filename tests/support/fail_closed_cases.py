@@ -26,6 +26,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_stream_flush_ms": "20ms",
     "agenttap_replica_max_inflight": "-3",
     "agenttap_replica_queue": "lots",
+    "agenttap_session_max_inflight": "-1",
     "agenttap_client_timeout": "1m",
     "agenttap_model_map": "claude-*",
     "agenttap_model_names": None,

@@ -27,6 +27,8 @@ from typing import Any
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from tests.support.stub_engine import StubEngine
+
 
 def _dumps(obj: Any) -> str:
     # vLLM writes compact JSON (pydantic's model_dump_json), non-ASCII as UTF-8.
@@ -87,6 +89,9 @@ class StubPolicy:
         # LoRA adapters loaded (dev mode's /v1/load_lora_adapter): name -> folder; a request
         # naming one is answered with its folder's ``folders`` shift on top.
         self.loras: dict[str, str] = {}
+        # A saturated engine (bounded generations at once, the rest queued; None: unbounded and
+        # instant): tests/support/stub_engine.py. agenttap's own checks never wait in it.
+        self.engine: StubEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -211,11 +216,21 @@ class StubPolicy:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if request.headers.get("X-Request-Id", "").startswith("agenttap-check-"):
+        check = request.headers.get("X-Request-Id", "").startswith("agenttap-check-")
+        if check:
             self.checks.append(body)
         else:
             self.requests.append(body)
         index = len(self.requests) - 1
+        engine = self.engine
+        if engine is None or check:
+            return await self._complete(request, body, index)
+        async with engine.generation(body):
+            return await self._complete(request, body, index)
+
+    async def _complete(
+        self, request: web.Request, body: dict[str, Any], index: int
+    ) -> web.StreamResponse:
         if not self.healthy:
             # As a vLLM whose engine died: /health answers 503, generations fail.
             return _error(503, "ServiceUnavailableError", "The engine is not running.")
