@@ -825,34 +825,52 @@ def _copy_file(src: Path, dst: Path) -> None:
 
 def _copy_tree(src: Path, dst: Path, skipped: list[str]) -> None:
     """``src`` (a folder, a file or a symlink) copied to ``dst``, without recursion (a deep tree
-    is no stack overflow) and without following any link."""
+    is no stack overflow) and without following any link. What cannot be copied (a path past
+    PATH_MAX, a name the disk refuses) is left out with why, in ``skipped``, and the rest kept."""
     linked: dict[tuple[int, int], Path] = {}
     folders: list[tuple[Path, os.stat_result]] = []
-    stack = [(src, dst)]
+    stack: list[tuple[Path, Path]] = []
+    _copy_entry(src, dst, stack, folders, linked, skipped)  # its own failure is the caller's
     while stack:
         s, d = stack.pop()
-        st = os.lstat(s)
-        if stat.S_ISDIR(st.st_mode):
-            os.mkdir(d, 0o700)
-            folders.append((d, st))  # its mode last: a read-only folder is filled first
-            with os.scandir(s) as it:
-                stack.extend((Path(e.path), d / e.name) for e in it)
-        elif stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(s), d)
-            _copy_meta(d, st)
-        elif stat.S_ISREG(st.st_mode):
-            key = (st.st_dev, st.st_ino)
-            if key in linked:
-                os.link(linked[key], d)
-                continue
-            _copy_file(s, d)
-            _copy_meta(d, st)
-            if st.st_nlink > 1:
-                linked[key] = d
-        else:
-            skipped.append(str(s))
+        try:
+            _copy_entry(s, d, stack, folders, linked, skipped)
+        except OSError as exc:
+            skipped.append(f"{s} ({exc.strerror or exc})")
     for d, st in reversed(folders):
+        with contextlib.suppress(OSError):
+            _copy_meta(d, st)
+
+
+def _copy_entry(
+    s: Path,
+    d: Path,
+    stack: list[tuple[Path, Path]],
+    folders: list[tuple[Path, os.stat_result]],
+    linked: dict[tuple[int, int], Path],
+    skipped: list[str],
+) -> None:
+    """One entry of ``_copy_tree``: a folder's children go on ``stack``."""
+    st = os.lstat(s)
+    if stat.S_ISDIR(st.st_mode):
+        os.mkdir(d, 0o700)
+        folders.append((d, st))  # its mode last: a read-only folder is filled first
+        with os.scandir(s) as it:
+            stack.extend((Path(e.path), d / e.name) for e in it)
+    elif stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(s), d)
         _copy_meta(d, st)
+    elif stat.S_ISREG(st.st_mode):
+        key = (st.st_dev, st.st_ino)
+        if key in linked:
+            os.link(linked[key], d)
+            return
+        _copy_file(s, d)
+        _copy_meta(d, st)
+        if st.st_nlink > 1:
+            linked[key] = d
+    else:
+        skipped.append(f"{s} (a FIFO, socket or device)")
 
 
 # ---------------------------------------------------------------- a run's output

@@ -111,6 +111,8 @@ class Run:
     verifier_output: str = ""
     # The verifier's stderr: shown, never read for the reward.
     verifier_stderr: str = ""
+    # What of its files could not be kept on disk at the end (special files, paths too long).
+    not_kept: list[str] = field(default_factory=list)
     # With "keep" or the pytest verifier: what of the agent's was graded and what was left out.
     graded: dict[str, Any] | None = None
     # The pytest verifier's tests by outcome; a rewards.json's named rewards.
@@ -147,6 +149,7 @@ class Run:
             "verifier_output": self.verifier_output,
             "verifier_stderr": self.verifier_stderr,
             "graded": self.graded,
+            "not_kept": self.not_kept,
             "tests": self.tests,
             "rewards": self.rewards,
             "sanitized": self.sanitized,
@@ -401,7 +404,11 @@ class Rollouts:
         with contextlib.suppress(OSError):
             quota.path.rmdir()
         if skipped:
-            logger.info("agenttap: %s: not kept (special files): %s", run.folder, skipped[:5])
+            run.not_kept = [printable(path) for path in skipped[:100]]
+            logger.info(
+                "agenttap: %s: %d path(s) not kept (special files, paths past PATH_MAX): %s",
+                run.folder, len(skipped), printable(", ".join(skipped[:5])),
+            )  # fmt: skip
 
     def _agent_failure(self, run: Run) -> str | None:
         """Why an agent that ended by itself failed: a non-zero exit (unless its session

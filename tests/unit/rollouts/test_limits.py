@@ -335,7 +335,7 @@ def test_disk_quota_fills_then_keeps_only_the_named_folders(tmp_path: Path) -> N
     skipped = quota.unmount_keeping(["work", "home"], into)
     assert not os.path.ismount(box) and list(box.iterdir()) == []
     kept = into / "work"
-    assert skipped == [str(work / "fifo")]
+    assert skipped == [f"{work / 'fifo'} (a FIFO, socket or device)"]
     assert (kept / "answer.txt").read_text() == "42\n"
     assert stat.S_IMODE(os.stat(kept / "answer.txt").st_mode) == 0o640  # setuid dropped
     assert stat.S_IMODE(os.stat(kept).st_mode) == 0o750
@@ -344,6 +344,33 @@ def test_disk_quota_fills_then_keeps_only_the_named_folders(tmp_path: Path) -> N
     assert os.stat(kept / "sparse").st_size == 1 << 40
     assert os.stat(kept / "sparse").st_blocks == 0
     assert not (into / "tmp").exists() and not (into / "home").exists()
+
+
+def test_a_tree_past_path_max_keeps_what_it_can_and_says_what_it_skipped(tmp_path: Path) -> None:
+    """An agent's folders nested past PATH_MAX (4096 bytes): the rest is kept, the too-deep
+    part is named in what was skipped, and nothing raises."""
+    box = tmp_path / "box"
+    quota = DiskQuota.mount(box, 16)
+    work = box / "work"
+    work.mkdir()
+    (work / "answer.txt").write_text("42\n")
+    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(30):  # 30 x 201 bytes: past PATH_MAX from any root
+            os.mkdir("d" * 200, dir_fd=fd)
+            inner = os.open("d" * 200, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        with open(os.open("deep.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("too deep")
+    finally:
+        os.close(fd)
+    into = tmp_path / "kept"
+    into.mkdir()
+    skipped = quota.unmount_keeping(["work"], into)
+    assert (into / "work" / "answer.txt").read_text() == "42\n"
+    assert len(skipped) == 1 and "File name too long" in skipped[0], skipped
+    assert (into / "work" / ("d" * 200)).is_dir()  # the part that fits is kept
 
 
 def test_a_failed_copy_or_an_open_file_still_unmounts(
