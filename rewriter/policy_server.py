@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         help="context served, in tokens (Claude Code's first call alone is about 11.5k)",
     )
     parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300.0,
+        help="seconds vLLM may take to answer before the start counts as failed (a cold start "
+        "is about a minute on a quiet CPU; several at once on a busy one take longer)",
+    )
+    parser.add_argument(
         "--max-lora-rank",
         type=int,
         default=0,
@@ -389,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
             spawning = False
         if stop_asked:
             raise KeyboardInterrupt
-        wait_ready(url, proc, log_path=log, report=lambda line: print(line, flush=True))
+        wait_ready(
+            url, proc, timeout_s=args.ready_timeout, log_path=log,
+            report=lambda line: print(line, flush=True),
+        )  # fmt: skip
         print(f"agenttap: policy ready at {url}", flush=True)
         print(f"POLICY_URL={url}", flush=True)
         return proc.wait()

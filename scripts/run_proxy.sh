@@ -13,6 +13,7 @@
 # --policy-url is http://HOST:PORT or unix:/PATH (vllm serve --uds PATH). Sets up what it needs
 # first (scripts/setup.sh). Ready when it prints "agenttap ready: ...". On exit the private
 # folder goes; the policy's log is kept (its path printed) only if the policy failed.
+# AGENTTAP_POLICY_START_S: how long the embedded policy may take to start (default 300 s).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -73,7 +74,7 @@ if [ -z "$POLICY_URL" ]; then
   LOG="$PRIVATE/policy.log"
   FIFO="$PRIVATE/policy.out"; mkfifo "$FIFO"
   "$PY" -m rewriter.policy_server --socket "$PRIVATE/vllm.sock" --log "$LOG" \
-    --max-model-len "$MAX_MODEL_LEN" > "$FIFO" &
+    --max-model-len "$MAX_MODEL_LEN" --ready-timeout "${AGENTTAP_POLICY_START_S:-300}" > "$FIFO" &
   POLICY_PID=$!
   while read -r line; do
     echo "$line"

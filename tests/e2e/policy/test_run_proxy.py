@@ -32,10 +32,18 @@ pytestmark = pytest.mark.vllm
 CLAUDE_CODE_FIRST_CALL_TOKENS = 11_500
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
+def _wait_for(
+    what: str, check: Callable[[], bool], timeout: float, run: RunProxy | None = None
+) -> None:
+    """Until ``check``; with ``run``, a run that has exited fails it at once, with its output."""
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        if run is not None and run.proc.poll() is not None:
+            raise AssertionError(
+                f"run_proxy.sh exited ({run.proc.returncode}) before {what} was ready:\n"
+                + run.output()[-3000:]
+            )
         time.sleep(0.2)
 
 
@@ -62,7 +70,10 @@ class RunProxy:
                  "--api-port", str(self.api_port), "--out", out or str(tmp_path / "out"),
                  "--confdir", str(confdir)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
-                env={**os.environ, **ONE_FLOATING_THREAD, **(env or {})},
+                # Up to five cold starts at once share two cores here: more than the
+                # default 300 s to answer (a quiet machine takes about a minute).
+                env={**os.environ, **ONE_FLOATING_THREAD, "AGENTTAP_POLICY_START_S": "840",
+                     **(env or {})},
             )  # fmt: skip
 
     def output(self) -> str:
@@ -201,7 +212,7 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
 ) -> None:
     run = full_runs["serve"]
     tmp_path = run.log.parent
-    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 900, run)
     # The moment the ready line is out, both listeners take a connection (no retry).
     for port in (run.port, run.api_port):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -286,7 +297,7 @@ def test_run_proxy_stops_everything_it_started_whatever_ends_first(
     token given in the environment reached no child's environment."""
     run = full_runs[how]
     token, elsewhere = run.token, run.cwd
-    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 600)
+    _wait_for("the proxy", lambda: "agenttap ready:" in run.output(), 900, run)
     assert f"AGENTTAP_TOKEN={token}" in run.output()
     assert f"shards in {elsewhere / 'rel-out'}" in run.output()
     # The script's own environment was given it; no process it started holds it.
