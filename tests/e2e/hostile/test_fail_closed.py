@@ -34,7 +34,9 @@ from tests.support.fail_closed_cases import Case, cases, good_options, startup_i
 from tests.support.paths import CAPTURE, MITMDUMP, REPO
 from tests.support.stub_vllm import StubPolicy
 
-EXIT_WITHIN_S = 30
+# A deadline, not a wait: mitmdump exits within seconds here, but a loaded 2-core machine
+# (three at once, beside another worker's vLLM boots) took past 30.
+EXIT_WITHIN_S = 120
 
 
 class StandInInternet:
