@@ -1,11 +1,13 @@
-"""Admission by resources: a rollout starts only if the memory its agents may use fits.
+"""Admission by resources: an agent starts only if the memory it may use fits.
 
 Each run of a rollout (its agent, then its verifier: never both at once) is promised its
 ``memory_mb`` and, on a size-capped tmpfs that lives in memory, its ``disk_mb``. The promises
 of every running run together stay within the budget: ``agenttap_rollout_memory_mb``, by
 default 80% of this host's MemTotal (the rest is the proxy's, the policy's and the system's).
-A rollout that does not fit now waits for runs to end (``"wait": false``: 429 with
-``Retry-After``); one that could never fit is refused at once. The instance's parent cgroup
+A run that does not fit waits (status ``pending``) until others end, so a rollout of 8 agents
+on a small host runs as many at once as fit; a rollout asking not to wait (``"wait": false``)
+gets 429 with ``Retry-After`` when not even one of its agents fits now; one whose single agent
+could never fit is refused at once (400). The instance's parent cgroup
 enforces the same total (capture/rollouts/limits.py ``cap_instance_memory``), so promises the
 kernel does not see cannot add up past it either.
 
@@ -15,6 +17,7 @@ No mitmproxy or HTTP here: the routes and the runner ask.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from capture.rollouts.limits import SandboxLimits
@@ -48,7 +51,7 @@ class MemoryBusy(Exception):
 
     def __init__(self, need_mb: int, promised_mb: int, total_mb: int) -> None:
         super().__init__(
-            f"agenttap: this rollout needs {need_mb} MiB (memory_mb + disk_mb per agent) and "
+            f"agenttap: an agent of this rollout needs {need_mb} MiB (memory_mb + disk_mb) and "
             f"{promised_mb} of {total_mb} MiB are promised to running agents "
             f"(agenttap_rollout_memory_mb); retry when some have ended"
         )
@@ -66,10 +69,10 @@ class MemoryBudget:
         """NeverFits if ``need_mb`` is more than the whole budget."""
         if need_mb > self.total_mb:
             raise NeverFits(
-                f"this rollout needs {need_mb} MiB (n x (memory_mb + disk_mb): agents and their "
-                f"tmpfs), more than the {self.total_mb} MiB all rollouts may have together "
-                "(agenttap_rollout_memory_mb, default 80% of this host's memory): lower n, "
-                "memory_mb or disk_mb"
+                f"an agent of this rollout needs {need_mb} MiB (memory_mb + disk_mb: its memory "
+                f"and its tmpfs), more than the {self.total_mb} MiB all rollouts may have "
+                "together (agenttap_rollout_memory_mb, default 80% of this host's memory): "
+                "lower memory_mb or disk_mb"
             )
 
     def fits(self, need_mb: int) -> bool:
@@ -84,6 +87,10 @@ class MemoryBudget:
 
     def give_back(self, mb: int) -> None:
         self.promised_mb = max(0, self.promised_mb - mb)
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Wake the waiters to look again (memory given back, or a waiter gave up)."""
         if self._changed is not None:
             changed = self._changed
 
@@ -93,11 +100,16 @@ class MemoryBudget:
 
             asyncio.ensure_future(notify())
 
-    async def wait_until_fits(self, need_mb: int) -> None:
-        """Return once ``need_mb`` fits (NeverFits at once if it never can). The caller takes
-        it before its next ``await``."""
+    async def acquire(self, need_mb: int, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until ``need_mb`` fits, then promise it: True. False if ``give_up`` says so
+        first (a cancelled rollout; ``nudge`` makes the waiters look). NeverFits at once if it
+        never can."""
         self.check(need_mb)
         if self._changed is None:
             self._changed = asyncio.Condition()
         async with self._changed:
-            await self._changed.wait_for(lambda: self.fits(need_mb))
+            await self._changed.wait_for(lambda: self.fits(need_mb) or give_up())
+        if give_up():
+            return False
+        self.promised_mb += need_mb
+        return True

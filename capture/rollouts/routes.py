@@ -50,10 +50,8 @@ class RolloutRoutes:
             raise ValueError('"rows" must be true (each rollout\'s rows in the answer) or false')
         if spec.workdir is not None:  # a link out of it: refused before anything starts
             await asyncio.to_thread(check_seed, spec.workdir)
-        if wait:  # memory for its agents: a rollout that waits for it gets it (admission.py)
-            await self.rollouts.memory.wait_until_fits(self.rollouts.memory_need(spec))
         try:
-            rollout = self.rollouts.start(spec)
+            rollout = self.rollouts.start(spec, wait)
         except (Busy, MemoryBusy) as exc:
             return web.json_response(
                 {"error": {"message": str(exc), "status": 429}},

@@ -38,7 +38,7 @@ from capture.control.sessions import END_STOP, agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.logsafe import printable
 from capture.ports import RolloutHost
-from capture.rollouts.admission import MemoryBudget, default_budget_mb, run_need_mb
+from capture.rollouts.admission import MemoryBudget, MemoryBusy, default_budget_mb, run_need_mb
 from capture.rollouts.agents import prepare_home
 from capture.rollouts.limits import (
     MIB,
@@ -248,7 +248,7 @@ class Rollouts:
     def all(self) -> list[Rollout]:
         return list(self._rollouts.values())
 
-    def start(self, spec: RolloutSpec) -> Rollout:
+    def start(self, spec: RolloutSpec, wait: bool = True) -> Rollout:
         """Open the rollout's sessions and start its agents (Busy past the cap; ValueError for
         an id in use; SandboxUnavailable, a ValueError, when it would run in bwrap and bwrap is
         not installed)."""
@@ -260,9 +260,12 @@ class Rollouts:
         running = self.running_agents()
         if running + spec.n > self.max_running:
             raise Busy(running, self.max_running)
-        # Each run's memory and tmpfs, given back as it ends (_run); MemoryBusy if it does not
-        # fit now, NeverFits (a ValueError) if it never can.
-        self.memory.take(self.memory_need(spec))
+        # Each run waits for its memory and tmpfs (_run). NeverFits (a ValueError) if one
+        # never can; MemoryBusy, asking not to wait, if not even one fits now.
+        need = run_need_mb(spec.sandbox_limits)
+        self.memory.check(need)
+        if not wait and not self.memory.fits(need):
+            raise MemoryBusy(need, self.memory.promised_mb, self.memory.total_mb)
         if bwrap is None:
             logger.warning(
                 "agenttap: rollout %s runs its agents and verifier unsandboxed (sandbox none): "
@@ -286,10 +289,6 @@ class Rollouts:
         logger.info("agenttap: rollout %s: %d x %s started", spec.id, spec.n, spec.command[0])
         return rollout
 
-    @staticmethod
-    def memory_need(spec: RolloutSpec) -> int:
-        return spec.n * run_need_mb(spec.sandbox_limits)
-
     def _check_expose(self, expose: tuple[Path, ...]) -> None:
         """Refuse (ValueError) exposing a folder agenttap keeps from agents: OUT, mitmproxy's
         confdir, the hidden paths, or a folder above one of them."""
@@ -308,6 +307,7 @@ class Rollouts:
         """Stop a rollout: its agents' process groups end, its sessions are closed with their
         rows kept (``end_reason`` ``cancelled``)."""
         rollout.cancelled = True
+        self.memory.nudge()  # its runs still waiting for memory give up
         await asyncio.gather(
             *(stop(run.child, graceful=True) for run in rollout.runs if run.child is not None)
         )
@@ -358,8 +358,13 @@ class Rollouts:
     async def _run(self, rollout: Rollout, run: Run) -> None:
         spec = rollout.spec
         run.started_at = time.monotonic()
+        need = run_need_mb(spec.sandbox_limits)
+        promised = False
         try:
-            await self._agent(rollout, run)
+            # Its memory and tmpfs, once they fit beside the running agents (admission.py).
+            promised = await self.memory.acquire(need, lambda: rollout.cancelled)
+            if promised:
+                await self._agent(rollout, run)
             failure = None
             if not rollout.cancelled and run.error is None:
                 failure = run.error = self._agent_failure(run)
@@ -385,7 +390,8 @@ class Rollouts:
             await self._keep_files(run)
             await self._close(run)
             run.wall_time_s = time.monotonic() - run.started_at
-            self.memory.give_back(run_need_mb(spec.sandbox_limits))
+            if promised:
+                self.memory.give_back(need)
 
     async def _keep_files(self, run: Run) -> None:
         """The run's work/ and HOMEs out of its size-capped tmpfs, onto disk in its folder."""

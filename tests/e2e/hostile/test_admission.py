@@ -1,5 +1,5 @@
 """Admission by resources (issue 47): limits that promise more memory than the host has do not
-all start. Real agenttap under mitmdump, real sandboxed agents; the budget is the default, 80%
+all start: an agent waits (``pending``) until its memory fits. Real agenttap under mitmdump, real sandboxed agents; the budget is the default, 80%
 of this host's MemTotal, read here the same way."""
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def test_rollouts_past_the_hosts_memory_wait_or_are_refused(
 ) -> None:
     budget = default_budget_mb()
     release = tmp_path / "release"
-    # Bigger than the whole budget: refused at once, whatever "wait" says.
-    huge = {"agent": {"command": ["true"]}, "prompt": "x", "n": 8, "sandbox": "none",
-            "limits": {"memory_mb": budget // 4, "disk_mb": DISK_MB}}  # fmt: skip
+    # One agent bigger than the whole budget: refused at once, whatever "wait" says.
+    huge = {"agent": {"command": ["true"]}, "prompt": "x", "sandbox": "none",
+            "limits": {"memory_mb": budget, "disk_mb": DISK_MB}}  # fmt: skip
     status, answer, _ = post(stub_tap, huge)
     assert status == 400 and "agenttap_rollout_memory_mb" in answer["error"]["message"], answer
     # One that holds most of it, running (the agent waits for the test's signal).
@@ -82,14 +82,19 @@ def test_rollouts_past_the_hosts_memory_wait_or_are_refused(
 
     waiter = threading.Thread(target=wait_for_it)
     waiter.start()
-    # It waits: no rollout of that id exists while the holder runs.
+    # It waits: its agent is pending while the holder runs.
     deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
+    seen = None
+    while time.monotonic() < deadline or seen is None:
         assert stub_tap.client.get("/rollouts/memory-holder")["status"] == "running"
-        assert stub_tap.client.request("GET", "/rollouts")[0]["rollouts"][-1]["id"] != (
-            "memory-waited"
-        )
-        time.sleep(0.5)
+        assert time.monotonic() < deadline + 60, "the waiting rollout never appeared"
+        try:
+            seen = stub_tap.client.get("/rollouts/memory-waited")
+        except AgentTapError:  # not created yet
+            time.sleep(0.05)
+            continue
+        assert [r["status"] for r in seen["rollouts"]] == ["pending"], seen
+        time.sleep(0.2)
     release.touch()
     waiter.join(120)
     assert "error" not in done, done

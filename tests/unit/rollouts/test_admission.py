@@ -41,15 +41,14 @@ def test_promises_stay_within_the_budget() -> None:
     assert budget.promised_mb == 4_000 and budget.fits(6_000) and not budget.fits(6_001)
 
 
-def test_a_waiting_rollout_starts_when_memory_is_given_back() -> None:
+def test_a_waiting_agent_starts_when_memory_is_given_back() -> None:
     async def scenario() -> list[str]:
         budget = MemoryBudget(10_000)
         budget.take(8_000)
         events: list[str] = []
 
         async def waiter() -> None:
-            await budget.wait_until_fits(5_000)
-            budget.take(5_000)
+            assert await budget.acquire(5_000)
             events.append("admitted")
 
         task = asyncio.ensure_future(waiter())
@@ -58,11 +57,30 @@ def test_a_waiting_rollout_starts_when_memory_is_given_back() -> None:
         events.append("still waiting" if not task.done() else "too early")
         budget.give_back(8_000)
         await asyncio.wait_for(task, 5)
+        assert budget.promised_mb == 5_000
         return events
 
     assert asyncio.run(scenario()) == ["still waiting", "admitted"]
 
 
+def test_a_cancelled_waiter_gives_up_without_a_promise() -> None:
+    async def scenario() -> bool:
+        budget = MemoryBudget(10_000)
+        budget.take(8_000)
+        cancelled = False
+        task = asyncio.ensure_future(budget.acquire(5_000, lambda: cancelled))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()
+        cancelled = True
+        budget.nudge()
+        got = await asyncio.wait_for(task, 5)
+        assert budget.promised_mb == 8_000
+        return got
+
+    assert asyncio.run(scenario()) is False
+
+
 def test_a_wait_for_more_than_the_budget_ends_at_once() -> None:
     with pytest.raises(NeverFits):
-        asyncio.run(MemoryBudget(100).wait_until_fits(101))
+        asyncio.run(MemoryBudget(100).acquire(101))
