@@ -457,10 +457,7 @@ class Rollouts:
             await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
         # Built whole, never from os.environ: the proxy's environment may hold the token.
         env = {
-            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            "LANG": os.environ.get("LANG", "C.UTF-8"),
-            "HOME": str(home),
-            "TMPDIR": str(tmp),
+            **_plain_env(home, tmp),
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "CODEX_HOME": str(home / ".codex"),
             **self._session_env(run, inside=rollout.bwrap is not None),
@@ -686,10 +683,7 @@ class Rollouts:
             if rollout.bwrap is not None:
                 await asyncio.to_thread(give_to, sandbox_user(), work, home, tmp)
             env = {
-                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-                "LANG": os.environ.get("LANG", "C.UTF-8"),
-                "HOME": str(home),
-                "TMPDIR": str(tmp),
+                **_plain_env(home, tmp),
                 "PYTHONSAFEPATH": "1",
                 "AGENTTAP_SESSION": run.session_id,
                 **extra,
@@ -831,6 +825,17 @@ def sandbox_user() -> int | None:
     user that owns nothing on the host), else None (this user's own, the kernel allowing no
     other)."""
     return SANDBOX_UID if os.geteuid() == 0 else None
+
+
+def _plain_env(home: Path, tmp: Path) -> dict[str, str]:
+    """What an agent's or a verifier's environment starts from: built whole, never from
+    os.environ (the proxy's environment may hold the token)."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "HOME": str(home),
+        "TMPDIR": str(tmp),
+    }
 
 
 def _tail(path: Path, size: int = OUTPUT_KEPT) -> str:
