@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +35,8 @@ from tests.support.fail_closed_cases import Case, cases, good_options, startup_i
 from tests.support.paths import CAPTURE, MITMDUMP, REPO
 from tests.support.stub_vllm import StubPolicy
 
-# A deadline, not a wait: mitmdump exits within seconds here, but a loaded 2-core machine
-# (three at once, beside another worker's vLLM boots) took past 30.
+# A deadline, not a wait: mitmdump exits within seconds (on a loaded 2-core machine, three at
+# once beside another worker's vLLM boots, well past 30).
 EXIT_WITHIN_S = 120
 
 
@@ -114,16 +115,19 @@ def _run(
         "--mode", f"upstream:http://127.0.0.1:{internet.port}",
         "--set", f"confdir={confdir}", *args,
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env=env
-    )
-    deadline = time.monotonic() + EXIT_WITHIN_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        _poke(port)
-        time.sleep(0.01)
-    if proc.poll() is None:
-        proc.kill()
-    out, _ = proc.communicate()
+    # Its output to a file, not a pipe: a pipe nobody reads until it exits fills (64 kB) with
+    # a line per poke on a slow start, and mitmdump then blocks writing and never exits.
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        deadline = time.monotonic() + EXIT_WITHIN_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            _poke(port)
+            time.sleep(0.01)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        output.seek(0)
+        out = output.read()
     time.sleep(0.05)  # a forwarded request still in flight reaches the listener
     returncode = None if proc.returncode in (-9, 137) else proc.returncode
     return Outcome(returncode, out.decode(errors="replace"), internet.hits[before:])

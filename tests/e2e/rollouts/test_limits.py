@@ -47,11 +47,17 @@ HOGS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+# What each rollout here asks beside the limit it tests. Six at once with the defaults (4096
+# MiB + a 2048 MiB tmpfs each) would be promised 36 GiB, more than this host lends rollouts
+# (agenttap_rollout_memory_mb): the last ones would be refused, as they ask not to wait.
+MODEST = {"memory_mb": 512, "disk_mb": 128}
+
+
 def start(tap: AgentTap, script: str, limits: dict[str, Any], rid: str) -> None:
     body = {
         "agent": {"command": [sys.executable, "-c", script]},
         "prompt": "go",
-        "limits": limits,
+        "limits": {**MODEST, **limits},
         "id": rid,
         "wait": False,
         "timeout_s": 120,

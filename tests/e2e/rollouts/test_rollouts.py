@@ -183,7 +183,7 @@ def test_a_verifier_that_prints_no_number_is_an_error_with_its_output(
     (run,) = result["rollouts"]
     assert run["status"] == "error" and run["finish_reason"] == "error"
     assert run["reward"] is None and "looks fine to me" in run["verifier_output"]
-    assert "not a number" in run["error"]
+    assert "not one number: 'looks fine to me'" in run["error"], run["error"]
 
 
 def test_bad_requests_are_refused_with_the_reason(stub_tap: AgentTap, tmp_path: Path) -> None:
