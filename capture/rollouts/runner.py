@@ -693,9 +693,9 @@ class Rollouts:
                 rollout, run, "verifier", command, env, (work, home, tmp), log,
                 VERIFIER_TIMEOUT_S, stderr_log=errors,
             )  # fmt: skip
-            stdout, stderr = _tail(log, VERIFIER_TAIL), _tail(errors, VERIFIER_TAIL)
+            stdout = _tail(log, VERIFIER_TAIL)  # read for the reward: its stderr never is
             run.verifier_output = stdout[-OUTPUT_KEPT:]
-            run.verifier_stderr = stderr[-OUTPUT_KEPT:]
+            run.verifier_stderr = _tail(errors)
             if ended.timed_out:
                 run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
             elif ended.limit is not None:
@@ -705,7 +705,7 @@ class Rollouts:
                 return  # stopped: its output is no score
             assert run.child is not None
             scored = await asyncio.to_thread(
-                score, verifier, run.child.proc.returncode, stdout, stderr, tmp
+                score, verifier, run.child.proc.returncode, stdout, tmp
             )
         except OSError as exc:
             run.error = f"the verifier could not start: {exc}"

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capture.logsafe import printable
 from capture.rollouts.grading import Graded, grade_on_seed
 from capture.rollouts.pytest_guard import TAMPERED_STATUS
-from capture.rollouts.pytest_verifier import RAN, PytestRun, grade
+from capture.rollouts.pytest_verifier import RAN, REPORT_CAP, PytestRun, grade
 from capture.rollouts.verifier import RewardError, VerifierSpec, file_reward, stdout_reward
 
 # Harbor's convention: the verifier may write its reward here instead of printing it.
@@ -56,9 +57,8 @@ def verifier_command(
     verifier: VerifierSpec, tmp: Path, kept: list[Path]
 ) -> tuple[list[str], dict[str, str]]:
     """The command to run and what it adds to the verifier's environment."""
-    env = {REWARD_FILE_ENV: str(tmp / REWARD_FILE_NAME)}
     if not verifier.pytest:
-        return list(verifier.command), env
+        return list(verifier.command), {REWARD_FILE_ENV: str(tmp / REWARD_FILE_NAME)}
     python = verifier.python or shutil.which("python3")
     if python is None:
         raise OSError(
@@ -66,18 +66,15 @@ def verifier_command(
         )
     run = PytestRun(tmp / PYTEST_FOLDER)
     run.prepare(kept)
-    env.update(run.env())
-    env.pop(REWARD_FILE_ENV)  # the JUnit report is its only channel
-    return run.command(python, verifier.pytest), env
+    # No reward file: the JUnit report is its only channel.
+    return run.command(python, verifier.pytest), run.env()
 
 
-def score(
-    verifier: VerifierSpec, returncode: int | None, stdout: str, stderr: str, tmp: Path
-) -> Scored:
+def score(verifier: VerifierSpec, returncode: int | None, stdout: str, tmp: Path) -> Scored:
     """The reward of a verifier that exited by itself with ``returncode``."""
     try:
         if verifier.pytest:
-            return _pytest_score(verifier, returncode, stderr, tmp)
+            return _pytest_score(verifier, returncode, tmp)
         if returncode != 0:
             return Scored(error=f"the verifier exited with {returncode}")
         written = read_inside(tmp, REWARD_FILE_NAME, REWARD_FILE_CAP)
@@ -89,15 +86,17 @@ def score(
         return Scored(error=str(exc))
 
 
-def _pytest_score(verifier: VerifierSpec, returncode: int | None, stderr: str, tmp: Path) -> Scored:
+def _pytest_score(verifier: VerifierSpec, returncode: int | None, tmp: Path) -> Scored:
+    run = PytestRun(tmp / PYTEST_FOLDER)
     if returncode not in RAN:
-        verdict = read_inside(tmp / PYTEST_FOLDER, "guard-verdict.txt", 4096)
+        verdict = read_inside(run.folder, run.verdict.name, 4096)
         if returncode == TAMPERED_STATUS and verdict:
-            why = f"not scored: {verdict.decode('utf-8', 'replace')}"
+            # Written where the tested code could write too: shown escaped, never trusted.
+            why = f"not scored: {printable(verdict.decode('utf-8', 'replace'))}"
         else:
             why = f"pytest exited with {returncode}: the named tests did not all run"
         return Scored(error=f"{why} (the verifier's output is kept)")
-    report = read_inside(tmp / PYTEST_FOLDER, "junit.xml", 64 * 1024 * 1024)
+    report = read_inside(run.folder, run.junit.name, REPORT_CAP)
     if report is None:
         return Scored(error="pytest wrote no JUnit report: the named tests were not scored")
     result = grade(report, verifier.pytest)
