@@ -141,8 +141,15 @@ function renderListControls(data) {
   $("#next").disabled = data.offset + shown >= data.matched;
 }
 
+let listRequest = 0, listAnswers = 0;
+
 async function loadSessions() {
+  // Quick changes (sort, then order) send requests that may answer out of order: only the
+  // newest one's answer is drawn, so the list never shows a choice the user has left.
+  const mine = ++listRequest;
   const data = await api("sessions?" + listQuery());
+  $("#sessions").dataset.answers = ++listAnswers;  // the tests wait on this, drawn or not
+  if (mine !== listRequest) return;
   state.listed = true;
   state.list.sortUsed = data.sort;
   $("#source").textContent = data.source;

@@ -587,6 +587,44 @@ def test_the_session_list_sorts_filters_searches_and_pages(browser: Any, run: An
     page.close()
 
 
+# Holds the page's requests whose URL contains `window.holdFor` until the test lets them go.
+HOLD_REQUESTS = """
+window.held = [];
+const realFetch = window.fetch;
+window.fetch = (url, opts) => {
+  const answer = realFetch(url, opts);
+  if (!window.holdFor || !String(url).includes(window.holdFor)) return answer;
+  return new Promise((resolve) => window.held.push(() => resolve(answer)));
+};
+"""
+
+
+def test_a_late_answer_never_replaces_the_list_the_user_asked_for_last(
+    browser: Any, run: Any
+) -> None:
+    url, _, _ = run
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.add_init_script(HOLD_REQUESTS)
+    watch = Watch(page)
+    page.goto(url)
+    page.wait_for_selector("#sessions[data-answers='1'] tr.session")
+    # Sort by reward (its answer held), then flip the order: the second answer comes first.
+    page.evaluate("window.holdFor = 'sort=reward&order=desc'")
+    page.select_option("#sort", "reward")
+    page.wait_for_function("window.held.length === 1")
+    page.select_option("#order", "asc")
+    page.wait_for_selector("#sessions[data-sort='reward'][data-order='asc'][data-answers='2']")
+    page.evaluate("window.held.forEach((release) => release())")
+    page.wait_for_selector("#sessions[data-answers='3']")
+    # The late answer (descending) was not drawn over the one asked for last.
+    assert page.get_attribute("#sessions", "data-order") == "asc"
+    assert page.input_value("#order") == "asc"
+    rewards = [number(t) for t in page.locator("tr.session td.reward").all_inner_texts()]
+    assert rewards == sorted(rewards)
+    watch.assert_clean()
+    page.close()
+
+
 def test_a_row_shows_its_weight_versions_and_keeps_its_header_in_view(
     browser: Any, run: Any
 ) -> None:
