@@ -1,17 +1,32 @@
-"""The production modules' imports run one way: no circle (imports under ``TYPE_CHECKING`` and
-inside functions count too), and the declared directions hold: the gateway knows nothing of
-the control plane, rollouts or the viewer (they meet it through ``capture.ports``), the
-rewriter nothing of capture or the addon, capture nothing of the addon."""
+"""The production modules' imports, checked by machine (scripts/house.py reads them from the
+source): no circle (imports under ``TYPE_CHECKING`` and inside functions count too); every
+module keeps its package's contract (``MAY_IMPORT`` in the package's ``__init__.py``); and the
+gateway, the ports and the turn reach none of the control plane, rollouts or the viewer through
+any chain (they meet through ``capture.ports``)."""
 
 from __future__ import annotations
 
-import ast
+import importlib.util
+import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("addons", "capture", "rewriter")
+import pytest
 
-# module -> modules it must never import (directly or through others).
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_house():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("house", REPO / "scripts" / "house.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["house"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+house = _load_house()
+
+# module -> modules it must never reach, directly or through others.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "capture.gateway": (
         "capture.control.api",
@@ -27,112 +42,63 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
-    return found
+@pytest.fixture(scope="module")
+def known():  # type: ignore[no-untyped-def]
+    return house.modules(REPO)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the production modules it imports, wherever the import statement stands."""
-    known = modules()
-
-    def owner(name: str) -> str | None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {}
-    for name, path in known.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*parts, *([base] if base else [])])
-                # `from capture import viewer` imports the module capture.viewer.data.
-                targets = [f"{base}.{a.name}" for a in node.names]
-            for target in targets:
-                found = owner(target)
-                if found is not None and found != name:
-                    deps.add(found)
-        graph[name] = deps
-    return graph
+@pytest.fixture(scope="module")
+def graph(known):  # type: ignore[no-untyped-def]
+    return house.import_graph(known)
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for dep in sorted(graph.get(node, ())):
-            if dep not in index:
-                visit(dep)
-                low[node] = min(low[node], low[dep])
-            elif dep in on_stack:
-                low[node] = min(low[node], index[dep])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
+def test_no_import_circles(graph: dict[str, set[str]]) -> None:
+    assert house.cycles(graph) == []
 
 
-def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen: set[str] = set()
-    todo = [start]
-    while todo:
-        for dep in graph.get(todo.pop(), ()):
-            if dep not in seen:
-                seen.add(dep)
-                todo.append(dep)
-    return seen
-
-
-def test_no_import_circles() -> None:
-    assert cycles(import_graph()) == []
-
-
-def test_the_finder_sees_circles_and_type_checking_imports() -> None:
+def test_the_finder_sees_circles_and_type_checking_imports(graph: dict[str, set[str]]) -> None:
     """The check itself: a two-way dependency, one side under TYPE_CHECKING, is a circle."""
-    graph = {"a": {"b"}, "b": {"a"}, "c": {"a"}}
-    assert cycles(graph) == [["a", "b"]]
-    assert "capture.ports" in import_graph()["capture.control.api"]
+    assert house.cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert "capture.ports" in graph["capture.control.api"]
 
 
-def test_dependencies_run_the_declared_way() -> None:
-    graph = import_graph()
+def test_dependencies_run_the_declared_way(graph: dict[str, set[str]]) -> None:
     for module, never in FORBIDDEN.items():
-        bad = sorted(reachable(graph, module) & set(never))
+        bad = sorted(house.reachable(graph, module) & set(never))
         assert not bad, f"{module} depends on {bad}"
-    for name, deps in graph.items():
-        if name.startswith("rewriter"):
-            assert not {d for d in deps if d.startswith(("capture", "addons"))}, name
-        if name.startswith("capture"):
-            assert not {d for d in deps if d.startswith("addons")}, name
+
+
+def test_every_module_is_under_a_contract(known) -> None:  # type: ignore[no-untyped-def]
+    """Each top-level package and each folder of capture/ declares its own ``MAY_IMPORT``."""
+    contracts, governed_by = house.contracts_of(known)
+    folders = [
+        n for n, m in known.items() if m.is_package and n.count(".") <= (1 if n.startswith("capture") else 0)
+    ]
+    assert sorted(set(folders) - set(contracts)) == []
+    assert sorted(set(known) - set(governed_by)) == []
+
+
+def test_every_import_keeps_its_contract(known, graph) -> None:  # type: ignore[no-untyped-def]
+    contracts, governed_by = house.contracts_of(known)
+    assert [str(b) for b in house.breaches(graph, contracts, governed_by)] == []
+
+
+def test_a_forbidden_import_breaks_its_contract(known, graph) -> None:  # type: ignore[no-untyped-def]
+    """The check itself, on the real contracts: storage reaching up into the control API's
+    routes, or rewriter into capture, is named; the same import the contract allows is not."""
+    contracts, governed_by = house.contracts_of(known)
+    bent = {name: set(deps) for name, deps in graph.items()}
+    bent["capture.storage.sessions"].add("capture.control.api")
+    bent["rewriter.template"].add("capture.storage.reader")
+    found = [(b.module, b.imports, b.package) for b in house.breaches(bent, contracts, governed_by)]
+    assert found == [
+        ("capture.storage.sessions", "capture.control.api", "capture.storage"),
+        ("rewriter.template", "capture.storage.reader", "rewriter"),
+    ]
+    assert "capture.storage.sessions" in str(house.breaches(bent, contracts, governed_by)[0])
+
+
+def test_the_architecture_maps_are_generated_from_the_code_now() -> None:
+    assert house.rendered(REPO) == (REPO / "docs" / "ARCHITECTURE.md").read_text(), (
+        "docs/ARCHITECTURE.md's maps are stale: run .venv/bin/python scripts/house.py --write"
+    )
