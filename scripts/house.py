@@ -228,7 +228,7 @@ def path_of(module: Module, root: Path) -> str:
 
 def folder_map(known: dict[str, Module], root: Path = REPO) -> str:
     rows = ["| folder | what it owns | may import |", "| --- | --- | --- |"]
-    for name, module in known.items():
+    for module in known.values():
         contract = module.may_import()
         if not module.is_package or contract is None:
             continue
