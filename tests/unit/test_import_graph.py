@@ -72,7 +72,9 @@ def test_every_module_is_under_a_contract(known) -> None:  # type: ignore[no-unt
     """Each top-level package and each folder of capture/ declares its own ``MAY_IMPORT``."""
     contracts, governed_by = house.contracts_of(known)
     folders = [
-        n for n, m in known.items() if m.is_package and n.count(".") <= (1 if n.startswith("capture") else 0)
+        n
+        for n, m in known.items()
+        if m.is_package and n.count(".") <= (1 if n.startswith("capture") else 0)
     ]
     assert sorted(set(folders) - set(contracts)) == []
     assert sorted(set(known) - set(governed_by)) == []
