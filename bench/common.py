@@ -24,12 +24,12 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 # -- numbers -------------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float, empty: float = math.nan) -> float:
     """The ``q`` quantile of ``values``, interpolated between the two nearest ranks; NaNs are
-    left out, and no values at all give NaN."""
+    left out, and no values at all give ``empty``."""
     ordered = sorted(v for v in values if not math.isnan(v))
     if not ordered:
-        return math.nan
+        return empty
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
