@@ -169,6 +169,13 @@ class StreamReader:
     def finish(self) -> Reply:
         return self.reply
 
+    def openai_usage(self, event: dict[str, Any]) -> None:
+        """The token counts of an OpenAI-style usage chunk (chat and completions alike)."""
+        usage = event.get("usage")
+        if usage:
+            self.reply.tokens = int(usage.get("completion_tokens", -1))
+            self.reply.prompt_tokens = int(usage.get("prompt_tokens", -1))
+
 
 class ChatReader(StreamReader):
     def __init__(self) -> None:
@@ -177,10 +184,7 @@ class ChatReader(StreamReader):
         self.calls: dict[int, dict[str, Any]] = {}
 
     def feed(self, event: dict[str, Any]) -> bool:
-        usage = event.get("usage")
-        if usage:
-            self.reply.tokens = int(usage.get("completion_tokens", -1))
-            self.reply.prompt_tokens = int(usage.get("prompt_tokens", -1))
+        self.openai_usage(event)
         got = False
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -222,10 +226,7 @@ class CompletionReader(StreamReader):
         self.ids: list[int] = []
 
     def feed(self, event: dict[str, Any]) -> bool:
-        usage = event.get("usage")
-        if usage:
-            self.reply.tokens = int(usage.get("completion_tokens", -1))
-            self.reply.prompt_tokens = int(usage.get("prompt_tokens", -1))
+        self.openai_usage(event)
         got = False
         for choice in event.get("choices") or ():
             tokens = (choice.get("logprobs") or {}).get("tokens") or []
