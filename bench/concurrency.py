@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
+from bench.common import rank_pct, serve_stub  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402
 from tests.support.proxies import Proxy, start_proxy  # noqa: E402
 
@@ -42,18 +43,6 @@ def raise_fd_limit() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def serve_stub(chunk_delay: float) -> None:
-    """The stub policy in this process, until stdin closes (``--serve-stub``)."""
-    from tests.support.stub_vllm import StubPolicy
-
-    stub = StubPolicy(str(QWEN3))
-    stub.default_reply = REPLY
-    stub.chunk_delay_s = chunk_delay
-    print(stub.start(), flush=True)
-    sys.stdin.read()
-    stub.stop()
 
 
 async def one_call(
@@ -134,15 +123,12 @@ async def one_run(
     outcomes = collections.Counter(o for o, _ in results)
     times = sorted(t for _, t in results)
 
-    def pct(q: float) -> float:
-        return times[min(len(times) - 1, int(q * len(times)))]
-
     return {
         "run": run,
         "outcomes": dict(outcomes),
         "wall_s": round(wall, 1),
-        "p50_s": round(pct(0.5), 2),
-        "p99_s": round(pct(0.99), 2),
+        "p50_s": round(rank_pct(times, 0.5), 2),
+        "p99_s": round(rank_pct(times, 0.99), 2),
         "max_s": round(times[-1], 2),
         "rss_idle_mib": round(idle_total, 1),
         "rss_peak_mib": round(peak_total, 1),
@@ -164,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     limit = raise_fd_limit()
     if args.serve_stub:
-        serve_stub(args.chunk_delay)
+        serve_stub(QWEN3, REPLY, args.chunk_delay)  # until stdin closes
         return 0
     print(f"file descriptors: soft limit {limit}", flush=True)
     stub = subprocess.Popen(

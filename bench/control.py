@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import rank_pct  # noqa: E402
 from capture.client.launcher import AgentTap, Session  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402
 from tests.support.stub_vllm import StubPolicy  # noqa: E402
@@ -32,11 +33,6 @@ def timed(fn, *args):  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - start, out
-
-
-def pct(times: list[float], q: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def calls(sess: Session, n: int) -> None:
@@ -85,7 +81,7 @@ def main() -> None:
             ("flush (baseline)", flush_t),
         ]:
             print(
-                f"{name:<28} {statistics.median(times) * 1e3:>8.1f} {pct(times, 0.95) * 1e3:>8.1f}"
+                f"{name:<28} {statistics.median(times) * 1e3:>8.1f} {rank_pct(times, 0.95) * 1e3:>8.1f}"
             )
         print(
             f"close / flush (p50): {statistics.median(close_t) / statistics.median(flush_t):.2f}x"

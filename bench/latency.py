@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import pct  # noqa: E402
 from rewriter import policy_server  # noqa: E402
 from rewriter.canonical import Message  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
@@ -42,13 +43,6 @@ def messages_for(i: int) -> list[dict[str, str]]:
         {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
         {"role": "user", "content": f"Question {i}: what is {i} plus {i * 3}?"},
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 class DirectClient:
@@ -193,24 +187,24 @@ def run(calls: int, warmup: int, max_tokens: int, work: Path) -> int:
         print(f"{'path':<44} {'median ms':>10} {'p90 ms':>10} {'min ms':>10}")
         print(
             f"{'(a) direct vLLM /v1/completions (token ids)':<44} {med_b:>10.1f} "
-            f"{percentile(base_ms, 0.9):>10.1f} {min(base_ms):>10.1f}"
+            f"{pct(base_ms, 0.9):>10.1f} {min(base_ms):>10.1f}"
         )
         print(
             f"{'(b) openai SDK -> mitmdump+addon -> vLLM':<44} {med_p:>10.1f} "
-            f"{percentile(proxy_ms, 0.9):>10.1f} {min(proxy_ms):>10.1f}"
+            f"{pct(proxy_ms, 0.9):>10.1f} {min(proxy_ms):>10.1f}"
         )
         print(
             f"{'(c) anthropic SDK -> mitmdump+addon -> vLLM':<44} {med_a:>10.1f} "
-            f"{percentile(anth_ms, 0.9):>10.1f} {min(anth_ms):>10.1f}"
+            f"{pct(anth_ms, 0.9):>10.1f} {min(anth_ms):>10.1f}"
         )
         print(
             f"added latency (b): median of paired (b - a) {statistics.median(diffs):.1f} ms, "
             f"median(b) - median(a) {med_p - med_b:.1f} ms, p90 of (b - a) "
-            f"{percentile(diffs, 0.9):.1f} ms; ratio median(b)/median(a) {med_p / med_b:.2f}x"
+            f"{pct(diffs, 0.9):.1f} ms; ratio median(b)/median(a) {med_p / med_b:.2f}x"
         )
         print(
             f"added latency (c): median of paired (c - a) {statistics.median(anth_diffs):.1f} ms, "
-            f"p90 of (c - a) {percentile(anth_diffs, 0.9):.1f} ms; "
+            f"p90 of (c - a) {pct(anth_diffs, 0.9):.1f} ms; "
             f"ratio median(c)/median(a) {med_a / med_b:.2f}x"
         )
         print(

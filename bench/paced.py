@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from bench import agent_sessions, overhead  # noqa: E402
+from bench import agent_procs, overhead_client, overhead_servers  # noqa: E402
+from bench.common import free_port, pct  # noqa: E402
 
 # The proxies, in the order they run (the first is the 1.00x of the ratio column).
 PATHS = ("mitmdump", "mitmdump-s", "agenttap", "litellm", "rllm")
@@ -78,39 +79,39 @@ class Tally:
 
 
 @dataclass
-class PeerServer(overhead.Server):
+class PeerServer(overhead_servers.Server):
     """A peer, in a process group of its own (LiteLLM's workers): stopped as a group."""
 
-    group: agent_sessions.Proc | None = None
+    group: agent_procs.Proc | None = None
 
     def stop(self) -> None:
         if self.group is not None:
             self.group.stop()
 
 
-class PeerPath(overhead.Path_):
+class PeerPath(overhead_client.Path_):
     """A peer called directly over HTTP (no proxy, no TLS to intercept); the rLLM gateway takes
     each conversation's calls at ``/sessions/ID/v1/...``."""
 
-    def __init__(self, server: overhead.Server) -> None:  # no CA: no mitmproxy in the way
+    def __init__(self, server: overhead_servers.Server) -> None:  # no CA: no mitmproxy in the way
         self.server = server
         self.url = server.url + "/v1/chat/completions"
         self.ssl = ssl.create_default_context()
         self.http = None
         self.conversations = {}
 
-    def call_url(self, conv: overhead.Conversation) -> str:
+    def call_url(self, conv: overhead_client.Conversation) -> str:
         if self.server.name == "rllm":
             return self.server.url + f"/sessions/{conv.session}/v1/chat/completions"
         return self.url
 
 
-async def streamed_call(path: overhead.Path_, client: str, tokens: int) -> tuple[float, int]:
+async def streamed_call(path: overhead_client.Path_, client: str, tokens: int) -> tuple[float, int]:
     """One streamed call of conversation ``client``, read as it comes: (seconds to the first
     token's text, events carrying text). Raises on any wrong answer, as Path_.call does."""
     conv = path.conversations.get(client)
     if conv is None:
-        conv = path.conversations[client] = overhead.Conversation(f"bench-{client}")
+        conv = path.conversations[client] = overhead_client.Conversation(f"bench-{client}")
     body, kwargs = path.request(conv, tokens, True)
     url = path.call_url(conv) if isinstance(path, PeerPath) else path.url
     assert path.http is not None
@@ -140,7 +141,7 @@ async def streamed_call(path: overhead.Path_, client: str, tokens: int) -> tuple
     return first, len(texts)
 
 
-async def run_path(path: overhead.Path_, clients: int, tokens: int, seconds: float) -> Tally:
+async def run_path(path: overhead_client.Path_, clients: int, tokens: int, seconds: float) -> Tally:
     """``clients`` conversations streaming back to back for ``seconds``, added up."""
     await path.open()
     try:
@@ -169,31 +170,18 @@ async def run_path(path: overhead.Path_, clients: int, tokens: int, seconds: flo
 def start_peer(name: str, fake_url: str, work: Path) -> PeerServer:
     """LiteLLM's proxy or the rLLM gateway (from .venv-peers) in front of the fake server."""
     if name == "rllm":
-        proc, url = agent_sessions.start_rllm(fake_url, work)
+        proc, url = agent_procs.start_rllm(fake_url, work)
     else:
         # The fake server is OpenAI's chat API: LiteLLM's openai/ provider, as a user fronting
         # an OpenAI-compatible server configures it.
-        exe = agent_sessions.PEERS / "bin" / "litellm"
-        if not exe.exists():
-            raise RuntimeError(f"{exe} missing: run scripts/setup_peers.sh")
-        config = work / "litellm.yaml"
-        config.write_text(overhead.litellm_config(fake_url))
-        port = agent_sessions.free_port()
-        cmd = [
-            str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-            "--num_workers", "1",
-        ]  # fmt: skip
-        proc = agent_sessions.spawn("litellm", cmd, work, agent_sessions.peers_env())
-        url = f"http://127.0.0.1:{port}"
-        try:
-            agent_sessions.wait_http(f"{url}/health/liveliness", proc, 300, lambda s: s == 200)
-        except RuntimeError:
-            proc.stop()
-            raise
+        config = overhead_servers.litellm_config(fake_url)
+        proc, url = agent_procs.start_litellm_peer(config, work)
     return PeerServer(name, proc.proc, proc.log, url, group=proc)
 
 
-def start_agenttap_at(ref: str, stub_url: str, work: Path, confdir: Path) -> overhead.Server:
+def start_agenttap_at(
+    ref: str, stub_url: str, work: Path, confdir: Path
+) -> overhead_servers.Server:
     """agenttap as it was at git revision ``ref``: its tree, imported ahead of this checkout
     (PYTHONPATH comes before the editable install's finder)."""
     tree = work / f"tree-{ref.replace('/', '_')}"
@@ -203,31 +191,29 @@ def start_agenttap_at(ref: str, stub_url: str, work: Path, confdir: Path) -> ove
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     name = f"agenttap@{ref}"
-    port = overhead.free_port()
+    port = free_port()
     log = work / f"agenttap-{tree.name}.log"
     cmd = [
-        str(overhead.MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        str(overhead_servers.MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
         "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy",
         "-s", str(tree / "addons" / "capture.py"),
         "--set", f"agenttap_policy_url={stub_url}",
-        "--set", f"agenttap_tokenizer={overhead.QWEN3}",
+        "--set", f"agenttap_tokenizer={overhead_servers.QWEN3}",
         "--set", f"agenttap_out={work / ('out-' + tree.name)}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tree, env=env)
-    overhead.wait_port(port, proc, name, log, 120)
-    return overhead.Server(name, proc, log, "https://api.openai.com", f"http://127.0.0.1:{port}")
+    overhead_servers.wait_port(port, proc, name, log, 120)
+    return overhead_servers.Server(
+        name, proc, log, "https://api.openai.com", f"http://127.0.0.1:{port}"
+    )
 
 
-def client_path(server: overhead.Server, ca: Path) -> overhead.Path_:
+def client_path(server: overhead_servers.Server, ca: Path) -> overhead_client.Path_:
     if isinstance(server, PeerServer):
         return PeerPath(server)
-    return overhead.Path_(server, ca)
-
-
-def pct(values: list[float], q: float) -> float:
-    return overhead.pct(values, q) if values else 0.0
+    return overhead_client.Path_(server, ca)
 
 
 def report(tallies: dict[str, Tally], tokens: int) -> None:
@@ -251,7 +237,7 @@ def report(tallies: dict[str, Tally], tokens: int) -> None:
             f"| {name} | {tally.tokens / max(tally.seconds, 1e-9):.0f} | {cost:.1f} | "
             f"{cost / ref:.2f}× |{vs_s} {1e6 / (max(cost, 1e-9) * STREAM_RATE):.0f} | "
             f"{tally.events / max(tally.tokens, 1):.2f} | "
-            f"{pct(first, 0.5):.0f} / {pct(first, 0.95):.0f} |"
+            f"{pct(first, 0.5, empty=0.0):.0f} / {pct(first, 0.95, empty=0.0):.0f} |"
         )
 
 
@@ -331,22 +317,22 @@ def main() -> int:
     if lengths[0] < 1:
         parser.error("--tokens must be 1 or more")
     wanted = [p for p in PATHS if p in only]
-    os.environ[overhead.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
-    os.environ[overhead.REPLY_ENV] = str(lengths[-1])
+    os.environ[overhead_servers.PACE_ENV] = str(args.pace_ms)  # read by the servers' processes
+    os.environ[overhead_servers.REPLY_ENV] = str(lengths[-1])
     work = Path(tempfile.mkdtemp(prefix="agenttap-paced-"))
     confdir = work / "conf"
     children: list[subprocess.Popen[bytes]] = []
-    proxies: list[overhead.Server] = []
+    proxies: list[overhead_servers.Server] = []
     skipped: dict[str, str] = {}
     try:
         fake_url = ""
         if {"mitmdump", "mitmdump-s", "litellm", "rllm"} & set(wanted):
-            fake, fake_url = overhead.spawn_child("--serve-fake", work)
+            fake, fake_url = overhead_servers.spawn_child("--serve-fake", work)
             children.append(fake)
         for name in wanted:
             if name in ("mitmdump", "mitmdump-s"):
                 proxies.append(
-                    overhead.start_plain_mitmdump(
+                    overhead_servers.start_plain_mitmdump(
                         name, fake_url, work, confdir, streaming=name == "mitmdump-s"
                     )
                 )
@@ -356,7 +342,7 @@ def main() -> int:
                 except RuntimeError as exc:
                     skipped[name] = str(exc)[:300]
             elif name == "agenttap":
-                stub, stub_url = overhead.spawn_child("--serve-stub", work)
+                stub, stub_url = overhead_servers.spawn_child("--serve-stub", work)
                 children.append(stub)
                 for ref in filter(None, args.baseline.split(",")):
                     proxies.append(start_agenttap_at(ref, stub_url, work, confdir))
@@ -366,7 +352,7 @@ def main() -> int:
                     options = [] if ms is None else [f"agenttap_stream_flush_ms={ms}"]
                     out = work / f"out-{ms}"
                     proxies.append(
-                        overhead.start_agenttap(name, stub_url, out, work, confdir, options)
+                        overhead_servers.start_agenttap(name, stub_url, out, work, confdir, options)
                     )
         ca = confdir / "mitmproxy-ca-cert.pem"
         print(
@@ -411,7 +397,7 @@ def main() -> int:
         for server in proxies:
             server.stop()
         for child in children:
-            overhead.stop_child(child)
+            overhead_servers.stop_child(child)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

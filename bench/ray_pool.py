@@ -36,43 +36,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import cpu_seconds, rank_pct, serve_stub  # noqa: E402
 from capture.client.ray_pool import ProxyPool  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402
 
 
-def serve_stub(conn: Any, pace_ms: float = 0.0, tokens: int = 64) -> None:
-    """A stub policy in this (child) process; sends its URL, serves until the pipe closes.
-    With ``pace_ms``: answers of about ``tokens`` tokens, one streamed every ``pace_ms``."""
-    from tests.support.stub_vllm import StubPolicy
-
-    stub = StubPolicy(str(QWEN3))
-    stub.default_reply = "A short answer of a few tokens."
-    if pace_ms > 0:
-        stub.default_reply = " ".join(["word"] * tokens)
-        stub.chunk_delay_s = pace_ms / 1000
-    conn.send(stub.start())
-    try:
-        conn.recv()
-    except EOFError:
-        pass
-    stub.stop()
-
-
 def cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes used so far (this host's /proc)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def pct(times: list[float], q: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+    """CPU seconds (user + system) the processes themselves used so far (this host's /proc)."""
+    return sum(cpu_seconds(pid, children=False) for pid in pids)
 
 
 # Tokens streamed by all clients of the run going on (--pace-ms), from the answers' usage.
@@ -173,7 +144,7 @@ def run(
         "calls_s": len(times) / wall,
         "tokens_s": tokens / wall,
         "p50": statistics.median(times),
-        "p95": pct(times, 0.95),
+        "p95": rank_pct(times, 0.95),
         "closes_s": len(sessions) / close_wall,
         "rows": rows,
         "read": read,
@@ -200,9 +171,15 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     stubs = []
+    # With --pace-ms: answers of about --tokens tokens, one streamed every PACE ms.
+    paced = args.pace_ms > 0
+    reply = " ".join(["word"] * args.tokens) if paced else "A short answer of a few tokens."
+    delay = args.pace_ms / 1000 if paced else 0.0
     for _ in range(args.replicas):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve_stub, args=(child, args.pace_ms, args.tokens), daemon=True)
+        proc = ctx.Process(
+            target=serve_stub, args=(QWEN3, reply, delay), kwargs={"conn": child}, daemon=True
+        )
         proc.start()
         stubs.append((proc, parent))
     urls = [parent.recv() for _, parent in stubs]

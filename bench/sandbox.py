@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import rank_pct  # noqa: E402
 from capture.client.launcher import AgentTap  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402
 from tests.support.stub_vllm import StubPolicy  # noqa: E402
@@ -48,11 +49,6 @@ for i in range(int(sys.argv[-1])):
     messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
 open("times.json", "w").write(json.dumps(times))
 """
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def main() -> None:
@@ -99,9 +95,9 @@ def main() -> None:
     for path in paths:
         wall, call = walls[path], calls[path]
         print(
-            f"| {path} | {statistics.median(wall) * 1e3:.1f} | {pct(wall, 0.95) * 1e3:.1f} | "
+            f"| {path} | {statistics.median(wall) * 1e3:.1f} | {rank_pct(wall, 0.95) * 1e3:.1f} | "
             f"{statistics.median(wall) / base_wall:.2f}x | {statistics.median(call) * 1e3:.2f} | "
-            f"{pct(call, 0.95) * 1e3:.2f} | {statistics.median(call) / base_call:.2f}x |"
+            f"{rank_pct(call, 0.95) * 1e3:.2f} | {statistics.median(call) / base_call:.2f}x |"
         )
 
 
