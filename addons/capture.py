@@ -49,16 +49,9 @@ from capture.gateway import (  # noqa: E402
 )
 from capture.heap import settle_heap  # noqa: E402
 from capture.logsafe import printable  # noqa: E402
-from capture.options import (  # noqa: E402
-    Settings,
-    all_options,
-    as_text,
-    describe,
-    parse_settings,
-    parse_value,
-    passes_through,
-    unknown_names,
-)
+from capture.options import Settings, all_options, parse_settings  # noqa: E402
+from capture.options.reading import check_deferred, unknown_names  # noqa: E402
+from capture.options.values import passes_through  # noqa: E402
 from capture.pipeline.bodies import (  # noqa: E402
     OVERSIZED_HEADER,
     UNSUPPORTED_ENCODING_HEADER,
@@ -89,7 +82,7 @@ class AgentTap:
         # "public"), and the address it was pinned to.
         self._egress: dict[str, str] = {}
         self._options = {o.name: o for o in all_options()}
-        # Every option, parsed (capture/options.py); None until configure has read them.
+        # Every option, parsed (capture/options/); None until configure has read them.
         self.settings: Settings | None = None
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
@@ -117,7 +110,7 @@ class AgentTap:
         return self.settings.hosts if self.settings is not None else frozenset()
 
     def load(self, loader: Loader) -> None:
-        # Declared as text, whatever they hold: see capture/options.py for why.
+        # Declared as text, whatever they hold: see capture/options/__init__.py for why.
         for option in self._options.values():
             loader.add_option(option.name, str, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
@@ -135,26 +128,7 @@ class AgentTap:
         addon and run as an open forwarding proxy. So read them here first: each becomes one
         checked text, or an error that refuses every flow (and, logged at startup, makes
         mitmdump exit non-zero)."""
-        problems = []
-        unknown = unknown_names(options.deferred, self._options)
-        if unknown:
-            problems.append(unknown)
-        for name in [n for n in options.deferred if n.startswith("agenttap")]:
-            value = options.deferred.pop(name)
-            option = self._options.get(name)
-            if option is None:
-                continue  # named in `unknown`
-            try:
-                text = as_text(value)
-            except ValueError as exc:
-                problems.append(describe(option, None, str(exc)))
-                continue
-            try:
-                parse_value(option, text)
-            except ValueError as exc:
-                problems.append(str(exc))
-                continue
-            options.deferred[name] = text
+        problems = check_deferred(options.deferred, self._options)
         if problems:
             self._load_error = self.broken = "; ".join(problems)
             for problem in problems:
