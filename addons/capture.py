@@ -39,35 +39,18 @@ from addons.gateway_start import announce_ready, announce_start, start_gateway  
 from addons.in_process import InProcessAnswers  # noqa: E402
 from addons.log_filters import quiet_websocket_messages, skip_legacy_log_events  # noqa: E402
 from capture.egress import EgressRefused, public_address  # noqa: E402
-from capture.gateway import (  # noqa: E402
-    BEARER_HEADER,
-    BOUND_HEADER,
-    CONTROL_HOST,
-    HOST_HEADER,
-    TOKEN_HEADER,
-    Gateway,
-)
+from capture.gateway import Gateway  # noqa: E402
 from capture.heap import settle_heap  # noqa: E402
 from capture.logsafe import printable  # noqa: E402
-from capture.options import (  # noqa: E402
-    Settings,
-    all_options,
-    as_text,
-    describe,
-    parse_settings,
-    parse_value,
-    passes_through,
-    unknown_names,
-)
-from capture.pipeline.bodies import (  # noqa: E402
-    OVERSIZED_HEADER,
-    UNSUPPORTED_ENCODING_HEADER,
-    shrink_head,
-)
-from capture.pipeline.session_ids import (  # noqa: E402
-    SESSION_HEADER,
-    SESSION_SECRET_HEADER,
-    quote_session,
+from capture.options import Settings, all_options, parse_settings  # noqa: E402
+from capture.options.reading import check_deferred, unknown_names  # noqa: E402
+from capture.options.values import passes_through  # noqa: E402
+from capture.pipeline.bodies import OVERSIZED_HEADER, shrink_head  # noqa: E402
+from capture.pipeline.handoff import (  # noqa: E402
+    CONTROL_HOST,
+    caller,
+    mark_for_gateway,
+    unmark_for_gateway,
 )
 from capture.policy.startup import check_startup  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
@@ -89,7 +72,7 @@ class AgentTap:
         # "public"), and the address it was pinned to.
         self._egress: dict[str, str] = {}
         self._options = {o.name: o for o in all_options()}
-        # Every option, parsed (capture/options.py); None until configure has read them.
+        # Every option, parsed (capture/options/); None until configure has read them.
         self.settings: Settings | None = None
         # Set when `running` has started the gateway, or given up on it.
         self._ready = asyncio.Event()
@@ -117,7 +100,7 @@ class AgentTap:
         return self.settings.hosts if self.settings is not None else frozenset()
 
     def load(self, loader: Loader) -> None:
-        # Declared as text, whatever they hold: see capture/options.py for why.
+        # Declared as text, whatever they hold: see capture/options/__init__.py for why.
         for option in self._options.values():
             loader.add_option(option.name, str, option.default, option.help)
         # Offline, mitmproxy must not dial the real host on CONNECT. The proxy username names the
@@ -135,26 +118,7 @@ class AgentTap:
         addon and run as an open forwarding proxy. So read them here first: each becomes one
         checked text, or an error that refuses every flow (and, logged at startup, makes
         mitmdump exit non-zero)."""
-        problems = []
-        unknown = unknown_names(options.deferred, self._options)
-        if unknown:
-            problems.append(unknown)
-        for name in [n for n in options.deferred if n.startswith("agenttap")]:
-            value = options.deferred.pop(name)
-            option = self._options.get(name)
-            if option is None:
-                continue  # named in `unknown`
-            try:
-                text = as_text(value)
-            except ValueError as exc:
-                problems.append(describe(option, None, str(exc)))
-                continue
-            try:
-                parse_value(option, text)
-            except ValueError as exc:
-                problems.append(str(exc))
-                continue
-            options.deferred[name] = text
+        problems = check_deferred(options.deferred, self._options)
         if problems:
             self._load_error = self.broken = "; ".join(problems)
             for problem in problems:
@@ -389,18 +353,14 @@ class AgentTap:
                 {"Content-Type": "application/json"},
             )
             return
-        auth = flow.metadata.get("proxyauth")
-        tunnel = self._tunnel_sessions.get(flow.client_conn.id)
-        if auth:
-            session_id, secret = str(auth[0]), str(auth[1]) if len(auth) > 1 else ""
-        elif tunnel is not None:
-            session_id, secret = tunnel
-        elif plain_user:
-            session_id, secret = plain_user, plain_password
-        else:
+        session_id, secret = caller(
+            flow.metadata.get("proxyauth"),
+            self._tunnel_sessions.get(flow.client_conn.id),
+            plain_user,
+            plain_password,
             # a replayed flow keeps the session it was recorded under
-            session_id = str(flow.metadata.get("agenttap_session") or "anonymous")
-            secret = ""
+            flow.metadata.get("agenttap_session"),
+        )
         req = flow.request
         # Put back by _restore before the flow is saved or shown.
         flow.metadata["agenttap_origin"] = [
@@ -419,20 +379,14 @@ class AgentTap:
             req.path, fields, note = shrunk
             req.headers = http.Headers(fields)
             req.headers[OVERSIZED_HEADER] = note
-        req.headers[TOKEN_HEADER] = self.gateway.token
-        req.headers[SESSION_HEADER] = quote_session(session_id)
-        if secret:
-            # The gateway checks it against the session's (capture/control/sessions.py).
-            req.headers[SESSION_SECRET_HEADER] = quote_session(secret)
-        req.headers[HOST_HEADER] = host
-        bound = _bound(self.gateway, flow.client_conn)
-        if bound is not None:
-            # Came through a rollout's bridge: the gateway serves it only as that session.
-            req.headers[BOUND_HEADER] = quote_session(bound)
-        if "Content-Encoding" in req.headers:
-            # The gateway decodes the body itself (bounded, errors in the provider's format);
-            # aiohttp would answer a bad one with a text/plain 400.
-            req.headers[UNSUPPORTED_ENCODING_HEADER] = req.headers.pop("Content-Encoding")
+        mark_for_gateway(
+            req.headers,
+            token=self.gateway.token,
+            session_id=session_id,
+            secret=secret,
+            host=host,
+            bound=_bound(self.gateway, flow.client_conn),
+        )
         req.scheme = "http"
         req.host = "127.0.0.1"
         req.port = self.gateway.port
@@ -461,15 +415,9 @@ class AgentTap:
             return
         scheme, host, port, authority, host_header = origin
         req = flow.request
-        for name in (TOKEN_HEADER, SESSION_HEADER, SESSION_SECRET_HEADER, HOST_HEADER,
-                     BEARER_HEADER, BOUND_HEADER):  # fmt: skip
-            req.headers.pop(name, None)
-        answered = flow.response is not None and flow.response.status_code < 400
-        if UNSUPPORTED_ENCODING_HEADER in req.headers and answered:
-            # Only a body the gateway read whole gets its encoding back: the dump (flow_detail
-            # >= 3) decodes it, and a refused one may be a gzip bomb. Left moved aside, a saved
-            # flow still replays alike (the gateway decodes by that header too).
-            req.headers["Content-Encoding"] = req.headers.pop(UNSUPPORTED_ENCODING_HEADER)
+        unmark_for_gateway(
+            req.headers, answered=flow.response is not None and flow.response.status_code < 400
+        )
         req.scheme = scheme
         req.host = host
         req.port = port

@@ -17,13 +17,8 @@ from mitmproxy import http
 
 from addons.credentials import strip_secrets
 from capture.control.api import bearer_state
-from capture.gateway import (
-    BEARER_HEADER,
-    CONTROL_HOST,
-    HOST_HEADER,
-    TOKEN_HEADER,
-    Gateway,
-)
+from capture.gateway import Gateway
+from capture.pipeline.handoff import BEARER_HEADER, CONTROL_HOST, HOST_HEADER, TOKEN_HEADER
 
 
 class ControlHost:

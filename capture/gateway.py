@@ -2,14 +2,16 @@
 
 mitmproxy cannot stream a body an addon builds itself, so the addon points each intercepted flow
 at this server (running in mitmproxy's own event loop) and lets mitmproxy stream its answer back
-to the client. Here the registry's providers (``rewriter/providers``) say who answers a call, and
-the call is dispatched: a model call to the turn pipeline (``capture/pipeline/turn.py``), a token
-count, a model list (``capture/policy/pools.py``), a local answer or a WebSocket. This module holds
-the server's lifecycle (start, the idle sweeper, stop, flush) and that routing; its listeners
-are set up by ``capture/listeners.py``, the API listener's base URLs and ``Host`` / ``Origin``
-checks are ``capture/base_url.py``'s, request heads and bodies are read by
-``capture/pipeline/bodies.py``, sessions named by ``capture/pipeline/session_ids.py``.
-Nothing here knows about mitmproxy or any one provider.
+to the client. Here the registry's providers (``rewriter/providers``; which one answers a call:
+``capture/pipeline/providers.py``) say who answers a call, and the call is dispatched: a model
+call to the turn pipeline (``capture/pipeline/turn.py``), a token count, a model list
+(``capture/policy/pools.py``), a local answer or a WebSocket. This module holds the server's
+lifecycle (start, the idle sweeper, stop, flush) and that routing; its listeners are set up by
+``capture/listeners.py``, the API listener's base URLs and ``Host`` / ``Origin`` checks are
+``capture/base_url.py``'s, request heads and bodies are read by ``capture/pipeline/bodies.py``,
+sessions named by ``capture/pipeline/session_ids.py``, the headers the addon hands a call over
+with are ``capture/pipeline/handoff.py``'s. Nothing here knows about mitmproxy or any one
+provider.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from capture.pipeline.bodies import (
     NeedsLoopback,
     oversized_head_message,
 )
+from capture.pipeline.handoff import (
+    BEARER_HEADER,
+    BOUND_HEADER,
+    CONTROL_HOST,
+    HOST_HEADER,
+    TOKEN_HEADER,
+)
+from capture.pipeline.providers import CheckedTurns, ProviderRouter
 from capture.pipeline.session_ids import (
     SESSION_SECRET_HEADER,
     request_session_id,
@@ -49,7 +59,6 @@ from capture.policy.pools import PolicyPools
 from capture.ports import ControlPlane
 from capture.storage.reader import WEIGHTS_UNVERIFIED_FILE
 from capture.storage.sessions import RowAnnotations, SessionStore
-from rewriter.providers import registered
 from rewriter.providers.base import (
     Call,
     IncomingRequest,
@@ -62,20 +71,6 @@ from rewriter.template import ChatTemplate
 from rewriter.vllm_client import PolicyError
 
 logger = logging.getLogger(__name__)
-
-TOKEN_HEADER = "X-Agenttap-Token"
-HOST_HEADER = "X-Agenttap-Host"
-# The addon checks a control call's bearer token (then strips it like every credential) and
-# says here what it found: "ok", "wrong" or "" (none). A client's own copy of any X-Agenttap-*
-# header is removed before (addons/credentials.py); only calls with TOKEN_HEADER are read.
-BEARER_HEADER = "X-Agenttap-Bearer"
-CONTROL_HOST = "agenttap.local"
-# The addon found the client's connection came through a rollout's bridge: the session it is
-# bound to (capture/control/bindings.py). Read only behind TOKEN_HEADER, like every other.
-BOUND_HEADER = "X-Agenttap-Bound"
-# Answers calls on hosts no provider owns (its error format, its 404).
-DEFAULT_PROVIDER = "openai.chat"
-
 
 # Seconds between status lines in the log (only while calls come).
 STATUS_EVERY_S = 10.0
@@ -148,17 +143,9 @@ class Gateway:
             fsync_before_reply=config.fsync_before_reply,
         )
         self.api: ControlPlane | None = None
-        available = registered()
-        names = config.providers or list(available)
-        unknown = [n for n in names if n not in available]
-        if unknown:
-            raise ValueError(
-                f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(available)}"
-            )
-        self.providers: list[Provider[Any]] = [available[n](config.provider_options) for n in names]
-        self.default_provider = next(
-            (p for p in self.providers if p.name == DEFAULT_PROVIDER), self.providers[0]
-        )
+        # Which of the registry's providers answers a call (capture/pipeline/providers.py).
+        self.router = ProviderRouter(config.providers, config.provider_options)
+        self.providers: list[Provider[Any]] = self.router.providers
         self._runner: web.AppRunner | None = None
         self._api_runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -309,24 +296,11 @@ class Gateway:
 
     # -- dispatch --------------------------------------------------------------------------
     def _route(self, call: Call) -> tuple[Provider[Any], Route | None]:
-        """The provider that answers ``call`` and its route; the route is None when nobody
-        serves it (the host's owner then answers 404 in its format)."""
-        owners = self._owners(call)
-        for provider in owners + [p for p in self.providers if p not in owners]:
-            route = provider.match(call)
-            if route is not None:
-                return provider, route
-        return (owners[0] if owners else self.default_provider), None
-
-    def _owners(self, call: Call) -> list[Provider[Any]]:
-        """The providers that claim ``call``, the owners of its host first: a header may claim
-        a call too (``anthropic-version``), but a Gemini host's 404 is Gemini's."""
-        owners = [p for p in self.providers if p.owns(call)]
-        return sorted(owners, key=lambda p: not p.owns_host(call.host))
+        """The provider that answers ``call`` and its route (None: nobody serves it)."""
+        return self.router.route(call)
 
     def _served(self, call: Call) -> str:
-        owners = self._owners(call) or [self.default_provider]
-        return "; ".join(p.served for p in owners)
+        return self.router.served(call)
 
     async def answer_buffered(self, request: BufferedRequest) -> web.Response:
         """A call the addon routed here whose body mitmproxy holds whole, answered in this
@@ -452,7 +426,11 @@ class Gateway:
             if not isinstance(request, web.Request):
                 raise NeedsLoopback("a WebSocket")
             return await provider.serve_websocket(
-                request, call, CheckedTurns(self, secrets_given, bound)
+                request,
+                call,
+                CheckedTurns(
+                    self, self.control, self.config.require_session_secret, secrets_given, bound
+                ),
             )
         return provider.error(route.status, route.message)
 
@@ -465,43 +443,3 @@ class Gateway:
             return provider.policy_error(exc)
         names = [model_id] if model_id else self.policies.model_names(info.model, session_id)
         return web.json_response(provider.models_body(names, model_id))
-
-
-class CheckedTurns:
-    """The TurnRunner a WebSocket gets: each turn's session checked again with the secrets its
-    connection gave. A socket opened under an id nobody had opened yet is refused the turns it
-    sends once a trainer opened that id (they would be the opened session's otherwise)."""
-
-    def __init__(
-        self, gateway: Gateway, secrets_given: list[str], bound: str | None = None
-    ) -> None:
-        self.gateway = gateway
-        self.secrets_given = secrets_given
-        # The session a rollout's bridge bound the socket's connection to.
-        self.bound = bound
-
-    @property
-    def max_body_bytes(self) -> int:
-        return self.gateway.max_body_bytes
-
-    def session_id(self, request: web.Request, provider: Provider[Any]) -> str:
-        return self.gateway.session_id(request, provider)
-
-    async def run_turn(
-        self,
-        provider: Provider[Any],
-        parsed: ProviderTurn,
-        send: Callable[[bytes], Awaitable[None]],
-        user_agent: str = "",
-    ) -> web.Response | None:
-        gateway = self.gateway
-        refused = binding_refusal(self.bound, parsed.session_id) or (
-            gateway.control.credential_refusal(
-                parsed.session_id,
-                self.secrets_given,
-                required=gateway.config.require_session_secret,
-            )
-        )
-        if refused is not None:
-            return provider.error(401, refused)
-        return await gateway.run_turn(provider, parsed, send, user_agent)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from capture.control.answers import error
 from capture.control.sessions import reject_unknown
-from capture.option_values import parse_urls
+from capture.options.values import parse_urls
 from capture.ports import GatewayCore
 
 logger = logging.getLogger(__name__)

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from capture.options import parse_urls
+    from capture.options.values import parse_urls
 
     parser = argparse.ArgumentParser(prog="python -m capture.startup", description=main.__doc__)
     parser.add_argument("--policy-url", required=True)

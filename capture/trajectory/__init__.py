@@ -42,10 +42,14 @@ a ``rewritten`` row of the sequence it was removed from.
 
 Modules, one concern each: ``keys`` (message keys, digests, provenance), ``tree`` (the nodes:
 :class:`CallNode`, :class:`Assembly`), ``state`` (a session's calls and indexes, limits),
-``placement`` (:class:`ThreadSet`: extension, retry, claims, commit), ``rewrites`` and
-``new_threads`` (the other two ways a request is placed), ``export`` (rows), ``kinds`` (a row's
-``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and back),
-``orphans`` (a call whose tree was let go while it was in flight).
+``placement`` (:class:`ThreadSet`: extension, retry, claims), ``rewrites`` and
+``new_threads`` (the other two ways a request is placed), ``commits`` (a completed call
+committed to the tree, a claim released, the session's rows), ``export`` (rows), ``kinds`` (a
+row's ``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and
+back), ``orphans`` (a call whose tree was let go while it was in flight).
+
+May import: ``rewriter.canonical`` (messages, tools), ``capture.storage.records`` (the call
+record a journal line carries, in ``journal`` only).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ DUMMY_REPLY = "\u0000AGENTTAP_DUMMY_REPLY\u0000"
 
 class ThreadState:
     """The calls of one session (a forest) and the indexes that place a new request among them.
-    The steps that place a request (``placement``, ``rewrites``, ``new_threads``) extend it."""
+    The steps that place a request (``placement``, ``rewrites``, ``new_threads``) and commit it
+    (``commits``) extend it."""
 
     def __init__(self, session_id: str, renderer: Renderer, recompute: bool = True) -> None:
         self.session_id = session_id

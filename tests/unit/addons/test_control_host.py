@@ -10,7 +10,7 @@ import pytest
 from mitmproxy.test import tflow
 
 from addons.control_host import ControlHost
-from capture.gateway import BEARER_HEADER, HOST_HEADER, TOKEN_HEADER
+from capture.pipeline.handoff import BEARER_HEADER, HOST_HEADER, TOKEN_HEADER
 
 GATEWAY: Any = SimpleNamespace(token="internal-secret", port=40123, api_token="t" * 24)
 

@@ -24,14 +24,14 @@ from capture.control.sessions import (
     check_session_id,
     parse_limits,
 )
-from capture.option_values import (
+from capture.options import parse_settings
+from capture.options.values import (
     parse_host,
     parse_passthrough,
     parse_port,
     parse_token,
     passes_through,
 )
-from capture.options import parse_settings
 from capture.pipeline.whitebox import parse_generate
 from capture.storage.records import TurnRecord
 from capture.storage.sessions import RowAnnotations, SessionStore

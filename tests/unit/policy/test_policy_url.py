@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from capture.option_values import parse_model_map, parse_urls
 from capture.options import parse_settings
+from capture.options.values import parse_model_map, parse_urls
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import check_policy, open_dev_routes, warn_if_exposed
 from rewriter import policy_server

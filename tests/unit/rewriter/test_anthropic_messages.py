@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture.option_values import parse_model_map
+from capture.options.values import parse_model_map
 from rewriter.canonical import AssistantReply, Message, RequestError, ToolCall, ToolSpec
 from rewriter.parsers import ContentDelta, ParseEvent, ReasoningDelta, ToolCallEvent
 from rewriter.providers.anthropic.request import Normalization, parse_request

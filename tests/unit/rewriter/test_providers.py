@@ -228,7 +228,7 @@ def test_a_bug_in_a_provider_is_a_500_in_its_format_not_the_clients_400(
 
     from aiohttp.test_utils import make_mocked_request
 
-    from capture.gateway import HOST_HEADER, TOKEN_HEADER
+    from capture.pipeline.handoff import HOST_HEADER, TOKEN_HEADER
 
     @register
     class Broken(OpenAIChat):

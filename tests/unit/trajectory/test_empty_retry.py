@@ -16,8 +16,8 @@ import pytest
 from capture.storage.reader import to_rl_batch
 from capture.train.rows import main_row
 from capture.trajectory import ThreadRow
+from capture.trajectory.commits import appends_to
 from capture.trajectory.journal import call_entry, call_from_entry
-from capture.trajectory.placement import appends_to
 from rewriter.canonical import Message
 from rewriter.template import ChatTemplate
 from tests.unit.trajectory.test_thread_kind import CLAUDE_SYSTEM, CLAUDE_TOOLS, Client, claude_main

@@ -1,31 +1,21 @@
-"""agenttap's options: declared once, parsed once, by pure functions.
-
-mitmproxy parses an addon's typed options itself, and a value it cannot parse (``--set
-agenttap_responses_websocket=no`` for a bool, ``--set agenttap_hosts`` with no value for a text
-option) makes it skip the whole addon and run on as a plain forwarding proxy: the agent's call,
-API key included, would go to the real provider. So every agenttap option is declared to
-mitmproxy as text, and its value is parsed here, by the pure parsers of
-``capture/option_values.py``. Each parser raises ``ValueError`` worded for the user (the addon
-turns it into an ``OptionsError``, or refuses every flow); nothing here knows mitmproxy.
-
-Values users naturally write are read: YAML numbers and booleans in ``config.yaml``, and
-``true/false/yes/no/on/off/1/0`` for switches.
-"""
+"""Every agenttap option declared once: its name, its default as a user writes it, its help
+text (what mitmproxy shows, and docs/OPTIONS.md) and the pure parser that reads it; the
+registered providers' own options beside them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from capture.option_values import (
+from capture.options.values import (
     parse_bool,
     parse_choice,
     parse_folder,
     parse_host,
     parse_hosts,
     parse_list,
+    parse_max_connections,
     parse_model_map,
     parse_out_folder,
     parse_passthrough,
@@ -35,9 +25,9 @@ from capture.option_values import (
     parse_text,
     parse_token,
     parse_token_file,
+    parse_tolerance,
     parse_urls,
     parse_whole,
-    passes_through,
 )
 from rewriter.parsers import check_parser_names
 from rewriter.providers import registered
@@ -71,30 +61,6 @@ class Option:
     default: str
     help: str
     parse: Callable[[str], Any]
-
-
-# A sandbox's connections at once: more than this is no budget at all (each holds about five
-# of mitmdump's descriptors).
-MAX_ROLLOUT_CONNECTIONS = 4096
-
-
-def parse_max_connections(text: str) -> int:
-    """A sandbox's connection budget: a whole number from 1 to ``MAX_ROLLOUT_CONNECTIONS``."""
-    value = parse_whole(text, positive=True)
-    if value > MAX_ROLLOUT_CONNECTIONS:
-        raise ValueError(
-            f"is more than {MAX_ROLLOUT_CONNECTIONS} (a sandbox's connections at once; each "
-            f"holds about five of mitmdump's descriptors)"
-        )
-    return value
-
-
-def parse_tolerance(text: str) -> float:
-    """A logprob tolerance: a number above 0 (``1e-3``, ``0.05``)."""
-    value = float(parse_seconds(text, positive=True))
-    if value > 100:
-        raise ValueError("is not a logprob tolerance (a number above 0 such as 1e-3)")
-    return value
 
 
 CORE_OPTIONS: tuple[Option, ...] = (
@@ -404,175 +370,3 @@ def provider_options() -> tuple[Option, ...]:
 
 def all_options() -> tuple[Option, ...]:
     return CORE_OPTIONS + provider_options()
-
-
-# -- raw values ----------------------------------------------------------------------------------
-def as_text(value: Any) -> str:
-    """An option value as mitmproxy hands it over, as one text: ``--set`` values come as a list
-    of strings (empty: the name with no value; two: given twice), ``config.yaml`` values as
-    YAML scalars (numbers, booleans, null)."""
-    values = getattr(value, "val", None)  # mitmproxy's _UnconvertedStrings from --set
-    if values is not None:
-        if len(values) == 0:
-            raise ValueError("has no value")
-        if len(values) > 1:
-            raise ValueError("given more than once; set it once")
-        value = values[0]
-    if value is None:
-        raise ValueError("has no value")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return str(value)
-    if isinstance(value, str):
-        return value
-    raise ValueError(f"must be text, a number or true/false, not {type(value).__name__}")
-
-
-def describe(option: Option, text: str | None, problem: str) -> str:
-    """The error a user reads: which option, what was given, what it accepts. ``text`` None:
-    the value itself could not be read (no value, given twice)."""
-    if text is None or option.name in SECRET_OPTIONS:
-        given = option.name  # a secret's value is never echoed into a log
-    else:
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        plain = shown and all(c.isalnum() or c in "-_.:/,|*=" for c in shown)
-        given = f"{option.name}={shown if plain else repr(shown)}"
-    default = f" (the default is --set {option.name}={option.default})" if option.default else ""
-    return f"agenttap: --set {given} {problem}. It takes: {option.help}{default}"
-
-
-def unknown_names(names: Iterable[str], known: Iterable[str]) -> str | None:
-    """An error naming the misspelled agenttap options among ``names``, or None."""
-    known_set = set(known)
-    unknown = sorted(n for n in names if n.startswith("agenttap") and n not in known_set)
-    if not unknown:
-        return None
-    return (
-        f"agenttap: unknown option(s) {', '.join(unknown)}; agenttap's options are: "
-        + ", ".join(sorted(known_set))
-    )
-
-
-# -- the typed configuration -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Settings:
-    """Every agenttap option, parsed."""
-
-    policy_urls: list[str]
-    tokenizer: Path | None
-    out: Path
-    tool_parser: str
-    reasoning_parser: str
-    hosts: frozenset[str]
-    idle_timeout_s: float
-    max_body_bytes: int
-    policy_timeout_s: float
-    stream_flush_ms: int
-    policy_connections: int
-    replica_max_inflight: int
-    replica_queue: int
-    client_timeout_s: int
-    session_max_inflight: int
-    model_map: list[tuple[str, list[str]]]
-    model_names: list[str]
-    # Re-score policy tokens whose logprobs no longer match their context; off: masked instead.
-    recompute_logprobs: bool
-    provider_options: dict[str, Any] = field(default_factory=dict)
-    # Weight checks of the policy servers (agenttap_weights_tolerance, _check_s).
-    weights_tolerance: float = 1e-3
-    weights_check_s: float = 60.0
-    # The control API and base-URL listener (capture/control/api.py).
-    api_host: str = "127.0.0.1"
-    api_port: int = 0
-    token: str = ""
-    advertise_host: str = ""
-    max_rollouts: int = 8
-    rollout_memory_mb: int | None = None
-    passthrough: tuple[str, ...] = ()
-    check_policy: bool = True
-    fsync_before_reply: bool = False
-    require_session_secret: bool = False
-    max_staleness: int | None = None
-    sandbox: str = "bwrap"
-    sandbox_hide: tuple[Path, ...] = ()
-    sandbox_expose: tuple[Path, ...] = ()
-    rollout_max_connections: int = 64
-    token_file: Path | None = None
-
-
-def parse_value(option: Option, text: str) -> Any:
-    try:
-        return option.parse(text)
-    except ValueError as exc:
-        raise ValueError(describe(option, text, str(exc))) from None
-
-
-def parse_settings(texts: Mapping[str, str]) -> Settings:
-    """All options from their texts (a missing one takes its default). Raises ValueError naming
-    the option and what it accepts."""
-    values = {o.name: parse_value(o, texts.get(o.name, o.default)) for o in all_options()}
-    for provider in registered().values():
-        own = {o.name: values[o.name] for o in provider.options}
-        try:
-            provider.check_options(own)
-        except ValueError as exc:
-            names = ", ".join(f"--set {name}" for name in own)
-            raise ValueError(f"agenttap: {names}: {exc}") from None
-    overlap = sorted(
-        h for h in values["agenttap_hosts"] if passes_through(h, values["agenttap_passthrough"])
-    )
-    if values["agenttap_token"] and values["agenttap_token_file"]:
-        raise ValueError(
-            "agenttap: --set agenttap_token and --set agenttap_token_file are both set; give "
-            "the token once (the file keeps it off the command line)"
-        )
-    if overlap:
-        raise ValueError(
-            f"agenttap: --set agenttap_passthrough would let {', '.join(overlap)} through: API "
-            f"calls, keys included, would reach the real provider. Remove the pattern(s) that "
-            f"match it (the API hosts are answered by the policy, never passed through)."
-        )
-    return Settings(
-        policy_urls=values["agenttap_policy_url"],
-        tokenizer=values["agenttap_tokenizer"],
-        out=values["agenttap_out"],
-        tool_parser=values["agenttap_tool_parser"],
-        reasoning_parser=values["agenttap_reasoning_parser"],
-        hosts=values["agenttap_hosts"],
-        idle_timeout_s=values["agenttap_idle_timeout"],
-        max_body_bytes=values["agenttap_max_body_bytes"],
-        policy_timeout_s=values["agenttap_policy_timeout"],
-        stream_flush_ms=values["agenttap_stream_flush_ms"],
-        policy_connections=values["agenttap_policy_connections"],
-        replica_max_inflight=values["agenttap_replica_max_inflight"],
-        replica_queue=values["agenttap_replica_queue"],
-        session_max_inflight=values["agenttap_session_max_inflight"],
-        weights_tolerance=values["agenttap_weights_tolerance"],
-        weights_check_s=values["agenttap_weights_check_s"],
-        client_timeout_s=values["agenttap_client_timeout"],
-        model_map=values["agenttap_model_map"],
-        model_names=values["agenttap_model_names"],
-        recompute_logprobs=values["agenttap_recompute_mismatch_logprobs"],
-        api_host=values["agenttap_api_host"] or "127.0.0.1",
-        api_port=values["agenttap_api_port"],
-        token=values["agenttap_token"] or values["agenttap_token_file"],
-        advertise_host=values["agenttap_advertise_host"],
-        max_rollouts=values["agenttap_max_rollouts"],
-        rollout_memory_mb=values["agenttap_rollout_memory_mb"],
-        passthrough=values["agenttap_passthrough"],
-        check_policy=values["agenttap_check_policy"],
-        fsync_before_reply=values["agenttap_journal_fsync"] == "before_reply",
-        require_session_secret=values["agenttap_require_session_secret"],
-        max_staleness=values["agenttap_max_staleness"],
-        sandbox=values["agenttap_sandbox"],
-        sandbox_hide=values["agenttap_sandbox_hide"],
-        sandbox_expose=values["agenttap_sandbox_expose"],
-        rollout_max_connections=values["agenttap_rollout_max_connections"],
-        token_file=(
-            Path(texts["agenttap_token_file"].strip()).expanduser().absolute()
-            if texts.get("agenttap_token_file", "").strip()
-            else None
-        ),
-        provider_options={o.name: values[o.name] for p in registered().values() for o in p.options},
-    )

@@ -1,9 +1,9 @@
-"""agenttap's option values: the pure parsers that read one option's text (``capture/options.py``
-declares which option each one reads).
+"""agenttap's option values: the pure parsers that read one option's text
+(``capture/options/declared.py`` declares which option each one reads).
 
 Each takes the text a user gave and returns the typed value, or raises ``ValueError`` worded for
-the user (``capture.options.describe`` puts the option's name and help before it); nothing here
-knows mitmproxy. Values users naturally write are read: YAML numbers and booleans in
+the user (``capture.options.reading.describe`` puts the option's name and help before it);
+nothing here knows mitmproxy. Values users naturally write are read: YAML numbers and booleans in
 ``config.yaml``, and ``true/false/yes/no/on/off/1/0`` for switches.
 """
 
@@ -219,3 +219,27 @@ def parse_model_map(spec: str) -> list[tuple[str, list[str]]]:
             )
         rules.append((pattern.strip(), [parse_policy_url(u).url for u in servers]))
     return rules
+
+
+# A sandbox's connections at once: more than this is no budget at all (each holds about five
+# of mitmdump's descriptors).
+MAX_ROLLOUT_CONNECTIONS = 4096
+
+
+def parse_max_connections(text: str) -> int:
+    """A sandbox's connection budget: a whole number from 1 to ``MAX_ROLLOUT_CONNECTIONS``."""
+    value = parse_whole(text, positive=True)
+    if value > MAX_ROLLOUT_CONNECTIONS:
+        raise ValueError(
+            f"is more than {MAX_ROLLOUT_CONNECTIONS} (a sandbox's connections at once; each "
+            f"holds about five of mitmdump's descriptors)"
+        )
+    return value
+
+
+def parse_tolerance(text: str) -> float:
+    """A logprob tolerance: a number above 0 (``1e-3``, ``0.05``)."""
+    value = float(parse_seconds(text, positive=True))
+    if value > 100:
+        raise ValueError("is not a logprob tolerance (a number above 0 such as 1e-3)")
+    return value
