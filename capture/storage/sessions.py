@@ -23,42 +23,43 @@ began before that opening (``claimed_at``).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from capture.storage import journal_lines
+# bench/storage.py times the store's journal writes by patching this module's ``_append``.
+from capture.storage.journal_files import append_line as _append
+from capture.storage.journal_files import (
+    journal_name,
+    make_text_safe,
+    replay,
+    safe_text,
+)
 from capture.storage.records import FailedCall, TurnRecord
-from capture.storage.rewards import void_rewards
 from capture.storage.rows import RowAnnotations, thread_row, turn_row
 from capture.storage.shards import (
     FAILED_SCHEMA,
     THREAD_SCHEMA,
     TURN_SCHEMA,
-    rewrite_rows,
     write_rows,
-    written_turn_counts,
 )
+
+# capture/rollouts/runner.py imports it from here.
+from capture.storage.take_back import take_back_rewards as take_back_rewards
+from capture.storage.written import WrittenShards
 from capture.trajectory import (
     Assembly,
-    CallNode,
     Provenance,
     Renderer,
     ThreadRow,
     ThreadSet,
     export_rows,
 )
-from capture.trajectory.journal import call_entry, call_from_entry
+from capture.trajectory.journal import call_entry
 from capture.trajectory.orphans import as_new_tree, placed_in
 from rewriter.canonical import ChatRequest, Message
 from rewriter.ids_json import IdsJson
@@ -67,16 +68,6 @@ logger = logging.getLogger(__name__)
 
 # Sessions whose threads are kept after an idle flush (about 58 bytes per token each).
 DORMANT_SESSIONS = 64
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def _journal_name(session_id: str) -> str:
-    # Session ids come from the client (the proxy username): never trust them as a path.
-    return _SAFE.sub("_", session_id)[:80] + "-" + os.urandom(4).hex() + ".jsonl"
-
-
-# Sessions whose written thread shards are remembered (for the rows returned at close).
-WRITTEN_KEPT = 10_000
 
 
 @dataclass
@@ -110,17 +101,12 @@ class SessionStore:
         self.failed_dir = out_dir / "failed"
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         self._sessions: dict[str, Session] = {}
-        # Calls already sharded per session id: a scaffold that pauses past the idle timeout
-        # and goes on under the same session keeps counting, never reusing a turn index.
-        self._sharded_turns: dict[str, int] = {}
+        # The shards written per session, and its calls in shards (turn indices go on).
+        self.written = WrittenShards(self.turns_dir, self.threads_dir, self.failed_dir)
         # Threads of sessions flushed while idle, most recent last (see end_session).
         self._dormant: OrderedDict[str, ThreadSet] = OrderedDict()
         # What a trainer said of a session (its metadata), written into every thread row of it.
         self.annotations_for: Callable[[str], RowAnnotations | None] = lambda _sid: None
-        # Thread shards written per session so far, most recent last (see written_threads).
-        self._written_threads: OrderedDict[str, list[Path]] = OrderedDict()
-        # Every shard (turns, threads, failed) written per session so far (see detach).
-        self._written_all: OrderedDict[str, list[Path]] = OrderedDict()
         # When a session was opened over calls made before it (SessionControl.claimed_at): a
         # call of it that started by then is not recorded; on_dropped hears of each.
         self.claimed_at: Callable[[str], float | None] = lambda _sid: None
@@ -132,7 +118,7 @@ class SessionStore:
             threads = self._dormant.pop(session_id, None) or (
                 ThreadSet(session_id, self.renderer, self.recompute) if self.renderer else None
             )
-            sess = Session(session_id, self.journal_dir / _journal_name(session_id), threads)
+            sess = Session(session_id, self.journal_dir / journal_name(session_id), threads)
             self._sessions[session_id] = sess
         return sess
 
@@ -144,12 +130,11 @@ class SessionStore:
         return (
             session_id in self._sessions
             or session_id in self._dormant
-            or session_id in self._written_threads
-            or session_id in self._sharded_turns
+            or self.written.knows(session_id)
         )
 
     def next_turn_index(self, session_id: str) -> int:
-        return self._sharded_turns.get(session_id, 0) + len(self.session(session_id).turns)
+        return self.written.turns(session_id) + len(self.session(session_id).turns)
 
     def assemble(
         self, session_id: str, chat: ChatRequest, inline_budget: int | None = None
@@ -193,7 +178,7 @@ class SessionStore:
         ``rescored_version``: the weights that gave ``rescored``."""
         if self._began_before_claim(turn.session_id, turn.started_at, turn.request_id):
             return self.journal_dir / "not-recorded.jsonl"  # nothing to fsync
-        _make_text_safe(turn)
+        make_text_safe(turn)
         sess = self.session(turn.session_id)
         entry: dict[str, Any] = {}
         if assembly is not None and reply is not None and sess.threads is not None:
@@ -326,9 +311,7 @@ class SessionStore:
     def written_threads(self, session_id: str, forget: bool = False) -> list[Path]:
         """The thread shards written for ``session_id`` by this process (shards hold rows of
         one session each); ``forget``: the session is over, stop remembering them."""
-        if forget:
-            return self._written_threads.pop(session_id, [])
-        return list(self._written_threads.get(session_id, []))
+        return self.written.threads(session_id, forget)
 
     def end_session(
         self,
@@ -365,7 +348,7 @@ class SessionStore:
         paths = self._write_session(sess, None, None, "flush")
         if sess.turns or sess.failed:
             sess.turns, sess.failed = [], []
-            sess.journal_path = self.journal_dir / _journal_name(session_id)
+            sess.journal_path = self.journal_dir / journal_name(session_id)
         return paths
 
     def _write_session(
@@ -385,15 +368,7 @@ class SessionStore:
         stem = sess.journal_path.stem
         paths = self._write(sess.turns, rows, thread_of, stem, annotations, rows_out)
         paths += self._write_failed(sess.failed, stem)
-        for kept, written in (
-            (self._written_threads, [p for p in paths if p.parent == self.threads_dir]),
-            (self._written_all, paths),
-        ):
-            kept.setdefault(session_id, []).extend(written)
-            kept.move_to_end(session_id)
-            while len(kept) > WRITTEN_KEPT:
-                kept.popitem(last=False)
-        self._sharded_turns[session_id] = self._sharded_turns.get(session_id, 0) + len(sess.turns)
+        self.written.add(session_id, paths, len(sess.turns))
         sess.journal_path.unlink(missing_ok=True)
         logger.info(
             "agenttap: session %r written (%s): %d calls in %d thread rows%s, in %s",
@@ -428,27 +403,7 @@ class SessionStore:
             else:  # written by the idle sweep, long after the worker thread is done with it
                 sess.last_active = time.monotonic()
         self._dormant.pop(session_id, None)
-        self._written_threads.pop(session_id, None)
-        schemas = {
-            self.turns_dir: TURN_SCHEMA,
-            self.threads_dir: THREAD_SCHEMA,
-            self.failed_dir: FAILED_SCHEMA,
-        }
-        rewritten: list[Path] = []
-
-        def rename(row: dict[str, Any]) -> None:
-            row["session_id"] = new_id
-
-        for path in self._written_all.pop(session_id, []):
-            rows = rewrite_rows(path, schemas[path.parent], rename)
-            if path.parent == self.turns_dir:
-                moved += rows
-            rewritten.append(path)
-        if rewritten:
-            self._written_all.setdefault(new_id, []).extend(rewritten)
-            self._written_threads.setdefault(new_id, []).extend(
-                p for p in rewritten if p.parent == self.threads_dir
-            )
+        moved += self.written.rename(session_id, new_id)
         if moved:
             logger.warning(
                 "agenttap: session %r was opened after %d call(s) were made under its id "
@@ -500,7 +455,7 @@ class SessionStore:
     # -- recovery after a crash ------------------------------------------------------------
     def recover(self) -> list[Path]:
         """Turn journals left by an earlier process into shards. CallNode before serving."""
-        self._count_sharded_turns()
+        self.written.count_from_shards()
         written: list[Path] = []
         for journal in sorted(self.journal_dir.glob("*.jsonl")):
             try:
@@ -520,113 +475,14 @@ class SessionStore:
             journal.unlink()
         return written
 
-    def _count_sharded_turns(self) -> None:
-        """Turn indices the shards of earlier processes hold: a session written before a restart
-        (idle, flushed, or recovered then) and going on after it keeps counting."""
-        for session_id, done in written_turn_counts(self.turns_dir).items():
-            self._count_written(session_id, done)
-
-    def _count_written(self, session_id: str, done: int) -> None:
-        self._sharded_turns[session_id] = max(self._sharded_turns.get(session_id, 0), done)
-
     def _recover_journal(self, journal: Path) -> list[Path]:
-        turns: list[TurnRecord] = []
-        failed: list[FailedCall] = []
-        calls: dict[str, CallNode] = {}
-        for entry in journal_lines.read(journal):
-            try:
-                if entry is None:
-                    raise ValueError("unreadable")
-                if "failed" in entry:
-                    failed.append(FailedCall.from_row(entry["failed"]))
-                    continue
-                turn = entry["record"]
-            except Exception:
-                # A line cut short by the crash (that call had not completed), or damaged (or
-                # its prompt refers to a damaged line).
-                logger.warning("skipping a torn or unreadable line in %s", journal)
-                continue
-            turns.append(turn)
-            if entry.get("call"):
-                try:
-                    calls[turn.request_id] = call_from_entry(turn, entry["call"], calls)
-                except Exception:
-                    logger.warning(
-                        "%s: the thread placement of call %s cannot be read; the call is kept "
-                        "in the turns shard only",
-                        journal.name,
-                        turn.request_id,
-                    )
+        turns, failed, calls = replay(journal)
         written = self._write_failed(failed, journal.stem)
         if not turns:
             return written
         rows, thread_of = export_rows(list(calls.values()))
         written += self._write(turns, rows, thread_of, journal.stem)
         # A session that goes on after the restart keeps counting its calls.
-        self._count_written(turns[0].session_id, max(t.turn_index for t in turns) + 1)
+        self.written.count(turns[0].session_id, max(t.turn_index for t in turns) + 1)
         logger.info("recovered %d calls from %s", len(turns), journal.name)
         return written
-
-
-def _append(
-    journal: Path, entry: dict[str, Any], earlier: Sequence[TurnRecord] = (), fsync: bool = True
-) -> None:
-    """One journal line, durable (flushed and fsynced) before this returns (``fsync=False``:
-    once ``sync_journal`` has run). ``earlier``: the calls this journal holds already
-    (capture.storage.journal_lines: a prompt refers to one of them)."""
-    line = journal_lines.encode(entry, earlier) + b"\n"
-    with open(journal, "ab") as fh:
-        fh.write(line)
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-
-
-def safe_text(text: str) -> str:
-    """``text`` without lone surrogates (a client's undecodable header bytes, a JSON ``\ud800``):
-    they cannot be written to Parquet, so they become U+FFFD before anything is journaled."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-
-
-def _make_text_safe(turn: TurnRecord) -> None:
-    # Not session_id: sessions are keyed by it; the gateway makes it safe before anything else.
-    for name in ("requested_model", "policy_model", "user_agent", "completion_text"):
-        setattr(turn, name, safe_text(getattr(turn, name)))
-    turn.metadata = json.loads(safe_text(json.dumps(turn.metadata, ensure_ascii=False)))
-
-
-def take_back_rewards(out_dir: Path, session_id: str, since: float) -> list[dict[str, Any]]:
-    """Take back every reward given to ``session_id``'s rows written since ``since`` (unix
-    seconds): its thread shards rewritten with ``reward`` and ``reward_source`` null, and a void
-    late reward (``capture.storage.rewards.void_rewards``) so that none given before now is
-    joined onto them. Returns those rows, as now written. For a rollout whose session someone
-    else closed or rewarded before its verifier ran (capture/rollouts/runner.py): its rows must
-    carry no reward, rather than the one that someone chose."""
-    threads_dir = Path(out_dir) / "threads"
-    rows_out: list[dict[str, Any]] = []
-
-    def take_back(row: dict[str, Any]) -> None:
-        if row.get("session_id") == session_id:
-            row["reward"] = None
-            row["reward_source"] = None
-            rows_out.append(row)
-
-    # A session's shards are named after its journal, which starts with its id made safe (no
-    # character glob reads as a pattern is left in it).
-    prefix = "threads-" + _SAFE.sub("_", session_id)[:80] + "-"
-    for path in sorted(threads_dir.glob(f"{prefix}*.parquet")):
-        try:
-            if path.stat().st_mtime < since:
-                continue
-            ids = pq.read_table(path, columns=["session_id"]).column("session_id").to_pylist()
-        except (OSError, pa.ArrowException) as exc:
-            logger.warning("could not read %s to take back its rewards (%s)", path, exc)
-            continue
-        if session_id in ids:
-            rewrite_rows(path, THREAD_SCHEMA, take_back)
-    void_rewards(Path(out_dir), session_id)
-    return rows_out

@@ -16,4 +16,5 @@ Trainer libraries are imported inside functions, or by the one module that subcl
 (``verl``), so the proxy's torch-free ``.venv`` imports, type-checks and lints this package.
 
 May import: ``capture.client`` (the control API over HTTP), ``capture.storage.reader`` (reading
-shards); nothing of the proxy itself."""
+shards), ``capture.storage.row_rules`` (a row's reward and weight versions); nothing of the proxy
+itself."""

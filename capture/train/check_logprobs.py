@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.storage.reader import load_threads
+from capture.storage.row_rules import ordered_versions
 
 DEFAULT_TOLERANCE = 1e-3
 WORST_SHOWN = 5
@@ -88,7 +89,8 @@ def positions_to_check(row: Mapping[str, Any], version: str | None = None) -> li
 
 def versions_present(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Each weight version the rows name, with how many of their trained tokens it sampled
-    (``weight_versions``), in the order first named; {} for rows that name none."""
+    (``weight_versions``), oldest first (``capture.storage.row_rules.version_key``); {} for
+    rows that name none."""
     counts: dict[str, int] = {}
     for row in rows:
         trained = set(positions_to_check(row))
@@ -100,7 +102,7 @@ def versions_present(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
             counts[str(version)] = counts.get(str(version), 0) + len(
                 trained.intersection(span_positions)
             )
-    return counts
+    return {v: counts[v] for v in ordered_versions(counts)}
 
 
 def describe_versions(counts: Mapping[str, int], shown: int = 12) -> str:

@@ -9,18 +9,17 @@ trained token (the first call's prompt), the *completion* everything after: the 
 sampled tokens (mask 1) and, in a multi-turn row, the tool / environment tokens between its
 calls (mask 0).
 
-``weight_steps`` reads the row's ``weight_versions`` (which weights sampled which tokens) as
-numbers for trainers that count versions in steps (verl's ``min_global_steps`` /
-``max_global_steps``).
+A row's reward and weight versions are read by ``capture.storage.row_rules`` (``weight_steps``:
+the versions as numbers, for verl's ``min_global_steps`` / ``max_global_steps``).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from capture.storage.row_rules import reward_value, row_versions, weight_steps
 
 # Qwen's <|endoftext|>: what stands in for a sequence a rollout did not produce.
 DEFAULT_FILLER_ID = 151643
@@ -86,59 +85,6 @@ def filler(filler_id: int = DEFAULT_FILLER_ID) -> SplitRow:
     """What stands in for a rollout that produced no row: one prompt token, one completion
     token, masked, so the trainer's batch keeps its order and shape and learns nothing from it."""
     return SplitRow([filler_id], [filler_id], [0.0], [0])
-
-
-def finite_reward(value: Any) -> float | None:
-    """A reward as a float, or None where there is none (null, NaN, infinite, not a number)."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        return None
-    return reward if math.isfinite(reward) else None
-
-
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
-
-
-def version_step(version: str) -> int | None:
-    """A weight version label as a step number: the whole label if it is an integer
-    (``"12"``), else its trailing integer (``"step-12"`` → 12); None if it has none
-    (``"base"``)."""
-    label = version.strip()
-    try:
-        return int(label)
-    except ValueError:
-        found = _TRAILING_NUMBER.search(label)  # "step-12": 12, not -12
-        return int(found.group(1)) if found else None
-
-
-def row_versions(row: Mapping[str, Any], trained_only: bool = True) -> list[str]:
-    """The weight versions that sampled the row's tokens, in order of first use. With
-    ``trained_only``, only spans covering a token the row trains (``loss_mask`` 1) count."""
-    spans = row.get("weight_versions") or []
-    mask = row.get("loss_mask") or []
-    found: list[str] = []
-    for span in spans:
-        version = span.get("version")
-        if version is None:
-            continue
-        start, end = int(span.get("start", 0)), int(span.get("end", 0))
-        if trained_only and mask and not any(mask[max(start, 0) : max(end, 0)]):
-            continue
-        if version not in found:
-            found.append(str(version))
-    return found
-
-
-def weight_steps(row: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """(min, max) step of the weights that sampled the row's trained tokens (``version_step``
-    of each version); (None, None) when the row names no version, or none with a number."""
-    steps = [s for s in map(version_step, row_versions(row)) if s is not None]
-    if not steps:
-        return None, None
-    return min(steps), max(steps)
 
 
 def truncate_for_verl(
@@ -226,7 +172,7 @@ def verl_fields(
         "response_ids": split.completion_ids,
         "response_mask": split.completion_mask,
         "response_logprobs": split.completion_logprobs,
-        "reward_score": finite_reward(run.get("reward")),
+        "reward_score": reward_value(run.get("reward")),
         "num_turns": 2 * int(row.get("num_turns") or 0) if row is not None else 0,
         "extra_fields": extra,
     }

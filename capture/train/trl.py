@@ -69,14 +69,13 @@ from pathlib import Path
 from typing import Any
 
 from capture.client.launcher import AgentTap, AgentTapError
+from capture.storage.row_rules import reward_value, row_versions
 from capture.train.rows import (
     DEFAULT_FILLER_ID,
     SplitRow,
     filler,
-    finite_reward,
     main_row,
     prompt_text,
-    row_versions,
     split_row,
 )
 
@@ -272,10 +271,10 @@ class AgentTapRolloutFunc:
 
     def _reward(self, task: str, run: dict[str, Any]) -> float | None:
         if not callable(self.verifier):
-            return finite_reward(run.get("reward"))
+            return reward_value(run.get("reward"))
         if run.get("status") != "ok":
             return None  # a failed agent is not scored, as agenttap's own verifiers do
-        reward = finite_reward(self.verifier(task, run))
+        reward = reward_value(self.verifier(task, run))
         if reward is not None and run.get("rows"):
             # The shards hold the reward that was trained (a late reward on the session).
             self.tap.client.post(f"/sessions/{run['session_id']}/reward", {"reward": reward})

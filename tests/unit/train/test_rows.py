@@ -11,18 +11,16 @@ import pytest
 
 from capture.client.launcher import AgentTapError
 from capture.storage.reader import to_rl_batch
+from capture.storage.row_rules import row_versions, version_step, weight_steps
 from capture.train import trl as train_trl
 from capture.train.rows import (
     filler,
     main_row,
     prompt_text,
-    row_versions,
     sampled_ids,
     split_row,
     truncate_for_verl,
     verl_fields,
-    version_step,
-    weight_steps,
 )
 from capture.train.trl import agenttap_reward, group_prompts, make_rollout_func, sample_from_run
 
