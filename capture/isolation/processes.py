@@ -12,7 +12,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from capture.rollouts.sandbox import Jail
+from capture.isolation.sandbox import Jail
 
 logger = logging.getLogger(__name__)
 
