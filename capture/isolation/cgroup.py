@@ -218,7 +218,6 @@ class RolloutCgroup:
         return True
 
 
-
 class CgroupV1(RolloutCgroup):
     """cgroup v1: a folder in each of the ``memory``, ``pids`` and ``cpuacct`` hierarchies this
     host lets us write (none: the rlimits alone)."""

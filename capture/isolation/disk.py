@@ -221,4 +221,3 @@ def _copy_entry(
             linked[key] = d
     else:
         skipped.append(f"{s} (a FIFO, socket or device)")
-

@@ -331,7 +331,6 @@ def release() -> None:
     _host_cache = None
 
 
-
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -349,4 +348,3 @@ def _umount(path: Path, detach: bool = False) -> None:
     if _libc().umount2(str(path).encode(), _MNT_DETACH if detach else 0) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), str(path))
-

@@ -100,7 +100,6 @@ def parse_sandbox_limits(value: Any, defaults: SandboxLimits) -> SandboxLimits:
     return replace(defaults, **changes)
 
 
-
 def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "field") -> None:
     """A ``ValueError`` naming the keys of ``body`` that are not ``known`` (and those that are)."""
     unknown = sorted(set(body) - set(known))

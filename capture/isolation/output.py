@@ -70,4 +70,3 @@ async def _reader_of(fd: int) -> asyncio.StreamReader:
 async def pump_output(source: asyncio.StreamReader | int, log_path: Path, cap_bytes: int) -> bool:
     """``OutputPump(log_path, cap_bytes).run(source)``: True if the output limit was hit."""
     return await OutputPump(log_path, cap_bytes).run(source)
-

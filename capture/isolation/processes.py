@@ -1,4 +1,4 @@
-"""The processes a rollout starts (capture/rollouts/runner.py): a ``Child`` (an agent or a
+"""The processes a box starts (capture/isolation/box.py): a ``Child`` (an agent or a
 verifier, and its sandbox), and ``stop``, which ends every process of one, sandboxed (its PID
 namespace) or not (its process group).
 """

@@ -36,6 +36,7 @@ the sandbox is gone.
 
 The workdir copies the sandbox works on: capture/isolation/workdir.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,7 +73,6 @@ INFO_TIMEOUT_S = 30.0
 
 class SandboxUnavailable(ValueError):
     """bwrap is not installed (a ValueError: the request that needs it is refused, 400)."""
-
 
 
 def find_bwrap() -> str:
@@ -452,5 +452,3 @@ async def read_info(fd: int) -> bytes:
         return b"".join(chunks)
 
     return await asyncio.wait_for(asyncio.to_thread(read_all), INFO_TIMEOUT_S)
-
-

@@ -63,8 +63,6 @@ class Agent:
 
     def prepare(self, home: Path) -> None:
         """Write the agent's configuration into ``home`` (the run's fresh HOME)."""
-        for folder in self.home_dirs:
-            (home / folder).mkdir(parents=True, exist_ok=True)
         for relative, text in self.home_files.items():
             path = home / relative
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,15 +244,19 @@ def _agent_of(spec: object) -> Agent:
 
 
 def prepare_home(spec: object, home: Path) -> None:
-    """Write what a rollout's ``agent`` needs in its fresh ``home`` before it starts: its
-    configuration folders and files (for a ``{"command": [...]}`` agent, every agent's folders)."""
-    _agent_of(spec).prepare(home)
+    """Write what a rollout's ``agent`` needs in its fresh ``home`` before it starts (nothing
+    for a ``{"command": [...]}`` agent)."""
+    if isinstance(spec, str) and spec in AGENTS:
+        AGENTS[spec].prepare(home)
 
 
-def home_env(spec: object, home: Path) -> dict[str, str]:
-    """The variables that point a rollout's ``agent`` at its configuration in ``home`` (for a
-    ``{"command": [...]}`` agent, every agent's)."""
-    return {name: str(home / relative) for name, relative in _agent_of(spec).home_env.items()}
+def config_home(spec: object, home: Path) -> dict[str, str]:
+    """Make a rollout's ``agent``'s configuration folders in ``home`` and return the variables
+    that name them (for a ``{"command": [...]}`` agent, every agent's)."""
+    agent = _agent_of(spec)
+    for folder in agent.home_dirs:
+        (home / folder).mkdir(parents=True, exist_ok=True)
+    return {name: str(home / relative) for name, relative in agent.home_env.items()}
 
 
 def agent_command(spec: object, prompt: str) -> tuple[list[str], dict[str, str]]:

@@ -17,7 +17,7 @@ from capture.isolation.limits import limit_words
 from capture.isolation.workdir import UnsafeWorkdir, copy_seed, restore, sanitize
 from capture.logsafe import printable
 from capture.ports import RolloutHost
-from capture.rollouts.agents import home_env, prepare_home
+from capture.rollouts.agents import config_home, prepare_home
 from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, plain_env, tail
 from capture.rollouts.scoring import graded_folder, score, verifier_command
 
@@ -48,12 +48,13 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
         work.mkdir()
     for folder in (home, tmp):
         folder.mkdir()
+    folders_env = await asyncio.to_thread(config_home, spec.agent, home)
     await asyncio.to_thread(prepare_home, spec.agent, home)  # its config, into its HOME
     await asyncio.to_thread(rollout.engine.hand_over, work, home, tmp)
     # Built whole, never from os.environ: the proxy's environment may hold the token.
     env = {
         **plain_env(home, tmp),
-        **home_env(spec.agent, home),
+        **folders_env,
         **session_env(host, rollout, run),
         **spec.agent_env,
         "AGENTTAP_ROLLOUT": rollout.id,
