@@ -20,15 +20,66 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 MIB = 1 << 20
-# The keys of a rollout's "limits" this module reads; SESSION_LIMIT_KEYS are the session's
-# (capture/control/sessions.py), allowed beside them and left to it.
-SANDBOX_LIMIT_KEYS = ("memory_mb", "pids", "disk_mb", "cpu_s", "output_mb")
-SESSION_LIMIT_KEYS = ("max_calls", "max_tokens", "deadline_s")
-# What ``watch`` and ``RolloutCgroup.exceeded`` name.
-LIMIT_NAMES = ("memory", "pids", "cpu_s", "disk", "output")
 # The largest whole-number limit (MiB, tasks): a PiB, past any machine and no overflow in bytes.
 MAX_WHOLE = 1 << 30
 MAX_CPU_S = 1e9
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One kernel limit of a run: its key in a request's ``"limits"``, the name a run that went
+    past it gives (its ``"limit"``), its unit, its default (``SandboxLimits`` says why), how the
+    kernel enforces it (and which module) and the words of the error that names it. A whole
+    number from 1 to ``MAX_WHOLE``, or (``whole`` False) a number > 0 up to ``MAX_CPU_S``."""
+
+    key: str
+    name: str
+    unit: str
+    default: int | float
+    enforced: str
+    words: str
+    whole: bool = True
+
+
+# Every kernel limit, in the order a request's keys are listed. Adding a limit: an entry here,
+# a field of ``SandboxLimits`` and its enforcement (a counter ``watch`` reads).
+LIMITS: tuple[Limit, ...] = (
+    Limit(
+        "memory_mb", "memory", "MiB", 4096,
+        "cgroup memory, swap counted, the OOM killer on (capture/isolation/cgroup.py)",
+        "MB of memory",
+    ),
+    Limit(
+        "pids", "pids", "tasks", 512,
+        "cgroup pids: a fork past it is refused (capture/isolation/cgroup.py)",
+        "processes and threads",
+    ),
+    Limit(
+        "disk_mb", "disk", "MiB", 2048,
+        "a size-capped tmpfs for work, HOME and TMPDIR; RLIMIT_FSIZE per file "
+        "(capture/isolation/disk.py)",
+        "MB of disk (work, HOME and TMPDIR)",
+    ),
+    Limit(
+        "cpu_s", "cpu_s", "CPU seconds", 3600.0,
+        "cgroup cpuacct (every process together); RLIMIT_CPU per process "
+        "(capture/isolation/cgroup.py)",
+        "CPU seconds", whole=False,
+    ),
+    Limit(
+        "output_mb", "output", "MiB", 16,
+        "the agent's log kept to its cap (capture/isolation/output.py)",
+        "MB of output",
+    ),
+)  # fmt: skip
+LIMIT_BY_KEY = {limit.key: limit for limit in LIMITS}
+LIMIT_BY_NAME = {limit.name: limit for limit in LIMITS}
+# The keys of a rollout's "limits" this package reads; SESSION_LIMIT_KEYS are the session's
+# (capture/control/sessions.py), allowed beside them and left to it.
+SANDBOX_LIMIT_KEYS = tuple(limit.key for limit in LIMITS)
+SESSION_LIMIT_KEYS = ("max_calls", "max_tokens", "deadline_s")
+# What ``watch`` and ``RolloutCgroup.exceeded`` name.
+LIMIT_NAMES = tuple(limit.name for limit in LIMITS)
 
 
 @dataclass(frozen=True)
@@ -50,11 +101,11 @@ class SandboxLimits:
       long session is a few MB.
     """
 
-    memory_mb: int = 4096
-    pids: int = 512
-    disk_mb: int = 2048
-    cpu_s: float = 3600.0
-    output_mb: int = 16
+    memory_mb: int = int(LIMIT_BY_KEY["memory_mb"].default)
+    pids: int = int(LIMIT_BY_KEY["pids"].default)
+    disk_mb: int = int(LIMIT_BY_KEY["disk_mb"].default)
+    cpu_s: float = float(LIMIT_BY_KEY["cpu_s"].default)
+    output_mb: int = int(LIMIT_BY_KEY["output_mb"].default)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in SANDBOX_LIMIT_KEYS}
@@ -73,31 +124,33 @@ def parse_sandbox_limits(value: Any, defaults: SandboxLimits) -> SandboxLimits:
         )
     reject_unknown(value, (*SANDBOX_LIMIT_KEYS, *SESSION_LIMIT_KEYS), '"limits" key')
     changes: dict[str, Any] = {}
-    units = {"memory_mb": " (MiB)", "pids": " (tasks)", "disk_mb": " (MiB)", "output_mb": " (MiB)"}
-    for key, unit in units.items():
-        if key not in value:
-            continue
-        v = value[key]
+    # Whole numbers first, then the others: which bad value a request is told about first.
+    for limit in sorted(LIMITS, key=lambda limit: not limit.whole):
+        if limit.key in value:
+            changes[limit.key] = _checked(limit, value[limit.key], getattr(defaults, limit.key))
+    return replace(defaults, **changes)
+
+
+def _checked(limit: Limit, v: Any, default: float) -> int | float:
+    """A request's value of ``limit``; a ``ValueError`` saying what it must be otherwise."""
+    if limit.whole:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WHOLE:
             raise ValueError(
-                f'"limits.{key}" must be a whole number from 1 to {MAX_WHOLE}{unit}, not {v!r}; '
-                f"leave it out for the default ({getattr(defaults, key)})"
+                f'"limits.{limit.key}" must be a whole number from 1 to {MAX_WHOLE} '
+                f"({limit.unit}), not {v!r}; leave it out for the default ({default})"
             )
-        changes[key] = v
-    if "cpu_s" in value:
-        v = value["cpu_s"]
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, int | float)
-            or not math.isfinite(v)
-            or not 0 < v <= MAX_CPU_S
-        ):
-            raise ValueError(
-                f'"limits.cpu_s" must be a number of CPU seconds > 0 and at most {MAX_CPU_S:g}, '
-                f"not {v!r}; leave it out for the default ({defaults.cpu_s:g})"
-            )
-        changes["cpu_s"] = float(v)
-    return replace(defaults, **changes)
+        return v
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, int | float)
+        or not math.isfinite(v)
+        or not 0 < v <= MAX_CPU_S
+    ):
+        raise ValueError(
+            f'"limits.{limit.key}" must be a number of {limit.unit} > 0 and at most '
+            f"{MAX_CPU_S:g}, not {v!r}; leave it out for the default ({default:g})"
+        )
+    return float(v)
 
 
 def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "field") -> None:
@@ -107,19 +160,10 @@ def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "fi
         raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; known: {', '.join(known)}")
 
 
-# Which limit key says what, for the words of an error.
-LIMIT_KEYS = {
-    "memory": ("memory_mb", "MB of memory"),
-    "pids": ("pids", "processes and threads"),
-    "cpu_s": ("cpu_s", "CPU seconds"),
-    "disk": ("disk_mb", "MB of disk (work, HOME and TMPDIR)"),
-    "output": ("output_mb", "MB of output"),
-}
-
-
-def limit_words(role: str, limit: str, limits: SandboxLimits) -> str:
-    """The error of a run ended by a kernel limit: which, and how to raise it."""
-    key, what = LIMIT_KEYS.get(limit, (limit, limit))
+def limit_words(role: str, name: str, limits: SandboxLimits) -> str:
+    """The error of a run ended by the kernel limit ``name``: which, and how to raise it."""
+    limit = LIMIT_BY_NAME.get(name)
+    key, what = (limit.key, limit.words) if limit is not None else (name, name)
     value = getattr(limits, key, "?")
     return (
         f"the {role} went past its limit of {value:g} {what} and was stopped "

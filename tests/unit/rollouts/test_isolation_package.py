@@ -28,3 +28,17 @@ def test_the_isolation_package_imports_nothing_of_the_proxy() -> None:
 
 def test_every_engine_is_a_sandbox_a_request_may_name() -> None:
     assert tuple(ENGINES) == SANDBOXES
+
+
+def test_the_limit_registry_is_what_sandbox_limits_hold_and_the_docs_table_says() -> None:
+    """Each ``Limit`` is a field of ``SandboxLimits`` with its default, and a row of the limits
+    table in docs/API.md with the same default."""
+    from dataclasses import fields
+
+    from capture.isolation.limits import LIMITS, SandboxLimits
+
+    assert [f.name for f in fields(SandboxLimits)] == [limit.key for limit in LIMITS]
+    table = (REPO / "docs" / "API.md").read_text()
+    for limit in LIMITS:
+        assert getattr(SandboxLimits(), limit.key) == limit.default
+        assert f"| `{limit.key}` | {limit.default:g} |" in table, limit.key
