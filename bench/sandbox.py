@@ -9,7 +9,7 @@ Python agent that makes --calls chat calls through the session's HTTPS_PROXY (ra
 no SDK import to swamp the numbers) and reports each call's latency as it saw it. Prints, per
 path: the rollout's wall time (request to answer, p50 / p95), the agent's calls (p50 / p95),
 and each as a ratio of the unsandboxed path's. In bwrap a call crosses the forwarder inside
-the sandbox and the unix-socket relay outside it (capture/rollouts/netbridge.py).
+the sandbox and the unix-socket relay outside it (capture/isolation/netbridge.py).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from capture.policy.pools import PolicyPools
 from capture.ports import ControlPlane
 from capture.storage.reader import WEIGHTS_UNVERIFIED_FILE
 from capture.storage.sessions import RowAnnotations, SessionStore
+from capture.storage.take_back import take_back_rewards
 from rewriter.providers.base import (
     Call,
     IncomingRequest,
@@ -245,6 +246,11 @@ class Gateway:
             async with self.pipeline.session_lock(sid):
                 written += store.flush(sid)
         return written
+
+    def take_back_rewards(self, session_id: str, since: float) -> list[dict[str, Any]]:
+        """The rewards of ``session_id``'s rows written since ``since`` taken back (a rollout's
+        session someone else closed: capture/storage/sessions.py); blocking, a file rewrite."""
+        return take_back_rewards(self.config.out_dir, session_id, since)
 
     async def _sweep(self) -> None:
         last_status = 0.0

@@ -22,6 +22,9 @@ from capture.gateway_config import GatewayConfig
 from capture.pipeline.turn import TurnPipeline
 from capture.policy.pools import PolicyPools
 from capture.storage.sessions import SessionStore
+
+# What a rollout's close names as its rows' reward source (its verifier's), for the runner.
+from capture.storage.shards import REWARD_VERIFIER as REWARD_VERIFIER
 from rewriter.template import ChatTemplate
 
 
@@ -42,6 +45,8 @@ class GatewayCore(Protocol):
     bindings: Bindings
 
     async def flush(self, session_id: str | None = None) -> list[Path]: ...
+
+    def take_back_rewards(self, session_id: str, since: float) -> list[dict[str, Any]]: ...
 
 
 class ControlPlane(Protocol):

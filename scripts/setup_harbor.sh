@@ -4,7 +4,7 @@
 #   .venv-harbor  Python 3.12: harbor (LiteLLM underneath, as Terminus-2 calls its model through it).
 # Apart from .venv and .venv-agents: Harbor pins its own LiteLLM, Pydantic and friends, and the
 # proxy must not depend on a scaffold's packages. agenttap's Harbor environment
-# (capture/rollouts/harbor_env.py) is imported by Harbor from this venv with the repository on
+# (capture/harbor/env.py) is imported by Harbor from this venv with the repository on
 # PYTHONPATH: it uses only the standard library and Harbor's own classes.
 # Terminus-2 drives a tmux session inside the environment: scripts/setup.sh installs tmux.
 # Idempotent: a finished environment (its marker holds what was asked for) is left alone;

@@ -7,7 +7,7 @@
 # Apart from .venv-agents too: it pins its own LiteLLM, pydantic and rich, which mini-swe-agent's
 # would fight. Nothing of its goes into .venv: the proxy must not depend on a scaffold's packages,
 # and a rollout's sandbox shows only this venv and its base Python to the agent
-# (capture/rollouts/sandbox.py program_paths).
+# (capture/isolation/sandbox.py program_paths).
 # Idempotent: a finished environment (its marker holds what was asked for) is left alone;
 # remove .venv-openhands to rebuild it. AGENTTAP_OPENHANDS_PACKAGES overrides what is installed.
 set -euo pipefail

@@ -6,5 +6,5 @@ Prometheus ``metrics``, where clients reach an instance (``endpoints``), the sta
 ``banner``.
 
 May import: ``capture.ports`` (the gateway, seen as ``GatewayCore``), ``capture.storage``,
-``capture.rollouts``, ``capture.viewer``, ``capture.options`` (and its
+``capture.rollouts``, ``capture.isolation``, ``capture.viewer``, ``capture.options`` (and its
 ``capture.option_values``). Never ``capture.gateway``."""

@@ -1,7 +1,7 @@
 """Which rollout session a connection relayed out of a sandbox belongs to.
 
 A sandboxed agent reaches the proxy and the API listener only through its own run's bridge
-(capture/rollouts/netbridge.py), which relays each of its connections over a loopback TCP
+(capture/isolation/netbridge.py), which relays each of its connections over a loopback TCP
 connection of this same process. The bridge registers that connection's two ends here,
 under the run's session, before relaying a byte; the addon (by mitmproxy's client address)
 and the API listener (by its peer address) look the connection up, and a call on it that

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from capture.isolation.limits import SESSION_LIMIT_KEYS, reject_unknown
+
 # Why a session ended, as its rows say (``end_reason``).
 END_STOP = "stop"  # the trainer closed it: the agent stopped by itself
 END_MAX_CALLS = "max_calls"
@@ -83,13 +85,6 @@ def call_seed(seed: int, prompt_ids: Sequence[int]) -> int:
     return _seed_of(b"call", str(seed).encode(), ids)
 
 
-def reject_unknown(body: dict[str, Any], known: tuple[str, ...], what: str = "field") -> None:
-    """A ``ValueError`` naming the keys of ``body`` that are not ``known`` (and those that are)."""
-    unknown = sorted(set(body) - set(known))
-    if unknown:
-        raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; known: {', '.join(known)}")
-
-
 def parse_limits(value: Any) -> Limits:
     """``{"max_calls", "max_tokens", "deadline_s"}`` (each optional) as ``Limits``; a
     ``ValueError`` worded for the caller otherwise."""
@@ -97,7 +92,7 @@ def parse_limits(value: Any) -> Limits:
         return Limits()
     if not isinstance(value, dict):
         raise ValueError('"limits" must be an object: {"max_calls", "max_tokens", "deadline_s"}')
-    reject_unknown(value, ("max_calls", "max_tokens", "deadline_s"), "limit")
+    reject_unknown(value, SESSION_LIMIT_KEYS, "limit")
     out: dict[str, Any] = {}
     for name in ("max_calls", "max_tokens"):
         v = value.get(name)

@@ -1,14 +1,15 @@
-"""Rollouts: agenttap runs the agent too. ``runner`` (n agents, each its own session and
-sandbox, the verifier, the close), ``spec`` (a ``/rollouts`` request read and checked),
-``processes`` (a started agent or verifier, and ending all its processes), ``routes``
-(``/rollouts``), ``agents`` (each CLI's headless command line), ``sandbox`` (bubblewrap from an
-allowlist, safe workdir copies), ``launch`` (bwrap started as a user that owns nothing),
-``netbridge`` and ``bridge`` (a sandbox's own network: the proxy's and the API's ports handed
-in, a bridge per agent), ``budget`` (its connections at once, the descriptor reserve),
-``limits`` (a run's hard limits: cgroup, tmpfs, prlimit, output), ``harbor_env`` and
-``harbor_execd`` (a Harbor environment in a sandbox of its own, imported by Harbor from its own
-venv), ``harbor_rollout`` (the ``terminus-2`` agent's script, run in a rollout's sandbox).
+"""Rollouts: agenttap runs the agent too. ``runner`` (``Rollouts``: n agents, each its own
+session, run after run, the memory they are promised), ``runs`` (a rollout and its runs, and
+what their answers say), ``steps`` (a run's agent and verifier, each in a box of
+capture/isolation/), ``closing`` (a run's session closed with its reward, or its rewards taken
+back when someone else closed it), ``spec`` (a ``/rollouts`` request read and checked),
+``routes`` (``/rollouts``), ``agents`` (the agent catalogue: each CLI's headless command line,
+environment and configuration folders), ``admission`` (memory promised to running agents),
+``verifier``, ``scoring``, ``grading``, ``pytest_verifier`` and ``pytest_guard`` (the
+verifier's spec, its reward, what of the agent's it sees), ``harbor_env`` (the old import path
+of capture/harbor/env.py's Harbor environment).
 
-May import: ``capture.ports`` (``RolloutHost``), ``capture.control.sessions``,
-``capture.control.endpoints``, ``capture.control.bindings``, ``capture.egress``,
-``capture.logsafe``, ``capture.ratelog``. Never ``capture.gateway`` or ``capture.control.api``."""
+May import: ``capture.ports`` (``RolloutHost``, ``REWARD_VERIFIER``), ``capture.isolation``,
+``capture.harbor`` (``harbor_env`` only), ``capture.control.sessions``, ``capture.egress``,
+``capture.logsafe``. Never ``capture.gateway``, ``capture.storage`` or
+``capture.control.api``."""

@@ -8,7 +8,7 @@ A run that does not fit waits (status ``pending``) until others end, so a rollou
 on a small host runs as many at once as fit; a rollout asking not to wait (``"wait": false``)
 gets 429 with ``Retry-After`` when not even one of its agents fits now; one whose single agent
 could never fit is refused at once (400). The instance's parent cgroup
-enforces the same total (capture/rollouts/limits.py ``cap_instance_memory``), so promises the
+enforces the same total (capture/isolation/host.py ``cap_instance_memory``), so promises the
 kernel does not see cannot add up past it either.
 
 No mitmproxy or HTTP here: the routes and the runner ask.
@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from capture.rollouts.limits import SandboxLimits
+from capture.isolation.limits import SandboxLimits
 
 DEFAULT_SHARE = 0.8
 

@@ -1,5 +1,7 @@
-"""The real CLI agents a rollout runs headless: one place per agent for its command line and the
-flags that make it run without asking (permissions, sandbox, trust).
+"""The real CLI agents a rollout runs headless: one ``AGENTS`` entry per agent for its command
+line, the flags that make it run without asking (permissions, sandbox, trust), its environment
+and its configuration folders in the run's fresh HOME. Adding an agent is one entry here and
+its setup script.
 
 Checked against the versions the setup scripts pin (Claude Code 2.1.330, Codex 0.169.0, Gemini
 CLI 0.61.0, OpenCode 1.18.33 in ``scripts/install_clients.sh``; mini-swe-agent 2.4.6 in
@@ -10,7 +12,7 @@ session's ``env`` (capture/control/endpoints.py ``Endpoints.env``) carries the p
 under every name these CLIs read it from, and its session's secret as the keys; each gets a
 fresh ``HOME`` (what an agent needs in it before it starts is written by ``prepare_home``) so
 no earlier run's configuration or history leaks in, and runs in the rollout's bubblewrap sandbox
-(capture/rollouts/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR`` writable), which
+(capture/isolation/sandbox.py: only its workdir copy, ``HOME`` and ``TMPDIR`` writable), which
 is why the CLIs' own permission prompts and sandboxes are switched off here.
 """
 
@@ -30,7 +32,7 @@ AGENTS_VENV_BIN = REPO / ".venv-agents" / "bin"
 # Harbor (Terminus-2), in a venv of its own by scripts/setup_harbor.sh, and the script that runs
 # a trial of it in the rollout's workdir.
 HARBOR_VENV_BIN = REPO / ".venv-harbor" / "bin"
-HARBOR_ROLLOUT = Path(__file__).with_name("harbor_rollout.py")
+HARBOR_ROLLOUT = REPO / "capture" / "harbor" / "rollout.py"
 # Where scripts/setup_openhands.sh puts the pinned OpenHands CLI (a venv of its own).
 OPENHANDS_VENV_BIN = REPO / ".venv-openhands" / "bin"
 
@@ -50,6 +52,11 @@ class Agent:
     # Where its pinned install puts the binary, and the script that installs it there.
     pinned: Path = PINNED_BIN
     installer: str = "scripts/install_clients.sh"
+    # Its configuration folders: variables that name a folder in its fresh HOME (variable ->
+    # path relative to HOME), and the folders made there before it starts (a CLI that refuses
+    # a configuration folder that does not exist).
+    home_env: dict[str, str] = field(default_factory=dict)
+    home_dirs: tuple[str, ...] = ()
 
     def command(self, prompt: str) -> list[str]:
         return [resolve(self.binary, self.pinned, self.installer), *self.args(prompt)]
@@ -117,10 +124,12 @@ AGENTS: dict[str, Agent] = {
         "claude",
         lambda prompt: ["-p", prompt, "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep"],
         {"DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+        home_env={"CLAUDE_CONFIG_DIR": ".claude"},
     ),
     # exec: non-interactive; no approvals and no sandbox of its own (the rollout's bwrap sandbox
     # is the boundary, around a copy of the workdir);
-    # outside a git repository it refuses to start without --skip-git-repo-check.
+    # outside a git repository it refuses to start without --skip-git-repo-check. CODEX_HOME must
+    # be a folder that exists.
     "codex": Agent(
         "codex",
         "codex",
@@ -131,6 +140,8 @@ AGENTS: dict[str, Agent] = {
             "--json",
             prompt,
         ],
+        home_env={"CODEX_HOME": ".codex"},
+        home_dirs=(".codex",),
     ),
     # -p: one prompt, then exit; --yolo approves every tool call. Without trust in the workdir a
     # headless run exits with code 55.
@@ -205,8 +216,8 @@ AGENTS: dict[str, Agent] = {
         installer="scripts/setup_openhands.sh",
     ),
     # Harbor's Terminus-2 (LiteLLM's OpenAI route, Chat Completions) on the prompt as a Harbor
-    # task, its commands typed into tmux in the rollout's workdir (capture/rollouts/
-    # harbor_rollout.py: the rollout's sandbox is its environment; verification is agenttap's).
+    # task, its commands typed into tmux in the rollout's workdir (capture/harbor/
+    # rollout.py: the rollout's sandbox is its environment; verification is agenttap's).
     "terminus-2": Agent(
         "terminus-2",
         "python",
@@ -218,11 +229,34 @@ AGENTS: dict[str, Agent] = {
 }
 
 
+def _agent_of(spec: object) -> Agent:
+    """A rollout's ``agent``'s entry; a ``{"command": [...]}`` agent may be any CLI, so it gets
+    every entry's configuration folders and variables (none of their files or switches)."""
+    if isinstance(spec, str) and spec in AGENTS:
+        return AGENTS[spec]
+    return Agent(
+        "command",
+        "",
+        lambda prompt: [prompt],
+        home_env={k: v for agent in AGENTS.values() for k, v in agent.home_env.items()},
+        home_dirs=tuple(d for agent in AGENTS.values() for d in agent.home_dirs),
+    )
+
+
 def prepare_home(spec: object, home: Path) -> None:
     """Write what a rollout's ``agent`` needs in its fresh ``home`` before it starts (nothing
     for a ``{"command": [...]}`` agent)."""
     if isinstance(spec, str) and spec in AGENTS:
         AGENTS[spec].prepare(home)
+
+
+def config_home(spec: object, home: Path) -> dict[str, str]:
+    """Make a rollout's ``agent``'s configuration folders in ``home`` and return the variables
+    that name them (for a ``{"command": [...]}`` agent, every agent's)."""
+    agent = _agent_of(spec)
+    for folder in agent.home_dirs:
+        (home / folder).mkdir(parents=True, exist_ok=True)
+    return {name: str(home / relative) for name, relative in agent.home_env.items()}
 
 
 def agent_command(spec: object, prompt: str) -> tuple[list[str], dict[str, str]]:

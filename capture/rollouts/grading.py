@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from capture.rollouts.sandbox import copy_seed
+from capture.isolation.workdir import copy_seed
 
 # Files that configure or extend Python and pytest rather than hold the task's answer.
 NEVER_KEPT_NAMES = frozenset({

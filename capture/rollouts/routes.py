@@ -22,10 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
+from capture.isolation.workdir import check_seed
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBusy
 from capture.rollouts.runner import Busy, Rollouts
-from capture.rollouts.sandbox import check_seed
 from capture.rollouts.spec import parse_rollout
 
 # What a refused rollout is told to wait before trying again.

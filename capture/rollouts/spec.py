@@ -17,8 +17,8 @@ from capture.control.sessions import (
     parse_limits,
     reject_unknown,
 )
+from capture.isolation.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
 from capture.rollouts.agents import agent_command
-from capture.rollouts.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
 from capture.rollouts.verifier import VerifierSpec, parse_verifier
 
 # The most a rollout request may ask for at once (the cap applies on top of it).

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from capture.rollouts.sandbox import check_restore
+from capture.isolation.workdir import check_restore
 
 REWARD_RANGE = (0.0, 1.0)
 # A plain decimal number: no "nan", "inf", hex, underscores or surrounding words.

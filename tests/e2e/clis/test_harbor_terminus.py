@@ -1,6 +1,6 @@
 """Terminus-2 as Harbor runs it (``harbor run --path TASK --agent terminus-2``), through the
 real proxy, answered by the scripted stub, in agenttap's Harbor environment (the trial in a
-bubblewrap sandbox: capture/rollouts/harbor_env.py; no Docker here). Harbor is installed in
+bubblewrap sandbox: capture/harbor/env.py; no Docker here). Harbor is installed in
 .venv-harbor by scripts/setup_harbor.sh.
 
 The task is tests/support/scaffold_task.py's as a Harbor task folder: ``instruction.md``, ``task.toml``,
@@ -44,7 +44,7 @@ from tests.support.scaffold_task import (
 from tests.support.stub_vllm import StubPolicy
 
 HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
-ENVIRONMENT = "capture.rollouts.harbor_env:SandboxEnvironment"
+ENVIRONMENT = "capture.harbor.env:SandboxEnvironment"
 # The verifier: reward 1 when beta became gamma in the workdir.
 TEST_SH = """#!/bin/bash
 if [ "$(cat /app/notes.txt)" = "$(printf 'alpha\\ngamma')" ]; then r=1; else r=0; fi
@@ -360,7 +360,7 @@ import asyncio, json, sys
 from pathlib import Path
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
-from capture.rollouts.harbor_env import SandboxEnvironment
+from capture.harbor.env import SandboxEnvironment
 
 root = Path(sys.argv[1])
 secret = root / "secret"

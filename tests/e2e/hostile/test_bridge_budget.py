@@ -35,7 +35,7 @@ from tests.support.stub_vllm import StubPolicy
 AGENT = Path(__file__).resolve().parents[2] / "support" / "bridge_agent.py"
 MAX_CONNECTIONS = 64
 FLOOD = 3000
-# Descriptors a relayed connection holds in mitmdump (capture/rollouts/budget.py), and room for
+# Descriptors a relayed connection holds in mitmdump (capture/isolation/budget.py), and room for
 # what the proxy opens of its own meanwhile (the bystander's calls, the policy's pool).
 FDS_PER_CONNECTION = 5
 SLACK = 200

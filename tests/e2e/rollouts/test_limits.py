@@ -1,4 +1,4 @@
-"""Each kernel limit of a rollout (capture/rollouts/limits.py: a cgroup per run, a size-capped
+"""Each kernel limit of a rollout (capture/isolation/: a cgroup per run, a size-capped
 tmpfs, rlimits, its output kept to a cap) ends the rollout that goes past it, with
 ``finish_reason`` "limit" naming which, while an honest rollout beside them finishes ``ok``.
 Real mitmdump, real bwrap, real processes that go past each limit."""

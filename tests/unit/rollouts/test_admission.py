@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from capture.isolation.limits import SandboxLimits
 from capture.rollouts.admission import (
     MemoryBudget,
     MemoryBusy,
@@ -15,7 +16,6 @@ from capture.rollouts.admission import (
     host_memory_mb,
     run_need_mb,
 )
-from capture.rollouts.limits import SandboxLimits
 
 
 def test_a_run_is_promised_its_memory_and_its_tmpfs() -> None:

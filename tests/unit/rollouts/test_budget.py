@@ -1,4 +1,4 @@
-"""capture/rollouts/budget.py: a sandbox's connections at once, and the process's reserve."""
+"""capture/isolation/budget.py: a sandbox's connections at once, and the process's reserve."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import resource
 
 import pytest
 
-from capture.options import parse_settings
-from capture.rollouts.budget import (
+from capture.isolation.budget import (
     FDS_PER_CONNECTION,
     RECOUNT_S,
     ConnectionBudget,
@@ -16,6 +15,7 @@ from capture.rollouts.budget import (
     raise_nofile,
     reserve_for,
 )
+from capture.options import parse_settings
 
 
 def test_a_sandbox_holds_at_most_its_budget_and_refusals_are_counted() -> None:

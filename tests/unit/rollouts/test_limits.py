@@ -1,4 +1,4 @@
-"""A rollout's limits (capture/rollouts/limits.py) on the real kernel: real cgroups, a real tmpfs,
+"""A rollout's limits (capture/isolation/) on the real kernel: real cgroups, a real tmpfs,
 real processes (python, Node, sh) pushed past each limit, and the request's "limits" parsed.
 These machines run the tests as root with cgroup v1's memory, pids and cpuacct writable."""
 
@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from capture.rollouts import limits as L
-from capture.rollouts.limits import (
-    DiskQuota,
-    OutputPump,
-    RolloutCgroup,
-    SandboxLimits,
-    parse_sandbox_limits,
-    pump_output,
-    remove_stale,
-    watch,
-)
+from capture.isolation import disk
+from capture.isolation import host as L
+from capture.isolation.cgroup import RolloutCgroup
+from capture.isolation.disk import DiskQuota
+from capture.isolation.host import remove_stale
+from capture.isolation.limits import SandboxLimits, parse_sandbox_limits
+from capture.isolation.output import OutputPump, pump_output
+from capture.isolation.watch import limit_hit, watch
 
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 NODE = "/usr/bin/node"
@@ -123,7 +120,7 @@ def test_memory_limit_kills_a_process_past_it(cgroups: Callable) -> None:
     cg = cgroups(memory_mb=128)
     done = run(cg.launch_prefix(), PY, "-c", "b = bytearray(1 << 30); print('survived')")
     assert done.returncode == -9 and "survived" not in done.stdout
-    assert cg.exceeded() == "memory" == L.limit_hit(cg, None, None)
+    assert cg.exceeded() == "memory" == limit_hit(cg, None, None)
     assert cg.oom_kills() >= 1
     assert cg.usage()["memory_peak_bytes"] <= 128 * MIB
 
@@ -383,7 +380,7 @@ def test_a_failed_copy_or_an_open_file_still_unmounts(
         quota.unmount_keeping(["work"], tmp_path)
     assert not os.path.ismount(quota.path)
     # A process left with a file open (the runner should have killed it): detached, not stuck.
-    monkeypatch.setattr(L, "UNMOUNT_RETRY_S", 0.1)
+    monkeypatch.setattr(disk, "UNMOUNT_RETRY_S", 0.1)
     quota = DiskQuota.mount(tmp_path / "box", 1)
     with open(quota.path / "held", "w"):
         assert quota.unmount_keeping([], tmp_path) == []
@@ -405,10 +402,10 @@ REPO = Path(__file__).resolve().parents[3]
 AS_NOBODY = """
 import subprocess, sys, tempfile
 from pathlib import Path
-from capture.rollouts import limits as L
-print(L.mechanism())
-cg = L.RolloutCgroup.create("x", L.SandboxLimits(disk_mb=1))
-quota = L.DiskQuota.mount(Path(tempfile.mkdtemp()) / "box", 1)
+from capture.isolation import cgroup, disk, host, limits
+print(host.mechanism())
+cg = cgroup.RolloutCgroup.create("x", limits.SandboxLimits(disk_mb=1))
+quota = disk.DiskQuota.mount(Path(tempfile.mkdtemp()) / "box", 1)
 dd = ["dd", "if=/dev/zero", f"of={quota.path}/f", "bs=1M", "count=4"]
 done = subprocess.run([*cg.launch_prefix(), *dd], capture_output=True)
 print(cg.dirs, cg.launch_prefix()[0], quota.mounted, done.returncode, quota.full())

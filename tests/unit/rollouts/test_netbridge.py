@@ -1,4 +1,4 @@
-"""capture/rollouts/netbridge.py: a run's bridge relays at most its budget of connections at
+"""capture/isolation/netbridge.py: a run's bridge relays at most its budget of connections at
 once, each bound to the run's session while it lasts (a real bridge, real sockets, a loopback
 server standing in for the proxy)."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from capture.control.bindings import Bindings
+from capture.isolation.budget import ConnectionBudget, Descriptors, open_descriptors
+from capture.isolation.netbridge import Bridges, NetBridge, Route
 from capture.ratelog import RateLimitedLog
-from capture.rollouts.budget import ConnectionBudget, Descriptors, open_descriptors
-from capture.rollouts.netbridge import Bridges, NetBridge, Route
 
 
 async def _echo_server() -> tuple[asyncio.Server, list[tuple[object, object]]]:

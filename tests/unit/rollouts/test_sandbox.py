@@ -1,4 +1,4 @@
-"""The rollouts' sandbox (capture/rollouts/sandbox.py): bwrap's command line, what a real bwrap run
+"""The rollouts' sandbox (capture/isolation/sandbox.py): bwrap's command line, what a real bwrap run
 of it lets a process see and do (a tree from an allowlist, no network but what is handed in, a
 user that owns nothing), its PID namespace ended as a whole, and the workdir copies (links,
 restore, sanitize). Real bwrap where a process runs (scripts/setup.sh installs it), started as
@@ -17,25 +17,27 @@ from pathlib import Path
 
 import pytest
 
-from capture.rollouts.sandbox import (
+from capture.isolation.sandbox import (
     SANDBOX_UID,
     Jail,
     SandboxSpec,
     SandboxUnavailable,
-    UnsafeWorkdir,
     bwrap_argv,
-    check_restore,
-    check_seed,
-    copy_seed,
     exposed_paths,
     find_bwrap,
-    give_to,
     hidden_paths,
     make_stage,
     program_paths,
     read_info,
-    restore,
     sandbox_argv,
+)
+from capture.isolation.workdir import (
+    UnsafeWorkdir,
+    check_restore,
+    check_seed,
+    copy_seed,
+    give_to,
+    restore,
 )
 
 ROOT = os.geteuid() == 0

@@ -1,6 +1,6 @@
 """The ``terminus-2`` rollout agent (capture/rollouts/agents.py): Harbor's Python running
-capture/rollouts/harbor_rollout.py on the prompt, and what its sandbox is shown for it; the
-exec server the Harbor environment runs inside its sandbox (capture/rollouts/harbor_execd.py).
+capture/harbor/rollout.py on the prompt, and what its sandbox is shown for it; the
+exec server the Harbor environment runs inside its sandbox (capture/harbor/execd.py).
 In-process, nothing of Harbor imported (it lives in .venv-harbor)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from capture.rollouts import harbor_execd
+from capture.harbor import execd as harbor_execd
+from capture.isolation.sandbox import program_paths
 from capture.rollouts.agents import HARBOR_ROLLOUT, HARBOR_VENV_BIN, agent_command
-from capture.rollouts.sandbox import program_paths
 
 
 def test_terminus_2_runs_the_harbor_script_on_the_prompt() -> None:

@@ -1,5 +1,5 @@
-"""The sandbox a rollout's agent and verifier run in (bubblewrap), and the workdir copies they
-work on.
+"""The bubblewrap engine's sandbox: the allowlisted mounts of a rollout's agent or verifier,
+bwrap's command line (``bwrap_argv``, ``sandbox_argv``) and the sandbox's processes (``Jail``).
 
 ``bwrap_argv`` builds the command line. The sandbox's tree is built from an allowlist, not from
 the host with holes cut in it: a fresh root holding only
@@ -14,7 +14,7 @@ the host with holes cut in it: a fresh root holding only
   ``/var/tmp`` (tmpfs, size-capped with ``tmp_size_mb``), a fresh ``/dev`` and a ``/proc`` of
   its own PID namespace;
 - ``bridge``, read-only at ``/.agenttap``: the unix sockets that lead to the proxy and the API
-  (capture/rollouts/netbridge.py) and the forwarder run inside (capture/rollouts/bridge.py).
+  (capture/isolation/netbridge.py) and the forwarder run inside (capture/isolation/bridge.py).
 
 Nothing else: not ``/root``, ``/home``, the host's ``/tmp``, ``/srv``, ``/mnt``, ``/opt``, OUT,
 the proxy's folders, model or checkpoint folders. Paths of ``hide`` that lie inside an exposed
@@ -34,11 +34,7 @@ else is left in its PID namespace (a daemon started with ``setsid`` included); `
 that namespace's init from bwrap's ``--info-fd`` so the caller can wait until every process of
 the sandbox is gone.
 
-``copy_seed`` copies a task's workdir for a run: a symlink that resolves inside the workdir is
-copied as what it points to; one pointing outside it (or nowhere) refuses the copy.
-``restore`` puts paths back from the seed into a finished run's copy before it is scored;
-``sanitize`` removes what the agent left for the verifier to trip on (links out of the
-workdir, FIFOs, sockets) before it runs.
+The workdir copies the sandbox works on: capture/isolation/workdir.py.
 """
 
 from __future__ import annotations
@@ -49,12 +45,11 @@ import json
 import os
 import shutil
 import signal
-import stat
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 INSTALL_HINT = "apt-get install bubblewrap, or run scripts/setup.sh"
 # Parts of /proc that uid 0 may write without capabilities (bwrap covers them only for some
@@ -70,7 +65,7 @@ ETC_SECRETS = (
 # The uid (and gid) sandboxes run under when agenttap runs as root: nobody, who owns nothing.
 SANDBOX_UID = 65534
 LAUNCHER = Path(__file__).with_name("launch.py")
-# In the launcher's command, where a staged path goes (capture/rollouts/launch.py).
+# In the launcher's command, where a staged path goes (capture/isolation/launch.py).
 PLACEHOLDER = "@STAGED:{}@"
 # How long a sandbox may take to report its PID namespace (bwrap's setup: milliseconds).
 INFO_TIMEOUT_S = 30.0
@@ -78,10 +73,6 @@ INFO_TIMEOUT_S = 30.0
 
 class SandboxUnavailable(ValueError):
     """bwrap is not installed (a ValueError: the request that needs it is refused, 400)."""
-
-
-class UnsafeWorkdir(ValueError):
-    """A seed workdir that cannot be copied safely (a link out of it, a loop, a device)."""
 
 
 def find_bwrap() -> str:
@@ -111,6 +102,10 @@ class SandboxSpec:
     bridge: Path | None = None
     # The size of the fresh /tmp and /var/tmp (each); None: the kernel's default for a tmpfs.
     tmp_size_mb: int | None = None
+    # More writable folders, (host path, where inside), and the working directory inside when
+    # it is not ``work``'s own path: a Harbor trial's /app, /logs, /root (capture/harbor/env.py).
+    binds: tuple[tuple[Path, str], ...] = ()
+    chdir: str | None = None
 
 
 def hidden_paths(hide: tuple[Path, ...]) -> list[tuple[Path, bool]]:
@@ -165,7 +160,7 @@ def bwrap_argv(
     """The bwrap command line that runs ``command`` in ``spec``'s sandbox (see the module's
     docstring for what it shows). ``info_fd``: where bwrap writes its JSON with the sandbox's
     init pid and PID namespace. ``root``: the host's root, for tests. ``source``: what bwrap
-    is given to bind for an exposed path or a run's folder (capture/rollouts/launch.py stages
+    is given to bind for an exposed path or a run's folder (capture/isolation/launch.py stages
     them where the sandbox's user can reach them)."""
     argv = [
         bwrap,
@@ -226,6 +221,10 @@ def bwrap_argv(
     argv += ["--chdir", os.path.realpath(spec.work)]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
+    for host_path, inside in spec.binds:
+        argv += ["--bind", source(str(host_path)), inside]
+    if spec.chdir is not None:
+        argv += ["--chdir", spec.chdir]
     return [*argv, "--", *command]
 
 
@@ -239,10 +238,10 @@ def sandbox_argv(
     stage: Path | None = None,
 ) -> list[str]:
     """The command that runs ``command`` in ``spec``'s sandbox. Without ``uid``: bwrap itself,
-    run as this user. With ``uid`` (agenttap runs as root): capture/rollouts/launch.py, run as
+    run as this user. With ``uid`` (agenttap runs as root): capture/isolation/launch.py, run as
     root, stages every path bwrap binds in ``stage`` (an empty folder the sandbox's user can
     enter), becomes ``uid`` and execs bwrap. (The run's cgroups and rlimits come first, from
-    the prefix capture/rollouts/limits.py gives.)"""
+    the prefix capture/isolation/cgroup.py gives.)"""
     if uid is None:
         return bwrap_argv(spec, command, bwrap, info_fd=info_fd)
     if stage is None:
@@ -453,141 +452,3 @@ async def read_info(fd: int) -> bytes:
         return b"".join(chunks)
 
     return await asyncio.wait_for(asyncio.to_thread(read_all), INFO_TIMEOUT_S)
-
-
-# -- workdir copies ------------------------------------------------------------------------------
-def check_seed(seed: Path) -> None:
-    """Refuse (UnsafeWorkdir) a seed workdir ``copy_seed`` would refuse, copying nothing."""
-    _walk(Path(os.path.realpath(seed)), None, seed, ())
-
-
-def copy_seed(seed: Path, dest: Path) -> None:
-    """Copy ``seed`` to ``dest`` (which must not exist): files, folders, and each symlink that
-    resolves inside ``seed`` as what it points to (not as a link). UnsafeWorkdir, naming it,
-    for a link out of the seed or to nothing, a loop of links, or a special file."""
-    _walk(Path(os.path.realpath(seed)), dest, seed, ())
-
-
-def _walk(real: Path, dest: Path | None, shown: Path, stack: tuple[Path, ...]) -> None:
-    """Copy (or, without ``dest``, check) the real folder ``real``; ``shown`` is its path as
-    the request named it, for errors; ``stack``: the real folders being copied above it."""
-    root = stack[0] if stack else real
-    stack = (*stack, real)
-    if dest is not None:
-        dest.mkdir()
-    with os.scandir(real) as entries:
-        names = sorted(entry.name for entry in entries)
-    for name in names:
-        path, named = real / name, shown / name
-        target = path
-        if path.is_symlink():
-            target = Path(os.path.realpath(path))
-            if not target.exists():
-                raise UnsafeWorkdir(f'"workdir": the symlink {str(named)!r} points to nothing')
-            if not target.is_relative_to(root):
-                raise UnsafeWorkdir(
-                    f'"workdir": the symlink {str(named)!r} points outside the workdir '
-                    f"(to {str(target)!r}); only links inside it are copied"
-                )
-        mode = target.stat().st_mode
-        if stat.S_ISDIR(mode):
-            if target in stack:
-                raise UnsafeWorkdir(f'"workdir": the symlink {str(named)!r} makes a loop')
-            _walk(target, dest / name if dest is not None else None, named, stack)
-        elif stat.S_ISREG(mode):
-            if dest is not None:
-                shutil.copy2(target, dest / name)
-        else:
-            raise UnsafeWorkdir(
-                f'"workdir": {str(named)!r} is neither a file nor a folder (a device, pipe or '
-                "socket) and is not copied"
-            )
-    if dest is not None:
-        shutil.copystat(real, dest)
-
-
-def give_to(uid: int | None, *folders: Path) -> None:
-    """Make ``folders`` and everything in them owned by ``uid`` (and its gid), links
-    themselves and never what they point to; None: left as they are."""
-    if uid is None:
-        return
-    for folder in folders:
-        os.lchown(folder, uid, uid)
-        for base, dirs, files in os.walk(folder):
-            for name in (*dirs, *files):
-                os.lchown(os.path.join(base, name), uid, uid)
-
-
-def sanitize(work: Path) -> list[str]:
-    """Remove from ``work`` each symlink that leads out of it (or through a loop) and each
-    FIFO, socket or device the agent left: a verifier then never reads a host file through a
-    link, nor blocks on a FIFO. Returns the removed paths, relative to ``work``."""
-    root = Path(os.path.realpath(work))
-    removed = []
-    for base, dirs, files in os.walk(root):
-        for name in (*dirs, *files):
-            path = Path(base) / name
-            try:
-                mode = path.lstat().st_mode
-            except OSError:
-                continue
-            if stat.S_ISLNK(mode):
-                try:
-                    target = Path(os.path.realpath(path, strict=True))
-                    leaves = not target.is_relative_to(root)
-                except (OSError, RuntimeError):  # dangling, or a loop
-                    leaves = True
-                if not leaves:
-                    continue
-            elif stat.S_ISDIR(mode) or stat.S_ISREG(mode):
-                continue
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(str(path.relative_to(root)))
-    return sorted(removed)
-
-
-def check_restore(paths: object) -> tuple[str, ...]:
-    """A verifier's ``restore``: relative paths inside the workdir (``tests/``, ``setup.cfg``),
-    normalized; ValueError otherwise."""
-    words = '"restore" must be a list of relative paths inside the workdir, such as "tests/"'
-    if not isinstance(paths, list):
-        raise ValueError(words)
-    kept = []
-    for path in paths:
-        if not isinstance(path, str) or not path.strip() or "\0" in path:
-            raise ValueError(words)
-        pure = PurePosixPath(path)
-        if pure.is_absolute() or ".." in pure.parts or not pure.parts:
-            raise ValueError(f"{words}; not {path!r}")
-        kept.append(str(pure))
-    return tuple(kept)
-
-
-def restore(seed: Path, work: Path, paths: tuple[str, ...]) -> None:
-    """Put each of ``paths`` back from ``seed`` into ``work``: whatever is there now goes (a
-    link is removed, never followed), the seed's copy comes in; a path missing in the seed is
-    removed from ``work``. Every process that could change ``work`` must be gone."""
-    for path in paths:
-        parts = PurePosixPath(path).parts
-        parent = work
-        for part in parts[:-1]:  # the folders above it: real folders, not links out of work
-            parent = parent / part
-            if parent.is_symlink() or (parent.exists() and not parent.is_dir()):
-                parent.unlink()
-            parent.mkdir(exist_ok=True)
-        target = parent / parts[-1]
-        if target.is_symlink() or (target.exists() and not target.is_dir()):
-            target.unlink()
-        elif target.is_dir():
-            shutil.rmtree(target)
-        source = seed / path
-        if not (source.is_symlink() or source.exists()):
-            continue
-        root, real = Path(os.path.realpath(seed)), Path(os.path.realpath(source))
-        if not real.is_relative_to(root) or not real.exists():
-            raise UnsafeWorkdir(f'"restore": {path!r} points outside the seed workdir or nowhere')
-        if real.is_dir():
-            _walk(real, target, source, (root,))
-        else:
-            shutil.copy2(real, target)

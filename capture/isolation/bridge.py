@@ -4,7 +4,7 @@ A sandboxed agent has a network of its own (``bwrap --unshare-net``): its loopba
 else. This script is the sandbox's first process. It listens on each ``HOST:PORT`` it is given,
 on that loopback (the proxy's port, the control API's port: the same numbers the agent's
 ``HTTPS_PROXY`` and base URLs name), relays each connection to a unix socket bound into the
-sandbox read-only (capture/rollouts/netbridge.py serves those outside and connects them to the
+sandbox read-only (capture/isolation/netbridge.py serves those outside and connects them to the
 proxy), then runs the agent and exits with its status. The ports listen before the agent
 starts, so its first call never races them.
 

@@ -1,4 +1,4 @@
-"""Runs commands inside a Harbor trial's sandbox for capture/rollouts/harbor_env.py.
+"""Runs commands inside a Harbor trial's sandbox for capture/harbor/env.py.
 
 Harbor's agents need an environment that keeps its processes between commands: Terminus-2
 starts a tmux server with one ``exec`` and types into it with the next ones. So the sandbox is
@@ -8,7 +8,7 @@ with ``bash -c`` inside the sandbox and answers its output and exit status. What
 leaves running (the tmux server) lives on in the sandbox's PID namespace until the sandbox
 stops.
 
-    python3 -I -S harbor_execd.py SOCKET
+    python3 -I -S execd.py SOCKET
 
 One request per connection, a JSON line: ``{"command", "cwd", "env", "timeout"}``; the answer,
 a JSON object: ``{"stdout", "stderr", "return_code", "timed_out"}``. A command past its timeout
@@ -35,7 +35,7 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     "SHELL": "/bin/bash",
 }
-# Where a request's command runs when it names no cwd (harbor_env.py sets it to the workdir).
+# Where a request's command runs when it names no cwd (env.py sets it to the workdir).
 DEFAULT_CWD = os.environ.get("AGENTTAP_HARBOR_WORKDIR", "/")
 
 

@@ -12,7 +12,7 @@ mount namespace of its own, then becomes the sandbox's user and execs bwrap:
 2. it drops root: no supplementary groups, the sandbox's gid and uid (real, effective, saved);
 3. it execs the command, in which each ``@STAGED:N@`` is replaced by the staged path N.
 
-The run's cgroups and rlimits are applied before it, by the prefix capture/rollouts/limits.py
+The run's cgroups and rlimits are applied before it, by the prefix capture/isolation/cgroup.py
 gives (``RolloutCgroup.launch_prefix``), which execs this launcher.
 
     python -I launch.py SPEC_JSON
@@ -34,7 +34,7 @@ MS_NODEV = 4
 MS_REC = 16384
 MS_BIND = 4096
 MS_PRIVATE = 1 << 18
-# As capture/rollouts/sandbox.py writes it (this file imports nothing of agenttap).
+# As capture/isolation/sandbox.py writes it (this file imports nothing of agenttap).
 PLACEHOLDER = "@STAGED:{}@"
 
 

@@ -1,11 +1,11 @@
 """A rollout's ``"agent": "terminus-2"``: Harbor's Terminus-2 on the rollout's prompt, working in
 the rollout's workdir (capture/rollouts/agents.py runs it with ``.venv-harbor``'s Python).
 
-    python harbor_rollout.py PROMPT
+    python rollout.py PROMPT
 
-A rollout already runs its agent in a bubblewrap sandbox of its own (capture/rollouts/sandbox.py)
+A rollout already runs its agent in a bubblewrap sandbox of its own (capture/isolation/sandbox.py)
 that may not start another one inside it (``--disable-userns``), so Terminus-2 gets
-``WorkdirEnvironment`` here instead of capture/rollouts/harbor_env.py's sandbox: its commands run
+``WorkdirEnvironment`` here instead of capture/harbor/env.py's sandbox: its commands run
 as this process's children, in the current directory (the rollout's copy of the workdir), inside
 the rollout's sandbox. Never use it outside one: it is no boundary of its own.
 

@@ -1,4 +1,4 @@
-"""The processes a rollout starts (capture/rollouts/runner.py): a ``Child`` (an agent or a
+"""The processes a box starts (capture/isolation/box.py): a ``Child`` (an agent or a
 verifier, and its sandbox), and ``stop``, which ends every process of one, sandboxed (its PID
 namespace) or not (its process group).
 """
@@ -12,7 +12,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from capture.rollouts.sandbox import Jail
+from capture.isolation.sandbox import Jail
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A sandboxed agent has a network namespace of its own, with no route anywhere. Wh
 reach is handed in as unix sockets: this module listens on ``proxy.sock`` and ``api.sock`` in a
 folder of its own (bound read-only into each sandbox at ``/.agenttap``) and relays every
 connection to the proxy's or the API listener's TCP port on this host. Inside, the forwarder
-(capture/rollouts/bridge.py, copied into the same folder) listens on loopback at the same port
+(capture/isolation/bridge.py, copied into the same folder) listens on loopback at the same port
 numbers, so the session's ``HTTPS_PROXY`` and base URLs stay as they are, with ``127.0.0.1``
 as their host. Nothing else the host listens on (the policy servers, other instances, vLLM's
 workers, every other port) can be reached from inside, as Anthropic's sandbox-runtime bridges
@@ -13,7 +13,7 @@ its proxy into bwrap.
 Each sandboxed agent gets a bridge of its own (a folder, its sockets), so every connection is
 known to come from that sandbox: it is bound to the run's session (capture/control/bindings.py)
 and counted against the run's budget and the process's descriptor reserve
-(capture/rollouts/budget.py). The folder is removed when the agent ends.
+(capture/isolation/budget.py). The folder is removed when the agent ends.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from capture.control.bindings import Bindings
+from capture.isolation.budget import ConnectionBudget, Descriptors, raise_nofile
 from capture.ratelog import RateLimitedLog
-from capture.rollouts.budget import ConnectionBudget, Descriptors, raise_nofile
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +48,15 @@ LISTEN_BACKLOG = 128
 # accept() failing for want of descriptors or memory: the listener waits this long.
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_PAUSE_S = 0.1
+
+
+class Binder(Protocol):
+    """Where each relayed connection is bound to its run's session while it lasts (the proxy's
+    side: capture/control/bindings.py), so a call on it naming another session is refused."""
+
+    def bind(self, source: Any, destination: Any, session_id: str) -> None: ...
+
+    def unbind(self, source: Any, destination: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ class NetBridge:
         self,
         routes: list[Route],
         session_id: str = "",
-        bindings: Bindings | None = None,
+        bindings: Binder | None = None,
         budget: ConnectionBudget | None = None,
         descriptors: Descriptors | None = None,
         log: RateLimitedLog | None = None,
@@ -261,7 +269,7 @@ class Bridges:
     """Every run's bridge: one per sandboxed agent, opened before it starts and closed when it
     ends. Raises the descriptor limit when made, and shares one reserve among them."""
 
-    def __init__(self, bindings: Bindings, max_connections: int, max_running: int) -> None:
+    def __init__(self, bindings: Binder, max_connections: int, max_running: int) -> None:
         self.bindings = bindings
         self.max_connections = max_connections
         self.descriptors = Descriptors(raise_nofile())

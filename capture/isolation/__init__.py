@@ -1,0 +1,15 @@
+"""Isolation: how agenttap runs a command it does not trust, importable without the proxy.
+``box`` (the facade: ``Box.start(spec) -> BoxHandle``, with ``wait``, ``stop`` and ``usage``),
+``engines`` (what a run starts in, by name: ``bwrap``, ``none``), ``sandbox`` (bubblewrap's
+command line from an allowlist of mounts, the sandbox's processes), ``launch`` (bwrap started
+as a user that owns nothing; run by path), ``workdir`` (safe workdir copies), ``processes``
+(ending every process of a run), ``netbridge`` and ``bridge`` (a sandbox's own network: the
+proxy's and the API's ports handed in; ``bridge`` runs inside, by path), ``budget`` (its
+connections at once, the descriptor reserve), and the kernel limits by mechanism: ``limits``
+(the keys, values and their words), ``host`` (what applies on this host), ``cgroup`` (v1 and v2,
+one interface), ``disk`` (a size-capped tmpfs), ``output`` (the log's cap), ``watch`` (the first
+limit hit).
+
+May import: ``capture.ratelog``. Nothing else of agenttap: ``sandbox``, ``workdir``,
+``launch`` and ``bridge`` use the standard library only (Harbor's venv imports ``sandbox`` and
+``workdir``; ``launch`` and ``bridge`` run as scripts)."""
