@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from addons.credentials import strip_secrets
-from capture.control.api import bearer_state
+from capture.control.routing import bearer_state
 from capture.gateway import (
     BEARER_HEADER,
     CONTROL_HOST,
