@@ -46,13 +46,8 @@ from capture.control.policy_routes import PolicyRoutes
 from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.routing import Route, RouteTable, token_refusal
-from capture.control.sessions import (
-    ControlledSession,
-    check_metadata,
-    check_session_id,
-    parse_limits,
-    reject_unknown,
-)
+from capture.control.models import read_session
+from capture.control.sessions import ControlledSession, reject_unknown
 from capture.logsafe import printable
 from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
@@ -245,11 +240,9 @@ class ControlAPI:
         return body
 
     async def _open(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        reject_unknown(body, ("id", "metadata", "limits"))
-        sid = check_session_id(body["id"]) if body.get("id") is not None else _new_id()
-        metadata = check_metadata(body.get("metadata"))
-        limits = parse_limits(body.get("limits"))
+        opened = read_session(await self.body(request))
+        sid = opened.id if opened.id is not None else _new_id()
+        metadata, limits = opened.metadata, opened.session_limits()
         try:
             sess = self.gateway.control.open(sid, metadata, limits)
         except ValueError as exc:
