@@ -58,11 +58,14 @@ def explain(error: ErrorDetails, words: Mapping[str, Words]) -> str:
     """One pydantic error in the caller's words (see ``read_body``)."""
     if error["type"] in ("value_error", "assertion_error"):
         return str((error.get("ctx") or {}).get("error", error["msg"]))
-    field = ".".join(str(part) for part in error["loc"])
-    said = words.get(field)
-    if said is None:  # a field with no words of its own: pydantic's, naming it
-        return f'"{field}": {error["msg"]}'
-    return said(error.get("input")) if callable(said) else said
+    loc = [str(part) for part in error["loc"]]
+    # The longest part of the path with words: a union's member (``sandbox.literal[...]``)
+    # is its field's.
+    for end in range(len(loc), 0, -1):
+        said = words.get(".".join(loc[:end]))
+        if said is not None:
+            return said(error.get("input")) if callable(said) else said
+    return f'"{".".join(loc)}": {error["msg"]}'  # a field with no words: pydantic's, named
 
 
 class SessionLimits(BaseModel):
