@@ -10,5 +10,6 @@ in, a bridge per agent), ``budget`` (its connections at once, the descriptor res
 venv), ``harbor_rollout`` (the ``terminus-2`` agent's script, run in a rollout's sandbox).
 
 May import: ``capture.ports`` (``RolloutHost``), ``capture.control.sessions``,
+``capture.control.models``,
 ``capture.control.endpoints``, ``capture.control.bindings``, ``capture.egress``,
 ``capture.logsafe``, ``capture.ratelog``. Never ``capture.gateway`` or ``capture.control.api``."""
