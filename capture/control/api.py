@@ -41,12 +41,12 @@ from aiohttp import web
 from capture.control.answers import error, read_rows, rows_response, unmatched_threads
 from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
+from capture.control.models import read_session
 from capture.control.openapi import openapi_spec
 from capture.control.policy_routes import PolicyRoutes
 from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.routing import Route, RouteTable, token_refusal
-from capture.control.models import read_session
 from capture.control.sessions import ControlledSession, reject_unknown
 from capture.logsafe import printable
 from capture.ports import GatewayCore
@@ -58,6 +58,7 @@ from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 
 logger = logging.getLogger(__name__)
+
 
 def banner_lines(api: ControlAPI) -> list[str]:
     """What agenttap prints at start: the lines a trainer, the launcher or a person copies

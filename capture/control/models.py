@@ -11,7 +11,7 @@ been checked in, so a body with two mistakes is told of the same one as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -33,7 +33,6 @@ from capture.control.sessions import (
     reject_unknown,
 )
 
-Model = TypeVar("Model", bound=BaseModel)
 # What a caller is told when a field fails pydantic's own checks (its type, a bound): the
 # words, or a function of the value given.
 Words = str | Callable[[Any], str]
@@ -42,7 +41,7 @@ NOT_AN_OBJECT = "the body must be a JSON object"
 ID_PATTERN = f"^{SESSION_ID.pattern}$"
 
 
-def read_body(model: type[Model], body: Any, words: Mapping[str, Words]) -> Model:
+def read_body[M: BaseModel](model: type[M], body: Any, words: Mapping[str, Words]) -> M:
     """``body`` (a request's parsed JSON) as ``model``; else a ValueError worded for the
     caller: a validator's own words, or ``words`` of the field (dotted: ``limits.max_calls``)
     pydantic refused."""
@@ -98,12 +97,15 @@ class SessionLimits(BaseModel):
 
 LIMITS_WORDS: dict[str, Words] = {
     "limits": '"limits" must be an object: {"max_calls", "max_tokens", "deadline_s"}',
-    "limits.max_calls": lambda v: f'"limits.max_calls" must be a whole number of at least 1, '
-    f"not {v!r}",
-    "limits.max_tokens": lambda v: f'"limits.max_tokens" must be a whole number of at least 1, '
-    f"not {v!r}",
-    "limits.deadline_s": lambda v: f'"limits.deadline_s" must be a number of seconds > 0, '
-    f"not {v!r}",
+    "limits.max_calls": lambda v: (
+        f'"limits.max_calls" must be a whole number of at least 1, not {v!r}'
+    ),
+    "limits.max_tokens": lambda v: (
+        f'"limits.max_tokens" must be a whole number of at least 1, not {v!r}'
+    ),
+    "limits.deadline_s": lambda v: (
+        f'"limits.deadline_s" must be a number of seconds > 0, not {v!r}'
+    ),
 }
 
 

@@ -172,8 +172,7 @@ OPERATIONS: dict[str, dict[str, dict[str, Any]]] = {
             ),
             "responses": {
                 "200": _said(
-                    "{version, checked, replicas: [{url, ok, version, seconds, checked, "
-                    "max_diff}]}"
+                    "{version, checked, replicas: [{url, ok, version, seconds, checked, max_diff}]}"
                 ),
                 "400": _said("no such folder, no safetensors, a bad version"),
                 "502": _said(
@@ -245,8 +244,7 @@ def _operation(path: str, operation: dict[str, Any]) -> dict[str, Any]:
     names = re.findall(r"{(\w+)}", path)
     if names:
         out["parameters"] = [
-            {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
-            for n in names
+            {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
         ]
     if path not in OPEN_PATHS:
         out["security"] = [{"bearer": []}]

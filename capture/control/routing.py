@@ -86,9 +86,7 @@ class RouteTable:
         """Who may call ``path`` (a literal one: the open routes have no parameters)."""
         return self._access.get(path, "token")
 
-    async def resolve(
-        self, request: web.Request, path: str
-    ) -> tuple[Route, tuple[str, ...]] | int:
+    async def resolve(self, request: web.Request, path: str) -> tuple[Route, tuple[str, ...]] | int:
         """The route of ``request`` (at ``path``, its path without a trailing slash) and its
         path arguments; else 404 (no such path) or 405 (not with this method)."""
         if path != request.path:

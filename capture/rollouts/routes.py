@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+
 from aiohttp import web
 
 from capture.ports import RolloutHost

@@ -76,7 +76,7 @@ KNOWN = (
     "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
     "expose", "egress", "seed", "timeout_s", "wait", "rows",
 )  # fmt: skip
-AGENT_SCHEMA = {
+AGENT_SCHEMA: dict[str, Any] = {
     "oneOf": [
         {"type": "string", "enum": list(AGENTS)},
         {
@@ -87,7 +87,7 @@ AGENT_SCHEMA = {
         },
     ]
 }
-LIMITS_SCHEMA = {
+LIMITS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "the session's limits and the kernel's on each agent and verifier",
     "properties": {
@@ -101,7 +101,7 @@ LIMITS_SCHEMA = {
     },
     "additionalProperties": False,
 }
-VERIFIER_SCHEMA = {
+VERIFIER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "one of command and pytest (a list alone: the command)",
     "properties": {
@@ -116,8 +116,7 @@ VERIFIER_SCHEMA = {
         "keep": {
             "type": "array",
             "items": {"type": "string"},
-            "description": "globs of the agent's files graded on a fresh copy of the seed "
-            "workdir",
+            "description": "globs of the agent's files graded on a fresh copy of the seed workdir",
         },
         "restore": {
             "type": "array",
@@ -139,7 +138,8 @@ NUL = "holds a NUL character, which no command line can carry"
 # What a caller is told when pydantic refuses a field (its type, a bound, a missing one).
 WORDS: dict[str, Words] = {
     "prompt": '"prompt" must be the task, as text',
-    "agent": f'"agent" must be one of {", ".join(AGENTS)} or {{"command": ["program", "arg", ...]}}',
+    "agent": f'"agent" must be one of {", ".join(AGENTS)} or '
+    '{"command": ["program", "arg", ...]}',
     "n": f'"n" must be a whole number from 1 to {MAX_N}',
     "sandbox": f'"sandbox" must be one of {", ".join(SANDBOXES)}',
     "egress": '"egress" must be "none" (the agent reaches only the policy) or "public" (public '
@@ -158,7 +158,9 @@ class RolloutBody(BaseModel):
 
     prompt: Annotated[str, Field(strict=True, description="the task")]
     agent: Annotated[
-        Any, WithJsonSchema(AGENT_SCHEMA), Field(description="a CLI, or a command (the prompt last)")
+        Any,
+        WithJsonSchema(AGENT_SCHEMA),
+        Field(description="a CLI, or a command (the prompt last)"),
     ]
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N, description="agents, one group")] = 1
     workdir: Annotated[

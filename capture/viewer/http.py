@@ -215,14 +215,15 @@ class ViewerRoutes:
         """The data routes, under ``/ui/api/`` (matched without that prefix); each handler
         gets the request and the path's parts, in order."""
         router = web.UrlDispatcher()
-        for path, handler in [
+        routes: list[tuple[str, Callable[..., Awaitable[web.StreamResponse]]]] = [
             ("/sessions", self._get_sessions),
             ("/run", self._get_run),
             ("/groups/{group_id}", self._get_group),
             ("/sessions/{id}", self._get_session),
             ("/sessions/{id}/rows/{thread_id}", self._get_tokens),
             ("/sessions/{id}/diff", self._get_diff),
-        ]:
+        ]
+        for path, handler in routes:
             router.add_route("GET", path, handler)
         return router
 

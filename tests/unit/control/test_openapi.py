@@ -119,7 +119,9 @@ def test_unknown_routes_and_methods_name_the_routes(api: ControlAPI) -> None:
 
 
 def test_a_session_body_is_told_what_is_wrong_in_its_own_words() -> None:
-    assert read_session({"id": "a-1", "limits": {"deadline_s": 2}}).session_limits().deadline_s == 2.0
+    assert (
+        read_session({"id": "a-1", "limits": {"deadline_s": 2}}).session_limits().deadline_s == 2.0
+    )
     for body, words in [
         ([1], "the body must be a JSON object"),
         ({"x": 1, "id": "a b"}, "unknown field(s) x; known: id, metadata, limits"),
