@@ -40,7 +40,6 @@ class Route:
     path: str
     handler: Handler
     access: Access = "token"
-    summary: str = ""
 
 
 def bearer_state(authorization: str, token: str) -> str:
