@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from addons.credentials import strip_secrets
-from capture.control.api import bearer_state
+from capture.control.routing import bearer_state
 from capture.gateway import Gateway
 from capture.pipeline.handoff import BEARER_HEADER, CONTROL_HOST, HOST_HEADER, TOKEN_HEADER
 

@@ -1,5 +1,6 @@
-"""The HTTP control plane a trainer drives: the routes (``api``; ``/replicas`` in
-``replica_routes``), what they answer with (``answers``: the error body, a session's rows as
+"""The HTTP control plane a trainer drives: the routes (``api``; their table and the token
+check in ``routing``; ``/replicas`` in ``replica_routes``), the request bodies' pydantic models
+(``models``), what they answer with (``answers``: the error body, a session's rows as
 JSON or Arrow), their OpenAPI document (``openapi``), session bookkeeping (``sessions``: limits,
 metrics, secrets; ``bindings``: the session each connection out of a sandbox is bound to),
 Prometheus ``metrics``, where clients reach an instance (``endpoints``), the start-up

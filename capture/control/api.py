@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +41,13 @@ from aiohttp import web
 from capture.control.answers import error, read_rows, rows_response, unmatched_threads
 from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
+from capture.control.models import read_session
 from capture.control.openapi import openapi_spec
 from capture.control.policy_routes import PolicyRoutes
 from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
-from capture.control.sessions import (
-    ControlledSession,
-    check_metadata,
-    check_session_id,
-    parse_limits,
-    reject_unknown,
-)
+from capture.control.routing import Route, RouteTable, token_refusal
+from capture.control.sessions import ControlledSession, reject_unknown
 from capture.logsafe import printable
 from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
@@ -64,8 +58,6 @@ from capture.viewer.http import UI_PREFIX, ViewerRoutes, live_viewer
 from rewriter import jsonbody
 
 logger = logging.getLogger(__name__)
-
-OPEN_ROUTES = frozenset({"/healthz", "/ready"})
 
 
 def banner_lines(api: ControlAPI) -> list[str]:
@@ -91,17 +83,6 @@ def banner_lines(api: ControlAPI) -> list[str]:
     ]
 
 
-def bearer_state(authorization: str, token: str) -> str:
-    """An ``Authorization`` header checked against the control API's token: ``ok``, ``wrong``,
-    or "" when it holds no bearer token (the addon tells the gateway this word, through the
-    proxy, after stripping the header)."""
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        return ""
-    ok = bool(token) and secrets.compare_digest(given.strip().encode(), token.encode())
-    return "ok" if ok else "wrong"
-
-
 class ControlAPI:
     def __init__(
         self, gateway: GatewayCore, token: str, endpoints: Endpoints, max_rollouts: int = 8
@@ -114,6 +95,7 @@ class ControlAPI:
         self.replicas = ReplicaRoutes(gateway, self.body)
         self.policy = PolicyRoutes(gateway, self.body)
         self.viewer = live_viewer(gateway)
+        self.routes = self._routes()
         # Opening an id takes it from calls made before (capture/control/sessions.py open).
         control, store = gateway.control, gateway.store
         control.on_claim = self._claim
@@ -143,32 +125,56 @@ class ControlAPI:
         await self.rollouts.rollouts.shutdown()
 
     # -- dispatch ------------------------------------------------------------------------------
+    def _routes(self) -> RouteTable:
+        """The control routes (docs/API.md's table, capture/control/openapi.py ``OPERATIONS``:
+        a test checks the three agree)."""
+        rollouts, replicas, policy = self.rollouts, self.replicas, self.policy
+        return RouteTable(
+            [
+                Route("GET", "/healthz", self._healthz, "open"),
+                Route("GET", "/ready", self._ready, "detail"),
+                Route("GET", "/openapi.json", self._openapi),
+                Route("POST", "/flush", self._flush),
+                Route("GET", "/metrics", self._metrics),
+                Route("GET", "/sessions", self._list),
+                Route("POST", "/sessions", self._open),
+                Route("GET", "/sessions/{id}", self._get),
+                Route("POST", "/sessions/{id}/close", self._close),
+                Route("POST", "/sessions/{id}/reward", self._reward),
+                Route("GET", "/rollouts", rollouts.list),
+                Route("POST", "/rollouts", rollouts.create),
+                Route("GET", "/rollouts/{id}", rollouts.get),
+                Route("DELETE", "/rollouts/{id}", rollouts.delete),
+                Route("GET", "/replicas", replicas.list),
+                Route("POST", "/replicas", replicas.add),
+                Route("DELETE", "/replicas", replicas.remove),
+                Route("POST", "/policy/weights", policy.weights),
+                Route("GET", "/policy/version", policy.get_version),
+                Route("POST", "/policy/version", policy.set_version),
+            ]
+        )
+
     async def handle(self, request: web.Request, bearer: str | None = None) -> web.StreamResponse:
-        """Answer a control route; every one but ``OPEN_ROUTES`` wants the token, wherever
-        the caller is. ``bearer``: through the proxy, the addon checked the token already
-        ("ok", "wrong", "" for none); None: check the request's own ``Authorization``
-        header."""
+        """Answer a control route; every one but the open ones wants the token, wherever the
+        caller is. ``bearer``: through the proxy, the addon checked the token already ("ok",
+        "wrong", "" for none); None: check the request's own ``Authorization`` header."""
         path = request.path.rstrip("/") or "/"
         method = request.method
         if path == UI_PREFIX or path.startswith(f"{UI_PREFIX}/"):
             # The page itself holds no data (it asks for the token); its data routes want it.
             if not ViewerRoutes.is_page(request.path):
-                refused = self._check_token(request, bearer)
+                refused = token_refusal(request, self.token, bearer)
                 if refused is not None:
                     return refused
             return await self.viewer.handle(request)
-        if path not in OPEN_ROUTES:
-            refused = self._check_token(request, bearer)
-            if refused is not None:
-                return refused
-        elif path == "/ready" and method == "GET":
-            # Open to anyone (a load balancer's probe): readiness only without the token; the
-            # servers' URLs (a unix socket's private path), the model and the reasons with it.
-            return await self._ready(request, self._check_token(request, bearer) is None)
-        handler, args = self._route(method, path)
-        if handler is None:
+        access = self.routes.access(path)
+        refused = None if access == "open" else token_refusal(request, self.token, bearer)
+        if access == "token" and refused is not None:
+            return refused
+        found = await self.routes.resolve(request, path)
+        if isinstance(found, int):
             return error(
-                404 if args is None else 405,
+                found,
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
                 f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
@@ -177,68 +183,15 @@ class ControlAPI:
                 f"GET /healthz, GET /ready, GET /metrics, GET /openapi.json, POST /flush, and the "
                 f"viewer at GET /ui/.",
             )
+        route, args = found
+        if access == "detail":
+            # Open to anyone (a load balancer's probe): readiness only without the token; the
+            # servers' URLs (a unix socket's private path), the model and the reasons with it.
+            return await route.handler(request, refused is None)
         try:
-            return await handler(request, *(args or ()))
+            return await route.handler(request, *args)
         except ValueError as exc:
             return error(400, f"agenttap: {exc}")
-
-    def _check_token(self, request: web.Request, bearer: str | None) -> web.Response | None:
-        if bearer is None:
-            bearer = bearer_state(request.headers.get("Authorization", ""), self.token)
-        if not bearer:
-            return error(
-                401,
-                "agenttap: this route wants 'Authorization: Bearer TOKEN'; the token is printed "
-                "at start as AGENTTAP_TOKEN=... (or set with --set agenttap_token=...)",
-            )
-        if bearer != "ok":
-            return error(403, "agenttap: wrong token (see AGENTTAP_TOKEN= in the proxy's log)")
-        return None
-
-    Handler = Callable[..., Awaitable[web.StreamResponse]]
-
-    def _route(self, method: str, path: str) -> tuple[Handler | None, tuple[str, ...] | None]:
-        """The handler and its path arguments; (None, None): no such path; (None, ()): the
-        path exists but not with this method."""
-        parts = path.strip("/").split("/")
-        table: dict[tuple[str, ...], dict[str, ControlAPI.Handler]] = {
-            ("healthz",): {"GET": self._healthz},
-            ("ready",): {"GET": self._ready},
-            ("openapi.json",): {"GET": self._openapi},
-            ("flush",): {"POST": self._flush},
-            ("metrics",): {"GET": self._metrics},
-            ("sessions",): {"GET": self._list, "POST": self._open},
-            ("replicas",): {
-                "GET": self.replicas.list,
-                "POST": self.replicas.add,
-                "DELETE": self.replicas.remove,
-            },
-            ("policy", "weights"): {"POST": self.policy.weights},
-            ("policy", "version"): {
-                "GET": self.policy.get_version,
-                "POST": self.policy.set_version,
-            },
-        }
-        args: tuple[str, ...] = ()
-        key = tuple(parts)
-        rollouts = self.rollouts
-        table[("rollouts",)] = {"GET": rollouts.list, "POST": rollouts.create}
-        if len(parts) in (2, 3) and parts[0] in ("sessions", "rollouts"):
-            args = (parts[1],)
-            key = (parts[0], "*", *parts[2:])
-            table.update(
-                {
-                    ("sessions", "*"): {"GET": self._get},
-                    ("sessions", "*", "close"): {"POST": self._close},
-                    ("sessions", "*", "reward"): {"POST": self._reward},
-                    ("rollouts", "*"): {"GET": rollouts.get, "DELETE": rollouts.delete},
-                }
-            )
-        methods = table.get(key)
-        if methods is None:
-            return None, None
-        handler = methods.get(method)
-        return (handler, args) if handler is not None else (None, ())
 
     # -- routes ------------------------------------------------------------------------------
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -288,11 +241,9 @@ class ControlAPI:
         return body
 
     async def _open(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        reject_unknown(body, ("id", "metadata", "limits"))
-        sid = check_session_id(body["id"]) if body.get("id") is not None else _new_id()
-        metadata = check_metadata(body.get("metadata"))
-        limits = parse_limits(body.get("limits"))
+        opened = read_session(await self.body(request))
+        sid = opened.id if opened.id is not None else _new_id()
+        metadata, limits = opened.metadata, opened.session_limits()
         try:
             sess = self.gateway.control.open(sid, metadata, limits)
         except ValueError as exc:

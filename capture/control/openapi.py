@@ -1,319 +1,268 @@
-"""The control API (capture/control/api.py) described as OpenAPI 3.1, served at /openapi.json."""
+"""The control API (capture/control/api.py) described as OpenAPI 3.1, served at /openapi.json:
+the ``POST /sessions`` and ``POST /rollouts`` bodies are their pydantic models' JSON Schema, the
+rest is the table of operations below.
+
+``tests/unit/control/test_openapi.py`` checks this document against the routes the API serves
+(the same methods and paths, the token wanted by the same ones) and the models.
+"""
 
 from __future__ import annotations
 
+import copy
+import re
 from typing import Any
 
+from pydantic import BaseModel
+
+from capture.control.models import SessionBody
+from capture.rollouts.spec import RolloutBody
+
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+# The models served as components (their nested models beside them): name -> model.
+MODELS: dict[str, type[BaseModel]] = {"SessionBody": SessionBody, "RolloutBody": RolloutBody}
+REF = "#/components/schemas/{model}"
+# The routes anyone may call; every other wants 'Authorization: Bearer TOKEN'.
+OPEN_PATHS = frozenset({"/healthz", "/ready", "/ui/"})
+
+REWARD = {
+    "oneOf": [
+        {"type": "number"},
+        {"type": "object", "additionalProperties": {"type": "number"}},
+    ],
+    "description": "one number for every thread row, or one per thread id",
+}
+ROWS = {
+    "description": "the session's thread rows (docs/SHARDS.md) with its summary; an Arrow "
+    "IPC stream for Accept: application/vnd.apache.arrow.stream",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}},
+    },
+}
+
+
+def _said(description: str) -> dict[str, str]:
+    return {"description": description}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _fields(props: dict[str, Any]) -> dict[str, Any]:
+    """A request body of the fields ``props`` (the bodies without a model of their own)."""
+    return _body({"type": "object", "properties": props})
+
+
+def _model(name: str) -> dict[str, Any]:
+    return _body({"$ref": REF.format(model=name)})
+
+
+# path -> method -> operation, without its path parameters and security (added from the path).
+OPERATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "/sessions": {
+        "post": {
+            "summary": "open a session",
+            "requestBody": _model("SessionBody"),
+            "responses": {"200": _said("{id, env, base_urls, limits}")},
+        },
+        "get": {
+            "summary": "live sessions with their call and token counts",
+            "responses": {"200": _said("{sessions: [...]}")},
+        },
+    },
+    "/sessions/{id}": {
+        "get": {
+            "summary": "the session's rows so far, late rewards joined",
+            "responses": {"200": ROWS, "404": _said("unknown session")},
+        }
+    },
+    "/sessions/{id}/close": {
+        "post": {
+            "summary": "close the session, write its rows with reward and metadata",
+            "requestBody": _fields(
+                {
+                    "reward": REWARD,
+                    "reward_auxiliary": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "one number is set on the main and subagent rows; "
+                        "true: on the auxiliary rows (titles, routers, summaries) too",
+                    },
+                }
+            ),
+            "responses": {"200": ROWS, "404": _said("unknown session")},
+        }
+    },
+    "/sessions/{id}/reward": {
+        "post": {
+            "summary": "a late reward for a closed session",
+            "requestBody": _fields({"reward": REWARD}),
+            "responses": {"200": _said("written")},
+        }
+    },
+    "/rollouts": {
+        "post": {
+            "summary": "run n real CLI agents on a task, score them, return their rows",
+            "requestBody": _model("RolloutBody"),
+            "responses": {
+                "200": _said("status, finish_reason, reward, metrics, rows of each"),
+                "202": _said("started (wait: false)"),
+                "429": _said("too many agents running; see Retry-After"),
+            },
+        },
+        "get": {
+            "summary": "rollouts of this process",
+            "responses": {"200": _said("{rollouts: [...]}")},
+        },
+    },
+    "/rollouts/{id}": {
+        "get": {
+            "summary": "one rollout, while it runs too",
+            "responses": {"200": _said("its summary")},
+        },
+        "delete": {
+            "summary": "stop it: its agents end, their rows are kept (cancelled)",
+            "responses": {"200": _said("its summary")},
+        },
+    },
+    "/flush": {
+        "post": {
+            "summary": "write sessions' shards now (?session=ID: one)",
+            "responses": {"200": _said("{written: [paths]}")},
+        }
+    },
+    "/replicas": {
+        "get": {
+            "summary": "the policy servers of agenttap_policy_url: state (serving, loading, "
+            "paused, sleeping, unverified, failing), why, load, weights",
+            "responses": {"200": _said("{replicas: [...], max_inflight, queue}")},
+        },
+        "post": {
+            "summary": "add a policy server (it must complete a 1-token generation)",
+            "requestBody": _fields({"url": {"type": "string"}}),
+            "responses": {
+                "200": _said("the replicas now"),
+                "400": _said("not one policy URL, or it does not answer"),
+            },
+        },
+        "delete": {
+            "summary": "remove a policy server (?url=URL); running generations finish",
+            "responses": {"200": _said("the replicas now")},
+        },
+    },
+    "/policy/weights": {
+        "post": {
+            "summary": "every policy replica serves the weights in path (a folder "
+            "save_pretrained wrote; or lora: a PEFT adapter's), labelled version, each checked "
+            "against the trainer's probe; in-flight calls go on under them",
+            "requestBody": _fields(
+                {
+                    "path": {"type": "string"},
+                    "lora": {"type": "string"},
+                    "version": {"type": "string"},
+                    "probe": {
+                        "type": "object",
+                        "properties": {
+                            "ids": {"type": "array", "items": {"type": "integer"}},
+                            "logprobs": {"type": "array"},
+                        },
+                    },
+                }
+            ),
+            "responses": {
+                "200": _said(
+                    "{version, checked, replicas: [{url, ok, version, seconds, checked, max_diff}]}"
+                ),
+                "400": _said("no such folder, no safetensors, a bad version"),
+                "502": _said(
+                    "a replica did not load them or failed the probe (error.replicas); it is "
+                    "out of rotation"
+                ),
+            },
+        }
+    },
+    "/policy/version": {
+        "get": {
+            "summary": "the weights served now: version, index (updates before it)",
+            "responses": {"200": _said("{version, index, updated_at, versions}")},
+        },
+        "post": {
+            "summary": "weights a trainer pushed to vLLM itself: calls from now on are labelled "
+            "version",
+            "requestBody": _fields({"version": {"type": "string"}, "probe": {"type": "object"}}),
+            "responses": {
+                "200": _said("{version, checked, replicas}"),
+                "502": _said("a replica failed the probe (error.replicas)"),
+            },
+        },
+    },
+    "/ui/": {
+        "get": {
+            "summary": "the trajectory viewer (open it as /ui/#token=TOKEN)",
+            "responses": {"200": _said("the page")},
+        }
+    },
+    "/metrics": {
+        "get": {
+            "summary": "Prometheus metrics (names start with agenttap_)",
+            "responses": {"200": _said("text exposition format")},
+        }
+    },
+    "/openapi.json": {
+        "get": {
+            "summary": "this document",
+            "responses": {"200": _said("OpenAPI 3.1")},
+        }
+    },
+    "/healthz": {"get": {"responses": {"200": _said("alive")}}},
+    "/ready": {
+        "get": {
+            "summary": "readiness; without the token {ready} alone, with it the model and each "
+            "server's url and state",
+            "responses": {
+                "200": _said("tokenizer loaded, policy answers"),
+                "503": _said("not ready (the reason with the token)"),
+            },
+        }
+    },
+}
+
+
+def model_schemas() -> dict[str, Any]:
+    """The models' JSON Schemas as OpenAPI components: each model and the models it nests."""
+    schemas: dict[str, Any] = {}
+    for name, model in MODELS.items():
+        schema = model.model_json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[name] = schema
+    return schemas
+
+
+def _operation(path: str, operation: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(operation)
+    names = re.findall(r"{(\w+)}", path)
+    if names:
+        out["parameters"] = [
+            {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
+        ]
+    if path not in OPEN_PATHS:
+        out["security"] = [{"bearer": []}]
+    return out
 
 
 def openapi_spec(server: str) -> dict[str, Any]:
     """The control API as OpenAPI 3.1 (served at /openapi.json)."""
-    reward = {
-        "oneOf": [
-            {"type": "number"},
-            {"type": "object", "additionalProperties": {"type": "number"}},
-        ],
-        "description": "one number for every thread row, or one per thread id",
-    }
-    limits = {
-        "type": "object",
-        "properties": {
-            "max_calls": {"type": "integer", "minimum": 1},
-            "max_tokens": {"type": "integer", "minimum": 1, "description": "sampled tokens"},
-            "deadline_s": {"type": "number", "exclusiveMinimum": 0},
-        },
-    }
-    rows = {
-        "description": "the session's thread rows (docs/SHARDS.md) with its summary; an Arrow "
-        "IPC stream for Accept: application/vnd.apache.arrow.stream",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}},
-        },
-    }
-    sid = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-    secured: list[dict[str, list[str]]] = [{"bearer": []}]
-
-    def body(props: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "content": {"application/json": {"schema": {"type": "object", "properties": props}}}
-        }
-
     return {
         "openapi": "3.1.0",
         "info": {"title": "agenttap control API", "version": "1"},
         "servers": [{"url": server}],
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": model_schemas(),
+        },
         "paths": {
-            "/sessions": {
-                "post": {
-                    "summary": "open a session",
-                    "security": secured,
-                    "requestBody": body(
-                        {"id": {"type": "string"}, "metadata": {"type": "object"}, "limits": limits}
-                    ),
-                    "responses": {"200": {"description": "{id, env, base_urls, limits}"}},
-                },
-                "get": {
-                    "summary": "live sessions with their call and token counts",
-                    "security": secured,
-                    "responses": {"200": {"description": "{sessions: [...]}"}},
-                },
-            },
-            "/sessions/{id}": {
-                "get": {
-                    "summary": "the session's rows so far, late rewards joined",
-                    "security": secured,
-                    "parameters": [sid],
-                    "responses": {"200": rows, "404": {"description": "unknown session"}},
-                }
-            },
-            "/sessions/{id}/close": {
-                "post": {
-                    "summary": "close the session, write its rows with reward and metadata",
-                    "security": secured,
-                    "parameters": [sid],
-                    "requestBody": body(
-                        {
-                            "reward": reward,
-                            "reward_auxiliary": {
-                                "type": "boolean",
-                                "default": False,
-                                "description": "one number is set on the main and subagent rows; "
-                                "true: on the auxiliary rows (titles, routers, summaries) too",
-                            },
-                        }
-                    ),
-                    "responses": {"200": rows, "404": {"description": "unknown session"}},
-                }
-            },
-            "/sessions/{id}/reward": {
-                "post": {
-                    "summary": "a late reward for a closed session",
-                    "security": secured,
-                    "parameters": [sid],
-                    "requestBody": body({"reward": reward}),
-                    "responses": {"200": {"description": "written"}},
-                }
-            },
-            "/rollouts": {
-                "post": {
-                    "summary": "run n real CLI agents on a task, score them, return their rows",
-                    "security": secured,
-                    "requestBody": body(
-                        {
-                            "agent": {
-                                "oneOf": [
-                                    {
-                                        "type": "string",
-                                        "enum": [
-                                            "claude-code",
-                                            "codex",
-                                            "gemini",
-                                            "opencode",
-                                            "mini-swe-agent",
-                                            "openhands",
-                                            "terminus-2",
-                                        ],
-                                    },
-                                    {
-                                        "type": "object",
-                                        "properties": {
-                                            "command": {
-                                                "type": "array",
-                                                "items": {"type": "string"},
-                                            }
-                                        },
-                                    },
-                                ]
-                            },
-                            "prompt": {"type": "string"},
-                            "workdir": {"type": "string"},
-                            "n": {"type": "integer", "minimum": 1},
-                            "limits": limits,
-                            "metadata": {"type": "object"},
-                            "verifier": {
-                                "type": "object",
-                                "description": "one of command and pytest",
-                                "properties": {
-                                    "command": {"type": "array", "items": {"type": "string"}},
-                                    "pytest": {
-                                        "type": "array",
-                                        "items": {"type": "string"},
-                                        "description": "node ids: the reward is the share "
-                                        "that passed (a JUnit report, on the seed)",
-                                    },
-                                    "python": {"type": "string"},
-                                    "keep": {
-                                        "type": "array",
-                                        "items": {"type": "string"},
-                                        "description": "globs of the agent's files graded "
-                                        "on a fresh copy of the seed workdir",
-                                    },
-                                    "restore": {
-                                        "type": "array",
-                                        "items": {"type": "string"},
-                                        "description": "relative paths put back from the "
-                                        "workdir into the agent's copy before scoring",
-                                    },
-                                    "on_error": {"type": "string", "enum": ["skip", "score"]},
-                                    "reward_range": {
-                                        "type": "array",
-                                        "items": {"type": "number"},
-                                        "minItems": 2,
-                                        "maxItems": 2,
-                                        "description": "[lo, hi], default [0, 1]",
-                                    },
-                                },
-                            },
-                            "sandbox": {
-                                "type": "string",
-                                "enum": ["bwrap", "none"],
-                                "description": "how the agent and verifier run; default: "
-                                "agenttap_sandbox (bwrap)",
-                            },
-                            "id": {"type": "string"},
-                            "timeout_s": {"type": "number"},
-                            "wait": {"type": "boolean"},
-                            "rows": {
-                                "type": "boolean",
-                                "description": "false: each rollout's summary without its rows",
-                            },
-                        }
-                    ),
-                    "responses": {
-                        "200": {
-                            "description": "status, finish_reason, reward, metrics, rows of each"
-                        },
-                        "202": {"description": "started (wait: false)"},
-                        "429": {"description": "too many agents running; see Retry-After"},
-                    },
-                },
-                "get": {
-                    "summary": "rollouts of this process",
-                    "security": secured,
-                    "responses": {"200": {"description": "{rollouts: [...]}"}},
-                },
-            },
-            "/rollouts/{id}": {
-                "get": {
-                    "summary": "one rollout, while it runs too",
-                    "security": secured,
-                    "parameters": [sid],
-                    "responses": {"200": {"description": "its summary"}},
-                },
-                "delete": {
-                    "summary": "stop it: its agents end, their rows are kept (cancelled)",
-                    "security": secured,
-                    "parameters": [sid],
-                    "responses": {"200": {"description": "its summary"}},
-                },
-            },
-            "/flush": {
-                "post": {
-                    "summary": "write sessions' shards now (?session=ID: one)",
-                    "security": secured,
-                    "responses": {"200": {"description": "{written: [paths]}"}},
-                }
-            },
-            "/replicas": {
-                "get": {
-                    "summary": "the policy servers of agenttap_policy_url: state (serving, "
-                    "loading, paused, sleeping, unverified, failing), why, load, weights",
-                    "security": secured,
-                    "responses": {"200": {"description": "{replicas: [...], max_inflight, queue}"}},
-                },
-                "post": {
-                    "summary": "add a policy server (it must complete a 1-token generation)",
-                    "security": secured,
-                    "requestBody": body({"url": {"type": "string"}}),
-                    "responses": {
-                        "200": {"description": "the replicas now"},
-                        "400": {"description": "not one policy URL, or it does not answer"},
-                    },
-                },
-                "delete": {
-                    "summary": "remove a policy server (?url=URL); running generations finish",
-                    "security": secured,
-                    "responses": {"200": {"description": "the replicas now"}},
-                },
-            },
-            "/policy/weights": {
-                "post": {
-                    "summary": "every policy replica serves the weights in path (a folder "
-                    "save_pretrained wrote; or lora: a PEFT adapter's), labelled version, each "
-                    "checked against the trainer's probe; in-flight calls go on under them",
-                    "security": secured,
-                    "requestBody": body(
-                        {
-                            "path": {"type": "string"},
-                            "lora": {"type": "string"},
-                            "version": {"type": "string"},
-                            "probe": {
-                                "type": "object",
-                                "properties": {
-                                    "ids": {"type": "array", "items": {"type": "integer"}},
-                                    "logprobs": {"type": "array"},
-                                },
-                            },
-                        }
-                    ),
-                    "responses": {
-                        "200": {
-                            "description": "{version, checked, replicas: [{url, ok, version, "
-                            "seconds, checked, max_diff}]}"
-                        },
-                        "400": {"description": "no such folder, no safetensors, a bad version"},
-                        "502": {
-                            "description": "a replica did not load them or failed the probe "
-                            "(error.replicas); it is out of rotation"
-                        },
-                    },
-                }
-            },
-            "/policy/version": {
-                "get": {
-                    "summary": "the weights served now: version, index (updates before it)",
-                    "security": secured,
-                    "responses": {"200": {"description": "{version, index, updated_at, versions}"}},
-                },
-                "post": {
-                    "summary": "weights a trainer pushed to vLLM itself: calls from now on are "
-                    "labelled version",
-                    "security": secured,
-                    "requestBody": body(
-                        {"version": {"type": "string"}, "probe": {"type": "object"}}
-                    ),
-                    "responses": {
-                        "200": {"description": "{version, checked, replicas}"},
-                        "502": {"description": "a replica failed the probe (error.replicas)"},
-                    },
-                },
-            },
-            "/ui/": {
-                "get": {
-                    "summary": "the trajectory viewer (open it as /ui/#token=TOKEN)",
-                    "responses": {"200": {"description": "the page"}},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics (names start with agenttap_)",
-                    "security": secured,
-                    "responses": {"200": {"description": "text exposition format"}},
-                }
-            },
-            "/healthz": {"get": {"responses": {"200": {"description": "alive"}}}},
-            "/ready": {
-                "get": {
-                    "summary": "readiness; without the token {ready} alone, with it the model "
-                    "and each server's url and state",
-                    "responses": {
-                        "200": {"description": "tokenizer loaded, policy answers"},
-                        "503": {"description": "not ready (the reason with the token)"},
-                    },
-                }
-            },
+            path: {method: _operation(path, op) for method, op in methods.items()}
+            for path, methods in OPERATIONS.items()
         },
     }

@@ -10,6 +10,6 @@ verifier's spec, its reward, what of the agent's it sees), ``harbor_env`` (the o
 of capture/harbor/env.py's Harbor environment).
 
 May import: ``capture.ports`` (``RolloutHost``, ``REWARD_VERIFIER``), ``capture.isolation``,
-``capture.harbor`` (``harbor_env`` only), ``capture.control.sessions``, ``capture.egress``,
-``capture.logsafe``. Never ``capture.gateway``, ``capture.storage`` or
+``capture.harbor`` (``harbor_env`` only), ``capture.control.sessions``, ``capture.control.models``,
+``capture.egress``, ``capture.logsafe``. Never ``capture.gateway``, ``capture.storage`` or
 ``capture.control.api``."""

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from aiohttp import web
 
@@ -26,7 +25,7 @@ from capture.isolation.workdir import check_seed
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBusy
 from capture.rollouts.runner import Busy, Rollouts
-from capture.rollouts.spec import parse_rollout
+from capture.rollouts.spec import read_rollout
 
 # What a refused rollout is told to wait before trying again.
 RETRY_AFTER_S = 5
@@ -38,16 +37,11 @@ class RolloutRoutes:
         self.rollouts = Rollouts(api, max_running)
 
     async def create(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = await self.api.body(request)
-        spec = parse_rollout(body)
-        wait = body.get("wait", True)
-        if not isinstance(wait, bool):
-            raise ValueError('"wait" must be true or false')
+        body = read_rollout(await self.api.body(request))
+        spec = body.spec()
         # Every row's tokens make the answer megabytes for a few agents: a caller that reads
-        # the rows from OUT (or GET /sessions/ID) asks for the summaries alone.
-        rows = body.get("rows", True)
-        if not isinstance(rows, bool):
-            raise ValueError('"rows" must be true (each rollout\'s rows in the answer) or false')
+        # the rows from OUT (or GET /sessions/ID) asks for the summaries alone ("rows": false).
+        wait, rows = body.wait, body.rows
         if spec.workdir is not None:  # a link out of it: refused before anything starts
             await asyncio.to_thread(check_seed, spec.workdir)
         try:

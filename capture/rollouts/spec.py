@@ -9,16 +9,30 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from capture.control.models import ID_PATTERN, SessionLimits, Words, read_body
 from capture.control.sessions import (
+    Limits,
     check_metadata,
     check_session_id,
     parse_limits,
     reject_unknown,
 )
 from capture.isolation.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
-from capture.rollouts.agents import agent_command
+from capture.rollouts.agents import AGENTS, agent_command
 from capture.rollouts.verifier import VerifierSpec, parse_verifier
 
 # The most a rollout request may ask for at once (the cap applies on top of it).
@@ -57,86 +71,247 @@ class RolloutSpec:
     seed: int | None = None
 
 
-def parse_rollout(body: Any) -> RolloutSpec:
-    """A ``POST /rollouts`` body; ValueError worded for the caller otherwise."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    known = (
-        "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
-        "expose", "egress", "seed",
-    )  # fmt: skip
-    reject_unknown(body, (*known, "timeout_s", "wait", "rows"))
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError('"prompt" must be the task, as text')
-    if "\x00" in prompt:
-        raise ValueError('"prompt" holds a NUL character, which no command line can carry')
-    command, agent_env = agent_command(body.get("agent"), prompt)
-    if any("\x00" in arg for arg in command):
-        raise ValueError('"agent.command" holds a NUL character, which no command line can carry')
-    n = body.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise ValueError(f'"n" must be a whole number from 1 to {MAX_N}')
-    workdir = None
-    if body.get("workdir") is not None:
-        if not isinstance(body["workdir"], str):
+# The fields of a body, in the order they have always been checked (and named when unknown).
+KNOWN = (
+    "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
+    "expose", "egress", "seed", "timeout_s", "wait", "rows",
+)  # fmt: skip
+AGENT_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        {"type": "string", "enum": list(AGENTS)},
+        {
+            "type": "object",
+            "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    ]
+}
+LIMITS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "the session's limits and the kernel's on each agent and verifier",
+    "properties": {
+        **SessionLimits.model_json_schema()["properties"],
+        **{
+            key: {"type": "number", "exclusiveMinimum": 0}
+            if key == "cpu_s"
+            else {"type": "integer", "minimum": 1}
+            for key in SANDBOX_LIMIT_KEYS
+        },
+    },
+    "additionalProperties": False,
+}
+VERIFIER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "one of command and pytest (a list alone: the command)",
+    "properties": {
+        "command": {"type": "array", "items": {"type": "string"}},
+        "pytest": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "node ids: the reward is the share that passed (a JUnit report, "
+            "on the seed)",
+        },
+        "python": {"type": "string"},
+        "keep": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "globs of the agent's files graded on a fresh copy of the seed workdir",
+        },
+        "restore": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "relative paths put back from the workdir into the agent's copy "
+            "before scoring",
+        },
+        "on_error": {"type": "string", "enum": ["skip", "score"]},
+        "reward_range": {
+            "type": "array",
+            "items": {"type": "number"},
+            "minItems": 2,
+            "maxItems": 2,
+            "description": "[lo, hi], default [0, 1]",
+        },
+    },
+}
+NUL = "holds a NUL character, which no command line can carry"
+# What a caller is told when pydantic refuses a field (its type, a bound, a missing one).
+WORDS: dict[str, Words] = {
+    "prompt": '"prompt" must be the task, as text',
+    "agent": f'"agent" must be one of {", ".join(AGENTS)} or '
+    '{"command": ["program", "arg", ...]}',
+    "n": f'"n" must be a whole number from 1 to {MAX_N}',
+    "sandbox": f'"sandbox" must be one of {", ".join(SANDBOXES)}',
+    "egress": '"egress" must be "none" (the agent reaches only the policy) or "public" (public '
+    "hosts too, through the proxy)",
+    "seed": '"seed" must be a whole number (the same seed, the same samples)',
+    "wait": '"wait" must be true or false',
+    "rows": '"rows" must be true (each rollout\'s rows in the answer) or false',
+}
+
+
+class RolloutBody(BaseModel):
+    """``POST /rollouts``: the fields in the order they are checked (a body with two mistakes
+    is told of the first)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Annotated[str, Field(strict=True, description="the task")]
+    agent: Annotated[
+        Any,
+        WithJsonSchema(AGENT_SCHEMA),
+        Field(description="a CLI, or a command (the prompt last)"),
+    ]
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N, description="agents, one group")] = 1
+    workdir: Annotated[
+        Path | None,
+        WithJsonSchema({"type": "string", "description": "a folder each agent gets a copy of"}),
+    ] = None
+    # Read even when left out: the kernel's limits have defaults.
+    limits: Annotated[Any, WithJsonSchema(LIMITS_SCHEMA), Field(validate_default=True)] = None
+    verifier: Annotated[Any, WithJsonSchema(VERIFIER_SCHEMA)] = None
+    sandbox: Annotated[
+        Literal["bwrap", "none"] | None,
+        Field(description="how the agent and verifier run; default: agenttap_sandbox (bwrap)"),
+    ] = None
+    expose: Annotated[
+        tuple[Path, ...],
+        WithJsonSchema(
+            {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "absolute paths shown read-only in the sandbox",
+            }
+        ),
+    ] = ()
+    egress: Literal["none", "public"] = "none"
+    timeout_s: Annotated[
+        float | None, WithJsonSchema({"type": "number", "exclusiveMinimum": 0})
+    ] = None
+    id: Annotated[str, Field(pattern=ID_PATTERN, description="else one is made")] | None = None
+    seed: StrictInt | None = None
+    metadata: Annotated[dict[str, Any], Field(description="written on every row")] = {}
+    wait: Annotated[StrictBool, Field(description="false: answer 202 at once")] = True
+    rows: Annotated[
+        StrictBool, Field(description="false: each rollout's summary without its rows")
+    ] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            reject_unknown(value, KNOWN)
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError(WORDS["prompt"])
+        if "\x00" in prompt:
+            raise ValueError(f'"prompt" {NUL}')
+        return prompt
+
+    @field_validator("agent")
+    @classmethod
+    def _agent(cls, agent: Any, info: ValidationInfo) -> Any:
+        if "prompt" in info.data:  # else the prompt's error is told first
+            command, _ = agent_command(agent, info.data["prompt"])
+            if any("\x00" in arg for arg in command):
+                raise ValueError(f'"agent.command" {NUL}')
+        return agent
+
+    @field_validator("workdir", mode="before")
+    @classmethod
+    def _workdir(cls, workdir: Any) -> Path | None:
+        if workdir is None:
+            return None
+        if not isinstance(workdir, str):
             raise ValueError('"workdir" must be a folder path on the proxy\'s machine')
-        workdir = Path(body["workdir"]).expanduser().resolve()
-        if not workdir.is_dir():
-            raise ValueError(f'"workdir" {str(workdir)!r} is not a folder on the proxy\'s machine')
-    raw_limits = body.get("limits")
-    if raw_limits is not None and not isinstance(raw_limits, dict):
-        raise ValueError(
-            '"limits" must be an object: {"max_calls", "max_tokens", "deadline_s", "memory_mb", '
-            '"pids", "disk_mb", "cpu_s", "output_mb"}'
+        path = Path(workdir).expanduser().resolve()
+        if not path.is_dir():
+            raise ValueError(f'"workdir" {str(path)!r} is not a folder on the proxy\'s machine')
+        return path
+
+    @field_validator("limits")
+    @classmethod
+    def _limits(cls, value: Any) -> tuple[SandboxLimits, Limits]:
+        if value is not None and not isinstance(value, dict):
+            keys = ", ".join(f'"{key}"' for key in LIMITS_SCHEMA["properties"])
+            raise ValueError(f'"limits" must be an object: {{{keys}}}')
+        sandbox_limits = parse_sandbox_limits(value, SandboxLimits())
+        session = {k: v for k, v in (value or {}).items() if k not in SANDBOX_LIMIT_KEYS}
+        return sandbox_limits, parse_limits(session)
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier(cls, value: Any, info: ValidationInfo) -> VerifierSpec | None:
+        if value is None:
+            return None
+        return parse_verifier(value, has_workdir=info.data.get("workdir") is not None)
+
+    @field_validator("expose", mode="before")
+    @classmethod
+    def _expose(cls, value: Any) -> tuple[Path, ...]:
+        return parse_expose(value)
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _timeout(cls, timeout: Any) -> float | None:
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError('"timeout_s" must be a number of seconds > 0')
+        if not math.isfinite(timeout):
+            raise ValueError('"timeout_s" must be finite')
+        return float(timeout)
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id(cls, value: Any) -> Any:
+        return check_session_id(value) if value is not None else None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata(cls, value: Any) -> dict[str, Any]:
+        return check_metadata(value)
+
+    def spec(self) -> RolloutSpec:
+        """The rollout the runner starts."""
+        command, agent_env = agent_command(self.agent, self.prompt)
+        sandbox_limits, limits = self.limits
+        timeout = self.timeout_s
+        if timeout is None:
+            timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
+        return RolloutSpec(
+            agent=self.agent,
+            prompt=self.prompt,
+            command=command,
+            agent_env=agent_env,
+            n=self.n,
+            workdir=self.workdir,
+            limits={k: v for k, v in vars(limits).items() if v is not None},
+            sandbox_limits=sandbox_limits,
+            metadata=self.metadata,
+            verifier=self.verifier,
+            sandbox=self.sandbox,
+            expose=self.expose,
+            egress=self.egress,
+            timeout_s=timeout,
+            id=self.id or "r-" + uuid.uuid4().hex[:12],
+            seed=self.seed,
         )
-    sandbox_limits = parse_sandbox_limits(raw_limits, SandboxLimits())
-    session_limits = {k: v for k, v in (raw_limits or {}).items() if k not in SANDBOX_LIMIT_KEYS}
-    limits = parse_limits(session_limits)
-    verifier = None
-    if body.get("verifier") is not None:
-        verifier = parse_verifier(body["verifier"], has_workdir=workdir is not None)
-    sandbox = body.get("sandbox")
-    if sandbox is not None and sandbox not in SANDBOXES:
-        raise ValueError(f'"sandbox" must be one of {", ".join(SANDBOXES)}')
-    expose = parse_expose(body.get("expose"))
-    egress = body.get("egress", "none")
-    if egress not in EGRESS:
-        raise ValueError(
-            '"egress" must be "none" (the agent reaches only the policy) or "public" (public '
-            "hosts too, through the proxy)"
-        )
-    timeout = body.get("timeout_s")
-    if timeout is None:
-        timeout = (limits.deadline_s + 60.0) if limits.deadline_s else 3600.0
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ValueError('"timeout_s" must be a number of seconds > 0')
-    if not math.isfinite(timeout):
-        raise ValueError('"timeout_s" must be finite')
-    rollout_id = body.get("id")
-    if rollout_id is not None:
-        check_session_id(rollout_id)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError('"seed" must be a whole number (the same seed, the same samples)')
-    return RolloutSpec(
-        agent=body.get("agent"),
-        prompt=prompt,
-        command=command,
-        agent_env=agent_env,
-        n=n,
-        workdir=workdir,
-        limits={k: v for k, v in vars(limits).items() if v is not None},
-        sandbox_limits=sandbox_limits,
-        metadata=check_metadata(body.get("metadata")),
-        verifier=verifier,
-        sandbox=sandbox,
-        expose=expose,
-        egress=egress,
-        timeout_s=float(timeout),
-        id=rollout_id or "r-" + uuid.uuid4().hex[:12],
-        seed=seed,
-    )
+
+
+def read_rollout(body: Any) -> RolloutBody:
+    """A ``POST /rollouts`` body; a ValueError worded for the caller otherwise."""
+    return read_body(RolloutBody, body, WORDS)
+
+
+def parse_rollout(body: Any) -> RolloutSpec:
+    """A ``POST /rollouts`` body as the rollout it asks for; ValueError worded for the caller
+    otherwise."""
+    return read_rollout(body).spec()
 
 
 def parse_expose(value: Any) -> tuple[Path, ...]:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import MatchInfoError
 
 from capture.ports import GatewayCore
 from capture.viewer import data as viewer
@@ -163,6 +164,7 @@ class ViewerRoutes:
         self.live = live
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.router = self._router()
 
     @staticmethod
     def is_page(path: str) -> bool:
@@ -190,26 +192,14 @@ class ViewerRoutes:
             )
         if request.method != "GET":
             return _error(405, f"agenttap viewer: {path} answers GET only")
-        parts = path.removeprefix(f"{UI_PREFIX}/api/").strip("/").split("/")
+        api_path = path.removeprefix(f"{UI_PREFIX}/api/").strip("/")
+        match = None
+        if path.startswith(f"{UI_PREFIX}/api/"):
+            probe = request.clone(rel_url=request.rel_url.with_path(f"/{api_path}"))
+            match = await self.router.resolve(probe)
         try:
-            if parts == ["sessions"]:
-                return await self._run(self._sessions, _list_query(request.query))
-            if parts == ["run"]:
-                return await self._run(self._run_view, request.query.get("by") or None)
-            if len(parts) == 2 and parts[0] == "groups":
-                return await self._run(self._group, parts[1])
-            if len(parts) == 2 and parts[0] == "sessions":
-                return await self._run(self._session, parts[1])
-            if len(parts) == 4 and parts[0] == "sessions" and parts[2] == "rows":
-                offset = _int(request.query.get("offset", "0"), "offset")
-                limit = _int(request.query.get("limit", str(viewer.PAGE_TOKENS)), "limit")
-                overview = offset == 0 or request.query.get("overview") == "1"
-                return await self._run(self._tokens, parts[1], parts[3], offset, limit, overview)
-            if len(parts) == 3 and parts[0] == "sessions" and parts[2] == "diff":
-                a, b = request.query.get("a", ""), request.query.get("b", "")
-                if not a or not b:
-                    raise ValueError("diff wants ?a=REQUEST_ID&b=REQUEST_ID (two calls)")
-                return await self._run(self._diff, parts[1], a, b)
+            if match is not None and not isinstance(match, MatchInfoError):
+                return await match.handler(request, *match.values())
         except ValueError as exc:
             return _error(400, f"agenttap viewer: {exc}")
         except LookupError as exc:
@@ -220,6 +210,46 @@ class ViewerRoutes:
             "/ui/api/groups/GROUP_ID, /ui/api/sessions/ID, /ui/api/sessions/ID/rows/THREAD_ID, "
             "/ui/api/sessions/ID/diff",
         )
+
+    def _router(self) -> web.UrlDispatcher:
+        """The data routes, under ``/ui/api/`` (matched without that prefix); each handler
+        gets the request and the path's parts, in order."""
+        router = web.UrlDispatcher()
+        routes: list[tuple[str, Callable[..., Awaitable[web.StreamResponse]]]] = [
+            ("/sessions", self._get_sessions),
+            ("/run", self._get_run),
+            ("/groups/{group_id}", self._get_group),
+            ("/sessions/{id}", self._get_session),
+            ("/sessions/{id}/rows/{thread_id}", self._get_tokens),
+            ("/sessions/{id}/diff", self._get_diff),
+        ]
+        for path, handler in routes:
+            router.add_route("GET", path, handler)
+        return router
+
+    async def _get_sessions(self, request: web.Request) -> web.Response:
+        return await self._run(self._sessions, _list_query(request.query))
+
+    async def _get_run(self, request: web.Request) -> web.Response:
+        return await self._run(self._run_view, request.query.get("by") or None)
+
+    async def _get_group(self, request: web.Request, group_id: str) -> web.Response:
+        return await self._run(self._group, group_id)
+
+    async def _get_session(self, request: web.Request, sid: str) -> web.Response:
+        return await self._run(self._session, sid)
+
+    async def _get_tokens(self, request: web.Request, sid: str, tid: str) -> web.Response:
+        offset = _int(request.query.get("offset", "0"), "offset")
+        limit = _int(request.query.get("limit", str(viewer.PAGE_TOKENS)), "limit")
+        overview = offset == 0 or request.query.get("overview") == "1"
+        return await self._run(self._tokens, sid, tid, offset, limit, overview)
+
+    async def _get_diff(self, request: web.Request, sid: str) -> web.Response:
+        a, b = request.query.get("a", ""), request.query.get("b", "")
+        if not a or not b:
+            raise ValueError("diff wants ?a=REQUEST_ID&b=REQUEST_ID (two calls)")
+        return await self._run(self._diff, sid, a, b)
 
     @staticmethod
     async def _run(fn: Callable[..., dict[str, Any]], *args: Any) -> web.Response:
