@@ -41,7 +41,7 @@ from addons.log_filters import quiet_websocket_messages, skip_legacy_log_events 
 from capture.egress import EgressRefused, public_address  # noqa: E402
 from capture.gateway import Gateway  # noqa: E402
 from capture.heap import settle_heap  # noqa: E402
-from capture.logsafe import printable  # noqa: E402
+from capture.logs.escape import printable  # noqa: E402
 from capture.options import Settings, all_options, parse_settings  # noqa: E402
 from capture.options.reading import check_deferred, unknown_names  # noqa: E402
 from capture.options.values import passes_through  # noqa: E402

@@ -24,7 +24,7 @@ import asyncio
 import ipaddress
 import socket
 
-from capture.logsafe import printable
+from capture.logs.escape import printable
 
 EGRESS_NONE = "none"
 EGRESS_PUBLIC = "public"

@@ -34,7 +34,7 @@ from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
 from capture.gateway_config import GatewayConfig
 from capture.listeners import advertised_host, app_runner, listen, url_host
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.pipeline.bodies import (
     OVERSIZED_HEADER,
     BufferedRequest,

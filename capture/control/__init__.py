@@ -4,8 +4,18 @@ check in ``routing``; ``/replicas`` in ``replica_routes``), the request bodies' 
 JSON or Arrow), their OpenAPI document (``openapi``), session bookkeeping (``sessions``: limits,
 metrics, secrets; ``bindings``: the session each connection out of a sandbox is bound to),
 Prometheus ``metrics``, where clients reach an instance (``endpoints``), the start-up
-``banner``.
+``banner``."""
 
-May import: ``capture.ports`` (the gateway, seen as ``GatewayCore``), ``capture.storage``,
-``capture.rollouts``, ``capture.isolation``, ``capture.viewer``, ``capture.options`` (and its
-``capture.option_values``). Never ``capture.gateway``."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.ports",  # the gateway, seen as GatewayCore
+    "capture.storage",
+    "capture.rollouts",
+    "capture.isolation",
+    "capture.viewer",
+    "capture.options",
+    "capture.policy.weights",  # the weight update's types
+    "capture.logs",
+    "rewriter",
+)

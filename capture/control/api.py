@@ -48,7 +48,7 @@ from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.routing import Route, RouteTable, token_refusal
 from capture.control.sessions import ControlledSession, reject_unknown
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.ports import GatewayCore
 from capture.rollouts.routes import RolloutRoutes
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards

@@ -8,8 +8,10 @@ proxy's and the API's ports handed in; ``bridge`` runs inside, by path), ``budge
 connections at once, the descriptor reserve), and the kernel limits by mechanism: ``limits``
 (the keys, values and their words), ``host`` (what applies on this host), ``cgroup`` (v1 and v2,
 one interface), ``disk`` (a size-capped tmpfs), ``output`` (the log's cap), ``watch`` (the first
-limit hit).
+limit hit)."""
 
-May import: ``capture.ratelog``. Nothing else of agenttap: ``sandbox``, ``workdir``,
-``launch`` and ``bridge`` use the standard library only (Harbor's venv imports ``sandbox`` and
-``workdir``; ``launch`` and ``bridge`` run as scripts)."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.logs.ratelimit",  # nothing else of agenttap: importable without the proxy
+)

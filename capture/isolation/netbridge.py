@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from capture.isolation.budget import ConnectionBudget, Descriptors, raise_nofile
-from capture.ratelog import RateLimitedLog
+from capture.logs.ratelimit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

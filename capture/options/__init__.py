@@ -14,10 +14,7 @@ Values users naturally write are read: YAML numbers and booleans in ``config.yam
 ``declared`` (every option: name, default, help, parser; ``all_options``), ``values`` (the pure
 parsers of one value), ``reading`` (a raw value as checked text, the errors a user reads),
 ``settings`` (the typed ``Settings`` and ``parse_settings``). The names most callers want are
-re-exported here.
-
-May import: ``rewriter`` (the providers' own options, the parser names, policy URLs). Nothing
-else of ``capture``."""
+re-exported here."""
 
 from __future__ import annotations
 
@@ -25,3 +22,9 @@ from capture.options.declared import Option, all_options
 from capture.options.settings import Settings, parse_settings
 
 __all__ = ["Option", "Settings", "all_options", "parse_settings"]
+
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "rewriter",  # the providers' own options, the parser names, policy URLs
+)

@@ -4,8 +4,17 @@ record), ``recording`` (the turn's record step, the calls' log lines), ``bodies`
 and bodies, bounded), ``session_ids`` (which session a call is, its credentials), ``handoff``
 (the headers the addon hands a call to the gateway with, and takes back), ``providers`` (which
 provider answers a call; a WebSocket's turns checked again), ``whitebox`` (token ids in, a turn
-out).
+out)."""
 
-May import: ``capture.trajectory``, ``capture.storage``, ``capture.policy``, ``capture.control``'s
-session bookkeeping and metrics, ``rewriter``. Never the gateway, the control API, rollouts or
-the viewer."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.trajectory",
+    "capture.storage",
+    "capture.policy",
+    "capture.control.bindings",
+    "capture.control.metrics",
+    "capture.control.sessions",  # the session bookkeeping; never the control API, rollouts or the viewer
+    "capture.logs",
+    "rewriter",
+)

@@ -15,7 +15,7 @@ from typing import Any
 
 from capture.control.metrics import Metrics
 from capture.control.sessions import SessionControl
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.storage.journal_sync import JournalSyncer
 from capture.storage.records import FailedCall, TurnRecord
 from capture.storage.sessions import SessionStore

@@ -7,9 +7,16 @@ back when someone else closed it), ``spec`` (a ``/rollouts`` request read and ch
 environment and configuration folders), ``admission`` (memory promised to running agents),
 ``verifier``, ``scoring``, ``grading``, ``pytest_verifier`` and ``pytest_guard`` (the
 verifier's spec, its reward, what of the agent's it sees), ``harbor_env`` (the old import path
-of capture/harbor/env.py's Harbor environment).
+of capture/harbor/env.py's Harbor environment)."""
 
-May import: ``capture.ports`` (``RolloutHost``, ``REWARD_VERIFIER``), ``capture.isolation``,
-``capture.harbor`` (``harbor_env`` only), ``capture.control.sessions``, ``capture.control.models``,
-``capture.egress``, ``capture.logsafe``. Never ``capture.gateway``, ``capture.storage`` or
-``capture.control.api``."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.ports",  # RolloutHost, REWARD_VERIFIER
+    "capture.isolation",  # the Box the runner starts
+    "capture.harbor.env",  # the old module name kept
+    "capture.control.sessions",
+    "capture.control.models",  # the body models' shared checks
+    "capture.egress",
+    "capture.logs",
+)

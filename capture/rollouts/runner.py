@@ -35,7 +35,7 @@ from capture.control.sessions import agent_seed, parse_limits
 from capture.egress import EGRESS_PUBLIC
 from capture.isolation.box import Box
 from capture.isolation.netbridge import Route, route_for
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBudget, MemoryBusy, default_budget_mb, run_need_mb
 from capture.rollouts.closing import close, taken_over

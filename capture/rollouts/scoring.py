@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.rollouts.grading import Graded, grade_on_seed
 from capture.rollouts.pytest_guard import TAMPERED_STATUS
 from capture.rollouts.pytest_verifier import RAN, REPORT_CAP, PytestRun, grade

@@ -15,7 +15,7 @@ from pathlib import Path
 from capture.isolation.box import Box, BoxSpec, Ended
 from capture.isolation.limits import limit_words
 from capture.isolation.workdir import UnsafeWorkdir, copy_seed, restore, sanitize
-from capture.logsafe import printable
+from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.agents import config_home, prepare_home
 from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, plain_env, tail

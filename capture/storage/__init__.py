@@ -5,6 +5,11 @@ name, a durable line and its reading back in ``journal_files``, the lines' encod
 Parquet shards (``shards``), late rewards (``rewards``) and taking them back (``take_back``), a
 row's rules (``row_rules``: its reward, its weight versions and their order), and reading them
 back for a trainer (``reader``, which gathers ``out_folder``, ``unverified`` and ``batches``;
-``capture.reader`` is the same, kept for users).
+``capture.reader`` is the same, kept for users)."""
 
-May import: ``capture.trajectory``, ``rewriter``. Nothing above it (no HTTP)."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.trajectory",
+    "rewriter",  # nothing above it: no HTTP
+)

@@ -13,8 +13,12 @@
   transformers, TRL).
 
 Trainer libraries are imported inside functions, or by the one module that subclasses theirs
-(``verl``), so the proxy's torch-free ``.venv`` imports, type-checks and lints this package.
+(``verl``), so the proxy's torch-free ``.venv`` imports, type-checks and lints this package."""
 
-May import: ``capture.client`` (the control API over HTTP), ``capture.storage.reader`` (reading
-shards), ``capture.storage.row_rules`` (a row's reward and weight versions); nothing of the proxy
-itself."""
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "capture.client",  # the control API over HTTP
+    "capture.storage.reader",
+    "capture.storage.row_rules",  # nothing of the proxy itself
+)

@@ -46,11 +46,7 @@ Modules, one concern each: ``keys`` (message keys, digests, provenance), ``tree`
 ``new_threads`` (the other two ways a request is placed), ``commits`` (a completed call
 committed to the tree, a claim released, the session's rows), ``export`` (rows), ``kinds`` (a
 row's ``thread_kind``: main, subagent, auxiliary), ``journal`` (a node as a journal line and
-back), ``orphans`` (a call whose tree was let go while it was in flight).
-
-May import: ``rewriter.canonical`` (messages, tools), ``capture.storage.records`` (the call
-record a journal line carries, in ``journal`` only).
-"""
+back), ``orphans`` (a call whose tree was let go while it was in flight)."""
 
 from __future__ import annotations
 
@@ -97,3 +93,10 @@ __all__ = [
     "thread_kind",
     "thread_kinds",
 ]
+
+# What this package's modules may import besides their own package's (scripts/house.py;
+# tests/unit/test_import_graph.py holds every import to it).
+MAY_IMPORT: tuple[str, ...] = (
+    "rewriter.canonical",  # messages, tools
+    "capture.storage.records",  # the call record a journal line carries
+)

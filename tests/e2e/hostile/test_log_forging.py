@@ -1,6 +1,6 @@
 """Issue 47: what an agent names cannot forge a line of agenttap's log. A file name the
 sandbox removes before scoring (a FIFO) holding a newline, a terminal escape and a unicode line
-separator is logged on its one line, escaped (capture/logsafe.py). Real mitmdump, real bwrap."""
+separator is logged on its one line, escaped (capture/logs/escape.py). Real mitmdump, real bwrap."""
 
 from __future__ import annotations
 

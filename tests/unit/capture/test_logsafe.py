@@ -1,11 +1,11 @@
 """An agent-chosen string in a log line stays on that line and reads as it is
-(capture/logsafe.py)."""
+(capture/logs/escape.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from capture.logsafe import printable
+from capture.logs.escape import printable
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""capture/ratelog.py: a failure that repeats is logged once per interval with a count."""
+"""capture/logs/ratelimit.py: a failure that repeats is logged once per interval with a count."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from capture.ratelog import RateLimitedLog
+from capture.logs.ratelimit import RateLimitedLog
 
 
 class Clock:

@@ -15,7 +15,7 @@ import pytest
 from capture.control.bindings import Bindings
 from capture.isolation.budget import ConnectionBudget, Descriptors, open_descriptors
 from capture.isolation.netbridge import Bridges, NetBridge, Route
-from capture.ratelog import RateLimitedLog
+from capture.logs.ratelimit import RateLimitedLog
 
 
 async def _echo_server() -> tuple[asyncio.Server, list[tuple[object, object]]]:
