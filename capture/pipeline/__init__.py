@@ -14,7 +14,7 @@ MAY_IMPORT: tuple[str, ...] = (
     "capture.policy",
     "capture.control.bindings",
     "capture.control.metrics",
-    "capture.control.sessions",  # the session bookkeeping; never the control API, rollouts or the viewer
+    "capture.control.sessions",  # bookkeeping; never the control API, rollouts, the viewer
     "capture.logs",
     "rewriter",
 )
