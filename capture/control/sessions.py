@@ -31,19 +31,24 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from capture.isolation.limits import SESSION_LIMIT_KEYS, reject_unknown
 
-# Why a session ended, as its rows say (``end_reason``).
-END_STOP = "stop"  # the trainer closed it: the agent stopped by itself
-END_MAX_CALLS = "max_calls"
-END_MAX_TOKENS = "max_tokens"
-END_DEADLINE = "deadline"
-# A closed session's calls are refused too (its rows are written).
-END_CLOSED = "closed"
-# Its first call was answered more than agenttap_max_staleness weight updates ago.
-END_STALE = "stale"
+
+class EndReason(StrEnum):
+    """Why a session ended, as its rows say (``end_reason``)."""
+
+    STOP = "stop"  # the trainer closed it: the agent stopped by itself
+    MAX_CALLS = "max_calls"
+    MAX_TOKENS = "max_tokens"
+    DEADLINE = "deadline"
+    # A closed session's calls are refused too (its rows are written).
+    CLOSED = "closed"
+    # Its first call was answered more than agenttap_max_staleness weight updates ago.
+    STALE = "stale"
+
 
 SPLITS = ("train", "val")
 # Closed sessions remembered for late rewards and refusals (oldest forgotten first).
@@ -345,7 +350,7 @@ class SessionControl:
         sess.closed = True
         sess.closed_by = closed_by
         sess.close_reward = reward
-        sess.end_reason = end_reason or sess.limit_reached or END_STOP
+        sess.end_reason = end_reason or sess.limit_reached or EndReason.STOP
         sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
         self._closed[session_id] = sess
         while len(self._closed) > CLOSED_KEPT:
@@ -366,7 +371,7 @@ class SessionControl:
         closed = self._closed.get(session_id)
         if closed is not None and session_id not in self._live:
             closed.metrics.refused += 1
-            return END_CLOSED
+            return EndReason.CLOSED
         sess = self._seen(session_id)
         if sess.first_version_index is None:
             sess.first_version_index = self.version_index()
@@ -379,18 +384,18 @@ class SessionControl:
     def _reached(self, sess: ControlledSession) -> str | None:
         limits, metrics = sess.limits, sess.metrics
         if limits.deadline_s is not None and self._clock() - sess.opened_mono >= limits.deadline_s:
-            return END_DEADLINE
+            return EndReason.DEADLINE
         # Calls in flight count: a burst of parallel calls cannot overrun the limit.
         if limits.max_calls is not None and metrics.calls + sess.in_flight >= limits.max_calls:
-            return END_MAX_CALLS
+            return EndReason.MAX_CALLS
         if limits.max_tokens is not None and metrics.completion_tokens >= limits.max_tokens:
-            return END_MAX_TOKENS
+            return EndReason.MAX_TOKENS
         if (
             self.max_staleness is not None
             and sess.first_version_index is not None
             and self.version_index() - sess.first_version_index > self.max_staleness
         ):
-            return END_STALE
+            return EndReason.STALE
         return None
 
     def sampling_seed(self, session_id: str, prompt_ids: Sequence[int]) -> int | None:

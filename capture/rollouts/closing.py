@@ -9,9 +9,9 @@ import logging
 import time
 from typing import Any
 
-from capture.control.sessions import END_STOP
+from capture.control.sessions import EndReason
 from capture.ports import REWARD_VERIFIER, RolloutHost
-from capture.rollouts.runs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LIMIT, Run
+from capture.rollouts.runs import FinishReason, Run, RunStatus
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +27,16 @@ async def close(host: RolloutHost, run: Run) -> None:
         await _close_taken_over(host, run, taken)
         return
     limit = sess.limit_reached if sess is not None else None
-    if run.status == "cancelled":
-        reason = FINISH_CANCELLED
+    # A finish reason of its own, else its session's end reason (a limit it reached, or stop).
+    reason: str
+    if run.status == RunStatus.CANCELLED:
+        reason = FinishReason.CANCELLED
     elif run.limit is not None:
-        run.status, reason = "error", FINISH_LIMIT
+        run.status, reason = RunStatus.ERROR, FinishReason.LIMIT
     elif run.error is not None:
-        run.status, reason = "error", FINISH_ERROR
+        run.status, reason = RunStatus.ERROR, FinishReason.ERROR
     else:
-        run.status, reason = "ok", limit or END_STOP
+        run.status, reason = RunStatus.OK, limit or EndReason.STOP
     run.finish_reason = reason
     closed = await host.close_session(
         run.session_id, run.reward, end_reason=reason, reward_source=REWARD_VERIFIER
@@ -53,14 +55,14 @@ async def _close_taken_over(host: RolloutHost, run: Run, why: str) -> None:
     control = host.gateway.control
     sid = run.session_id
     if sid in {s.id for s in control.live()}:  # opened again by that caller: ended too
-        await host.close_session(sid, None, end_reason=FINISH_ERROR)
+        await host.close_session(sid, None, end_reason=FinishReason.ERROR)
     sess = control.get(sid)
     # Shards written since the run began (a second's margin for the file times).
     since = time.time() - (time.monotonic() - run.started_at) - 1.0
     run.rows = await asyncio.to_thread(host.gateway.take_back_rewards, sid, since)
     run.metrics = sess.metrics.as_dict() if sess is not None else {}
     verifier = f" (the verifier's was {run.reward:g})" if run.reward is not None else ""
-    run.status, run.finish_reason, run.reward = "error", FINISH_ERROR, None
+    run.status, run.finish_reason, run.reward = RunStatus.ERROR, FinishReason.ERROR, None
     run.error = (
         f"agenttap: {why}, before the rollout's verifier ran; its rows carry no reward"
         f"{verifier}. Only agenttap closes a rollout's session: whoever did holds the "

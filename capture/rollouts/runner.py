@@ -39,7 +39,7 @@ from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBudget, MemoryBusy, default_budget_mb, run_need_mb
 from capture.rollouts.closing import close, taken_over
-from capture.rollouts.runs import FINISH_CANCELLED, Busy, Rollout, Run
+from capture.rollouts.runs import RUN_LIVE, Busy, FinishReason, Rollout, Run, RunStatus
 from capture.rollouts.spec import RolloutSpec
 from capture.rollouts.steps import run_agent, verify
 
@@ -92,7 +92,7 @@ class Rollouts:
             for r in self._rollouts.values()
             if not r.done
             for run in r.runs
-            if run.status in ("pending", "running", "scoring")
+            if run.status in RUN_LIVE
         )
 
     def get(self, rollout_id: str) -> Rollout | None:
@@ -198,7 +198,7 @@ class Rollouts:
             # A session someone else closed is not scored: its rows get no reward (_close).
             taken = taken_over(run, self.api.gateway.control.get(run.session_id))
             if rollout.cancelled:
-                run.status, run.finish_reason = "cancelled", FINISH_CANCELLED
+                run.status, run.finish_reason = RunStatus.CANCELLED, FinishReason.CANCELLED
             elif (
                 taken is None
                 and spec.verifier is not None
@@ -206,10 +206,10 @@ class Rollouts:
                     run.error is None or (failure is not None and spec.verifier.on_error == "score")
                 )
             ):
-                run.status = "scoring"
+                run.status = RunStatus.SCORING
                 await verify(self.box, rollout, run)
                 if rollout.cancelled:
-                    run.status = "cancelled"
+                    run.status = RunStatus.CANCELLED
         except Exception as exc:  # a defect of ours must not leave the session open
             logger.exception("agenttap: rollout %s/%d failed", rollout.id, run.index)
             run.error = f"agenttap: internal error: {exc}"

@@ -1,6 +1,6 @@
 """A rollout and its runs as the runner keeps them (``Rollout``, ``Run``: status, finish reason,
 reward, what it used) and what their answers say (``summary``); how a run finishes
-(``FINISH_*``) and the plain environment every agent and verifier starts from."""
+(``RunStatus``, ``FinishReason``) and the plain environment every agent and verifier starts from."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,37 @@ from capture.isolation.disk import DiskQuota
 from capture.isolation.engines import Engine
 from capture.rollouts.spec import RolloutSpec
 
-# Finish reasons beyond the session's own (stop, max_calls, max_tokens, deadline).
-FINISH_ERROR = "error"
-FINISH_CANCELLED = "cancelled"
-# A kernel limit of the sandbox ended it (the run's "limit" names which).
-FINISH_LIMIT = "limit"
+
+class RunStatus(StrEnum):
+    """Where one agent of a rollout is: waiting for memory, running, being scored, or ended."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SCORING = "scoring"
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+# A run still going: what cancelling a rollout ends.
+RUN_LIVE = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.SCORING)
+
+
+class RolloutStatus(StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+
+
+class FinishReason(StrEnum):
+    """Why a run ended, beyond its session's own end reasons (capture/control/sessions.py
+    ``EndReason``: stop, max_calls, max_tokens, deadline)."""
+
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    # A kernel limit of the sandbox ended it (the run's "limit" names which).
+    LIMIT = "limit"
+
+
 OUTPUT_KEPT = 4000
 
 
@@ -31,7 +58,7 @@ class Run:
     index: int
     session_id: str
     folder: Path
-    status: str = "pending"  # pending, running, scoring, ok, error, cancelled
+    status: RunStatus = RunStatus.PENDING
     finish_reason: str | None = None
     reward: float | None = None
     exit_code: int | None = None
@@ -116,7 +143,7 @@ class Rollout:
             "group_id": self.id,
             "agent": self.spec.agent,
             "n": self.spec.n,
-            "status": "done" if self.done else "running",
+            "status": RolloutStatus.DONE if self.done else RolloutStatus.RUNNING,
             "sandbox": self.sandbox,
             "cancelled": self.cancelled,
             "created_at": self.created_at,

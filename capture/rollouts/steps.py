@@ -18,7 +18,7 @@ from capture.isolation.workdir import UnsafeWorkdir, copy_seed, restore, sanitiz
 from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.agents import config_home, prepare_home
-from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, plain_env, tail
+from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, RunStatus, plain_env, tail
 from capture.rollouts.scoring import graded_folder, score, verifier_command
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
     log = run.folder / "agent.log"
     if rollout.cancelled:
         return
-    run.status = "running"
+    run.status = RunStatus.RUNNING
     try:
         ended = await supervised(
             box, rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s

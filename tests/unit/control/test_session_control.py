@@ -13,11 +13,7 @@ import pytest
 
 from capture.control.endpoints import Endpoints
 from capture.control.sessions import (
-    END_CLOSED,
-    END_DEADLINE,
-    END_MAX_CALLS,
-    END_MAX_TOKENS,
-    END_STOP,
+    EndReason,
     Limits,
     SessionControl,
     check_metadata,
@@ -84,24 +80,24 @@ def test_each_limit_refuses_the_next_call_and_is_the_end_reason() -> None:
         control.call_started("calls")
         control.note_recorded("calls", 10, 3, 0.1)
         control.call_finished("calls")
-    assert control.refusal("calls") == END_MAX_CALLS
+    assert control.refusal("calls") == EndReason.MAX_CALLS
     assert control.tokens_left("tokens") == 10
     control.note_recorded("tokens", 5, 10, 0.1)
     assert control.tokens_left("tokens") == 0
-    assert control.refusal("tokens") == END_MAX_TOKENS
+    assert control.refusal("tokens") == EndReason.MAX_TOKENS
     assert control.refusal("deadline") is None
     clock.now += 5
-    assert control.refusal("deadline") == END_DEADLINE
+    assert control.refusal("deadline") == EndReason.DEADLINE
     ended = {sid: control.close(sid) for sid in ("calls", "tokens", "deadline")}
     assert {sid: s.end_reason for sid, s in ended.items()} == {
-        "calls": END_MAX_CALLS,
-        "tokens": END_MAX_TOKENS,
-        "deadline": END_DEADLINE,
+        "calls": EndReason.MAX_CALLS,
+        "tokens": EndReason.MAX_TOKENS,
+        "deadline": EndReason.DEADLINE,
     }
     assert ended["calls"].metrics.calls == 2 and ended["calls"].metrics.refused == 1
     assert ended["deadline"].metrics.wall_time_s == 5
     # A closed session's calls are refused; reopening the name starts afresh.
-    assert control.refusal("calls") == END_CLOSED
+    assert control.refusal("calls") == EndReason.CLOSED
     control.open("calls")
     assert control.refusal("calls") is None
 
@@ -149,7 +145,7 @@ def test_open_twice_is_refused_and_unopened_sessions_are_counted_then_kept_visib
     assert control.refusal("user-y") is None and control.get("user-y") is past
     assert "user-y" in {s.id for s in control.live()}
     assert started == ["a", "user-x", "user-x", "user-y"]  # the opened user-x is new
-    assert control.close("a").end_reason == END_STOP
+    assert control.close("a").end_reason == EndReason.STOP
 
 
 def test_annotations_are_written_into_every_thread_row(tmp_path: Path, qwen3_dir: Path) -> None:

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from capture.control.sessions import END_STALE, SessionControl
+from capture.control.sessions import EndReason, SessionControl
 from capture.policy.replicas import ReplicaSet
 from capture.policy.weights import (
     PolicyWeights,
@@ -230,9 +230,9 @@ def test_a_session_too_many_updates_behind_is_ended_stale() -> None:
     assert control.refusal("old") is None  # one behind: allowed
     assert control.refusal("new") is None  # first call under version 1
     index[0] = 2
-    assert control.refusal("old") == END_STALE
+    assert control.refusal("old") == EndReason.STALE
     assert control.refusal("new") is None
-    assert control.close("old").end_reason == END_STALE
+    assert control.close("old").end_reason == EndReason.STALE
     control.max_staleness = None
     index[0] = 10
     assert control.refusal("new") is None
