@@ -180,7 +180,7 @@ class VLLMClient:
         # Why generations must not run here ("": they may): the server failed an update's
         # check, or its weights changed without one. A generation waiting here fails over.
         self.refuse = ""
-        # Whether the server has agenttap's exact reload (rewriter/vllm_worker.py): None
+        # Whether the server has agenttap's exact reload (policy_server/worker.py): None
         # until the first weight update asks.
         self.exact_reload: bool | None = None
         # The LoRA adapter generations ask for (vLLM serves it under this name, loaded by

@@ -10,7 +10,7 @@ it. Each replica of agenttap_policy_url's pool, all at once:
    abort`` and every token so far; agenttap resubmits each (``stream_resuming``), and the
    resubmissions wait in agenttap's hold. The client's stream never breaks;
 3. ``POST /collective_rpc`` ``agenttap_reload_weights(weights_path=DIR)`` where the server has
-   agenttap's worker extension (rewriter/vllm_worker.py: vLLM's reload, then the output layer
+   agenttap's worker extension (policy_server/worker.py: vLLM's reload, then the output layer
    a tied checkpoint leaves stale on a CPU prepared again), else vLLM's ``reload_weights``: the
    folder loads in place (no restart, its compiled graphs kept);
 4. ``POST /reset_prefix_cache``: cached prefixes were computed by the old weights;
@@ -26,7 +26,7 @@ it. Each replica of agenttap_policy_url's pool, all at once:
 
 So a generation that spans an update has two spans in its ``weight_versions``: the tokens before
 the pause under the old label, the rest under the new one. These routes need vLLM's dev mode
-(``VLLM_SERVER_DEV_MODE=1``, which ``python -m rewriter.policy_server`` sets).
+(``VLLM_SERVER_DEV_MODE=1``, which ``python -m policy_server`` sets).
 
 The fingerprint is compared again at every health check and every ``agenttap_weights_check_s``
 (capture/policy/replicas.py): weights loaded behind agenttap's back take the replica out of
@@ -58,7 +58,7 @@ STEP_TIMEOUT_S = 120.0
 MAX_VERSION_CHARS = 128
 # A probe's length: long enough to exercise every layer, short enough to check in a moment.
 MIN_PROBE_IDS, MAX_PROBE_IDS = 2, 4096
-# vLLM's answer where the worker has no agenttap extension (rewriter/vllm_worker.py).
+# vLLM's answer where the worker has no agenttap extension (policy_server/worker.py).
 NO_EXTENSION = "has no attribute 'agenttap_reload_weights'"
 
 
@@ -190,7 +190,7 @@ async def _post(
     if status == 404:
         raise RuntimeError(
             f"POST {url} answered 404: this vLLM has no weight-update routes; start it with "
-            "VLLM_SERVER_DEV_MODE=1 (python -m rewriter.policy_server does)"
+            "VLLM_SERVER_DEV_MODE=1 (python -m policy_server does)"
         )
     if status != 200:
         raise RuntimeError(f"POST {url} answered {status}: {text[:300]}")
@@ -233,7 +233,7 @@ async def _load_lora(client: VLLMClient, path: Path, version: str) -> None:
         if "404" in str(exc) or "405" in str(exc):
             raise RuntimeError(
                 f"{exc}; serve LoRA adapters with vLLM's --enable-lora --max-lora-rank N and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (python -m rewriter.policy_server "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (python -m policy_server "
                 "--max-lora-rank N)"
             ) from None
         raise
@@ -269,8 +269,8 @@ async def _reload(client: VLLMClient, path: Path) -> None:
             client.exact_reload = False
             logger.warning(
                 "agenttap: the policy server at %s has no agenttap_reload_weights (vLLM's "
-                "--worker-extension-cls rewriter.vllm_worker.AgentTapWorker, which python -m "
-                "rewriter.policy_server sets): its weights load with vLLM's reload_weights, "
+                "--worker-extension-cls policy_server.worker.AgentTapWorker, which python -m "
+                "policy_server sets): its weights load with vLLM's reload_weights, "
                 "which on a CPU leaves a tied output layer (tie_word_embeddings) as it was; "
                 "pass a probe to POST /policy/weights to have every update checked",
                 client.base_url,
