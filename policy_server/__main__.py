@@ -1,4 +1,4 @@
-"""The command ``python -m policy_server``: the launcher's ``main`` (see policy_server/launcher.py)."""
+"""The command ``python -m policy_server``: the launcher's ``main`` (policy_server/launcher.py)."""
 
 import sys
 

@@ -30,8 +30,8 @@ import pytest
 from capture.client.launcher import AgentTap
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import exposure_warning
-from rewriter.canonical import SamplingParams
 from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
+from rewriter.canonical import SamplingParams
 from rewriter.policy_url import parse_policy_url, urlopen
 from rewriter.vllm_answers import Completion
 from tests.support.paths import QWEN3, REPO
