@@ -281,8 +281,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m policy_server",
         description="Serve the embedded tiny policy with vLLM: on a unix socket only this user "
-        "may open (the default), or on a TCP port (--port)."
+        "may open (the default), or on a TCP port (--port).",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
