@@ -8,7 +8,7 @@ endpoint, vLLM fed token ids, the rLLM model gateway, LiteLLM's proxy and a stre
     .venv/bin/python bench/agent_sessions.py --sessions 8 --vllm-cpus 1
                                                      # vLLM on core 1, all else on the rest
 
-One vLLM (the tiny fp32 Qwen3 of rewriter/policy_server.py, ``--max-model-len 32768``, prefix
+One vLLM (the tiny fp32 Qwen3 of policy_server/launcher.py, ``--max-model-len 32768``, prefix
 caching on, hermes tool calls parsed; a copy of the model that never samples EOS, so that every
 wire format's reply runs to ``--max-tokens``: ``no_eos_model``) serves every path. A session is shaped like Claude Code's: 20 agent tools, a long
 system prompt (``--system-tokens``: the system text and the tools together, as rendered), a
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown path(s): {', '.join(sorted(unknown))}")
     context = min(args.context, args.max_model_len - args.max_tokens - 64)
 
-    from rewriter import policy_server
+    from policy_server import launcher as policy_server
     from tests.support.proxies import start_proxy
 
     tok = Tokenizer()

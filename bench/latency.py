@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import pct  # noqa: E402
-from rewriter import policy_server  # noqa: E402
+from policy_server import launcher as policy_server  # noqa: E402
 from rewriter.canonical import Message  # noqa: E402
 from rewriter.template import ChatTemplate  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402

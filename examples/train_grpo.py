@@ -5,7 +5,7 @@
     .venv-train/bin/python examples/train_grpo.py --agent-command "python3 my_agent.py"
 
 What runs: the embedded policy (vLLM serving the tiny random Qwen3 of ``.cache/tiny-qwen3``,
-started as ``scripts/run_proxy.sh`` starts it: ``python -m rewriter.policy_server`` in ``.venv``;
+started as ``scripts/run_proxy.sh`` starts it: ``python -m policy_server`` in ``.venv``;
 or ``--policy-url``), agenttap (``AgentTap.start``), and TRL's ``GRPOTrainer`` on the same model
 here, on the CPU. Each step TRL asks ``capture.train.trl``'s rollout function for
 ``--prompts-per-step`` tasks × ``--n`` agents: agenttap runs them (Claude Code by default, each
@@ -143,7 +143,7 @@ def start_policy(model: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
     proxy_python = REPO / ".venv" / "bin" / "python"
     if not proxy_python.exists():
         sys.exit(f"{proxy_python} not found: run scripts/setup.sh first")
-    cmd = [str(proxy_python), "-m", "rewriter.policy_server", "--model", str(model)]
+    cmd = [str(proxy_python), "-m", "policy_server", "--model", str(model)]
     proc = subprocess.Popen(
         [*cmd, "--log", str(log)], cwd=REPO, stdout=subprocess.PIPE, text=True, bufsize=1
     )
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--keep-weights", action="store_true", help="keep every step's folder")
     args = parser.parse_args()
 
-    from rewriter.policy_server import DEFAULT_MODEL_DIR, ensure_tiny_model
+    from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
 
     model_dir = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR)
     out = Path(args.out).resolve()

@@ -2,7 +2,7 @@
 the prompt's ids, vLLM's sampling parameters, ``return_tokens_as_token_ids``, ``logprobs=0``),
 chosen by what the server is (``PolicyInfo``: its model, context length, generate endpoint and
 sampling defaults), and written as compact JSON with a prompt's ids put in as they were
-formatted (``RawJson``, ``dump_body``). rewriter/vllm_client.py sends it.
+formatted (``RawJson``, ``dump_body``). rewriter/vllm_generate.py sends it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A generation's stream as read here (rewriter/vllm_client.py): its bytes split into lines,
+"""A generation's stream as read here (rewriter/vllm_generate.py): its bytes split into lines,
 bounded (``LineSplitter``, ``stream_line_limit``); the lines of one read as pieces
 (``read_pieces``); when pieces go on (``Pacer``: ``agenttap_stream_flush_ms``); and the text of a
 generation resumed after an abort, decoded from its stitched ids (``ResumedText``). No I/O here:

@@ -17,6 +17,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
+# The policy server's launcher (policy_server/) is imported from this checkout, whatever the
+# current folder and however old .venv's editable install is.
+SIDE_PATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 POLICY_URL="" TOKENIZER="" OUT="agenttap-out" PORT=8080 TOOL_PARSER=hermes REASONING_PARSER=qwen3
 MAX_MODEL_LEN=32768 API_PORT=""
@@ -73,7 +76,7 @@ unset AGENTTAP_TOKEN  # no child's environment holds it
 if [ -z "$POLICY_URL" ]; then
   LOG="$PRIVATE/policy.log"
   FIFO="$PRIVATE/policy.out"; mkfifo "$FIFO"
-  "$PY" -m rewriter.policy_server --socket "$PRIVATE/vllm.sock" --log "$LOG" \
+  PYTHONPATH="$SIDE_PATH" "$PY" -m policy_server --socket "$PRIVATE/vllm.sock" --log "$LOG" \
     --max-model-len "$MAX_MODEL_LEN" --ready-timeout "${AGENTTAP_POLICY_START_S:-300}" > "$FIFO" &
   POLICY_PID=$!
   while read -r line; do
@@ -83,7 +86,7 @@ if [ -z "$POLICY_URL" ]; then
   rm -f "$FIFO"
   # Its log moves out of the private folder on exit (cleanup prints where).
   [ -n "$POLICY_URL" ] || { POLICY_FAILED=1; echo "agenttap: the embedded policy did not start" >&2; exit 1; }
-  [ -n "$TOKENIZER" ] || TOKENIZER="$("$PY" -c 'from rewriter.policy_server import DEFAULT_MODEL_DIR; print(DEFAULT_MODEL_DIR)')"
+  [ -n "$TOKENIZER" ] || TOKENIZER="$(PYTHONPATH="$SIDE_PATH" "$PY" -c 'from policy_server.launcher import DEFAULT_MODEL_DIR; print(DEFAULT_MODEL_DIR)')"
 fi
 if [ -z "$TOKENIZER" ]; then
   echo "agenttap: --tokenizer PATH is required with --policy-url (the policy's tokenizer folder)" >&2

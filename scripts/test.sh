@@ -16,7 +16,7 @@ report() {
 trap report EXIT
 bash scripts/setup.sh
 SETUP_S=$((SECONDS - STARTED))
-.venv/bin/python -m ruff check rewriter capture addons tests bench scripts examples
+.venv/bin/python -m ruff check rewriter capture addons policy_server tests bench scripts examples
 .venv/bin/python -m mypy
 # Two workers by default (docs/TESTING.md: how work is shared out between them, and which tests
 # hold the session's vLLM alone). AGENTTAP_TEST_WORKERS=0 runs everything in this one process.

@@ -17,7 +17,7 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rewriter import policy_server  # noqa: E402
+from policy_server import launcher as policy_server  # noqa: E402
 from tests.support.paths import QWEN3, QWEN25  # noqa: E402
 from tests.support.proxies import (  # noqa: E402
     _VLLM_OUTS,

@@ -64,7 +64,7 @@ class ReplicaRoutes:
             return self.summary()
         replica = replicas.add(urls[0])
         # It is expected to serve what the others serve (POST /policy/weights pushes to all).
-        replica.client.weight_version = policies.weights.history.current
+        replica.rotation.weight_version = policies.weights.history.current
         if not await replicas.check(replica, policies.http):
             replicas.remove(replica.url)
             return error(
@@ -78,7 +78,7 @@ class ReplicaRoutes:
             # It joins out of rotation: its sessions would be sampled from other weights than
             # the rows' weight version says. The next POST /policy/weights loads and checks
             # the trainer's weights on it with the rest, which brings it in.
-            replica.unverified = replica.client.refuse = (
+            replica.unverified = replica.rotation.refuse = (
                 f"it serves other weights than the pool: {differs}"
             )
             logger.warning(

@@ -26,6 +26,7 @@ from capture.policy.replicas import Replica, ReplicasBusy, ReplicaSet
 from capture.policy.weights import PolicyWeights
 from rewriter.policy_url import connector, is_unix
 from rewriter.vllm_client import PolicyError, VLLMClient
+from rewriter.vllm_rotation import Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class PolicyPools:
         # A server on a unix socket (unix:/PATH) has a connection pool of its own.
         self._unix_http: dict[str, aiohttp.ClientSession] = {}
         self._clients: dict[str, VLLMClient] = {}
+        # Each server's weight-rotation state, held by its replica in every pool listing it.
+        self._rotations: dict[str, Rotation] = {}
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         # Generations in flight per session over every server (agenttap_session_max_inflight;
@@ -118,10 +121,15 @@ class PolicyPools:
         self._http = self._session(None)
         self._decode = decode
         self.default = ReplicaSet(
-            self.policy_urls, self._client, self.max_in_flight, self.max_queue
+            self.policy_urls, self._client, self.max_in_flight, self.max_queue, self._rotations
         )
         self._mapped = [
-            (pattern, ReplicaSet(servers, self._client, self.max_in_flight, self.max_queue))
+            (
+                pattern,
+                ReplicaSet(
+                    servers, self._client, self.max_in_flight, self.max_queue, self._rotations
+                ),
+            )
             for pattern, servers in self.model_map
         ]
         for replicas in self.sets():

@@ -34,6 +34,7 @@ from typing import Any
 
 from capture.policy.fair import FairScheduler, QueueFull
 from rewriter.vllm_client import PolicyError, VLLMClient
+from rewriter.vllm_rotation import Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,14 @@ class Replica:
     # Its generation slots, shared fairly between sessions (``in_flight`` and ``waiting``
     # mirror it after every change; ReplicaSet sizes it).
     slots: FairScheduler = field(default_factory=FairScheduler, repr=False)
+    # Its weight-rotation state (rewriter/vllm_rotation.py): the weights it serves, the update
+    # loading on it (``hold``), why its generations are refused (``refuse``), its LoRA adapter.
+    # A weight update (capture/policy/weights.py) writes it; its client's generations read it.
+    # One per server: every pool listing the server shares it (``ReplicaSet``'s ``rotations``).
+    rotation: Rotation = field(default_factory=Rotation, repr=False)
+
+    def __post_init__(self) -> None:
+        self.client.rotation = self.rotation  # its generations read the replica's
 
     def load(self) -> tuple[int, int]:
         return (self.in_flight + self.waiting, self.sessions)
@@ -133,7 +142,7 @@ class Replica:
             "last_error": self.last_error,
             "last_checked": self.last_checked or None,
             "weights": {
-                "version": self.client.weight_version,
+                "version": self.rotation.weight_version,
                 "fingerprint_at": self.fingerprint_at or None,
                 "verified_at": self.verified_at or None,
                 "probe_diff": self.probe_diff,
@@ -162,10 +171,15 @@ class ReplicaSet:
         make_client: Callable[[str], VLLMClient],
         max_in_flight: int = 0,
         max_queue: int = 256,
+        rotations: dict[str, Rotation] | None = None,
     ) -> None:
+        """``rotations``: the servers' weight-rotation states by URL, shared with the other
+        sets listing the same servers (their clients are shared too); None: each replica has
+        its own."""
         if not urls:
             raise ValueError("a replica set needs at least one policy server")
         self._make_client = make_client
+        self._rotations = rotations
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.replicas: dict[str, Replica] = {}
@@ -188,7 +202,10 @@ class ReplicaSet:
         url = url.rstrip("/")
         replica = self.replicas.get(url)
         if replica is None:
-            replica = Replica(url, self._make_client(url))
+            rotation = Rotation()
+            if self._rotations is not None:
+                rotation = self._rotations.setdefault(url, rotation)
+            replica = Replica(url, self._make_client(url), rotation=rotation)
             replica.slots.on_change = _mirroring(replica)
             replica.fingerprint_ids = list(self.fingerprint_ids)
             self.replicas[url] = replica
@@ -298,9 +315,9 @@ class ReplicaSet:
         # Replicas loading a weight update rejoin once it is checked: wait for that rather
         # than give up (the update that took ``failed`` out loads them too).
         holds = [
-            r.client.hold
+            r.rotation.hold
             for r in self.replicas.values()
-            if r is not failed and r.loading and r.client.hold is not None
+            if r is not failed and r.loading and r.rotation.hold is not None
         ]
         if holds:
             await asyncio.gather(*(hold.wait() for hold in holds))
@@ -454,7 +471,7 @@ class ReplicaSet:
                 return ""
             return (
                 f"its logprobs for the fingerprint sequence are {diff:.3g} from those of "
-                f"{peer.url}, which serves {peer.client.weight_version!r} "
+                f"{peer.url}, which serves {peer.rotation.weight_version!r} "
                 f"(agenttap_weights_tolerance {self.tolerance:g})"
             )
         return ""

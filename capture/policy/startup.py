@@ -105,7 +105,7 @@ def exposure_warning(url: str, routes: list[str]) -> str:
         "reload_weights) or sample outside every session. vLLM's --api-key does not guard "
         "these routes. Serve it on a unix socket in a folder only you can open (vllm serve "
         "--uds /PRIVATE/vllm.sock; --set agenttap_policy_url=unix:/PRIVATE/vllm.sock), as "
-        "python -m rewriter.policy_server and scripts/run_proxy.sh do, or behind a proxy "
+        "python -m policy_server and scripts/run_proxy.sh do, or behind a proxy "
         "that wants a key for every route."
     )
 

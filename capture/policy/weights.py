@@ -4,13 +4,13 @@ A trainer saves its model (``save_pretrained``: safetensors + config) and asks a
 it. Each replica of agenttap_policy_url's pool, all at once:
 
 1. leaves rotation (``loading``) and holds new generations agenttap sends it
-   (``VLLMClient.hold``); a generation started from here on is labelled with the new version
-   (``VLLMClient.incoming_version``), since it can only run once the new weights serve;
+   (its ``Replica.rotation.hold``); a generation started from here on is labelled with the new
+   version (``rotation.incoming_version``), since it can only run once the new weights serve;
 2. ``POST /pause?mode=abort``: vLLM ends the generations running there with ``finish_reason:
    abort`` and every token so far; agenttap resubmits each (``stream_resuming``), and the
    resubmissions wait in agenttap's hold. The client's stream never breaks;
 3. ``POST /collective_rpc`` ``agenttap_reload_weights(weights_path=DIR)`` where the server has
-   agenttap's worker extension (rewriter/vllm_worker.py: vLLM's reload, then the output layer
+   agenttap's worker extension (policy_server/worker.py: vLLM's reload, then the output layer
    a tied checkpoint leaves stale on a CPU prepared again), else vLLM's ``reload_weights``: the
    folder loads in place (no restart, its compiled graphs kept);
 4. ``POST /reset_prefix_cache``: cached prefixes were computed by the old weights;
@@ -26,7 +26,7 @@ it. Each replica of agenttap_policy_url's pool, all at once:
 
 So a generation that spans an update has two spans in its ``weight_versions``: the tokens before
 the pause under the old label, the rest under the new one. These routes need vLLM's dev mode
-(``VLLM_SERVER_DEV_MODE=1``, which ``python -m rewriter.policy_server`` sets).
+(``VLLM_SERVER_DEV_MODE=1``, which ``python -m policy_server`` sets).
 
 The fingerprint is compared again at every health check and every ``agenttap_weights_check_s``
 (capture/policy/replicas.py): weights loaded behind agenttap's back take the replica out of
@@ -58,7 +58,7 @@ STEP_TIMEOUT_S = 120.0
 MAX_VERSION_CHARS = 128
 # A probe's length: long enough to exercise every layer, short enough to check in a moment.
 MIN_PROBE_IDS, MAX_PROBE_IDS = 2, 4096
-# vLLM's answer where the worker has no agenttap extension (rewriter/vllm_worker.py).
+# vLLM's answer where the worker has no agenttap extension (policy_server/worker.py).
 NO_EXTENSION = "has no attribute 'agenttap_reload_weights'"
 
 
@@ -190,7 +190,7 @@ async def _post(
     if status == 404:
         raise RuntimeError(
             f"POST {url} answered 404: this vLLM has no weight-update routes; start it with "
-            "VLLM_SERVER_DEV_MODE=1 (python -m rewriter.policy_server does)"
+            "VLLM_SERVER_DEV_MODE=1 (python -m policy_server does)"
         )
     if status != 200:
         raise RuntimeError(f"POST {url} answered {status}: {text[:300]}")
@@ -214,10 +214,11 @@ def check_lora_dir(value: Any) -> Path:
     return path
 
 
-async def _load_lora(client: VLLMClient, path: Path, version: str) -> None:
+async def _load_lora(replica: Replica, path: Path, version: str) -> None:
     """Step 3 for a LoRA adapter: vLLM's runtime LoRA loading, the adapter named ``version``;
-    generations ask for it by that name from now on (``VLLMClient.lora``)."""
-    if client.lora == version:  # the same label again: the old one goes first
+    generations ask for it by that name from now on (``rotation.lora``)."""
+    client = replica.client
+    if replica.rotation.lora == version:  # the same label again: the old one goes first
         try:
             await _post(client, "/v1/unload_lora_adapter", {"lora_name": version})
         except RuntimeError:
@@ -233,16 +234,17 @@ async def _load_lora(client: VLLMClient, path: Path, version: str) -> None:
         if "404" in str(exc) or "405" in str(exc):
             raise RuntimeError(
                 f"{exc}; serve LoRA adapters with vLLM's --enable-lora --max-lora-rank N and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (python -m rewriter.policy_server "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (python -m policy_server "
                 "--max-lora-rank N)"
             ) from None
         raise
-    client.lora = version
+    replica.rotation.lora = version
 
 
-async def _unload_lora(client: VLLMClient, name: str | None) -> None:
+async def _unload_lora(replica: Replica, name: str | None) -> None:
     """The adapter served before this one, unloaded (best effort: it only takes memory)."""
-    if name is None or name == client.lora:
+    client = replica.client
+    if name is None or name == replica.rotation.lora:
         return
     try:
         await _post(client, "/v1/unload_lora_adapter", {"lora_name": name})
@@ -250,10 +252,11 @@ async def _unload_lora(client: VLLMClient, name: str | None) -> None:
         logger.info("agenttap: %s kept LoRA adapter %r (%s)", client.base_url, name, exc)
 
 
-async def _reload(client: VLLMClient, path: Path) -> None:
+async def _reload(replica: Replica, path: Path) -> None:
     """Step 3 of the module docstring: agenttap's exact reload where the server has it, vLLM's
     own where it does not (then the probe is what says whether the weights serve whole)."""
-    if client.exact_reload is not False:
+    client, rotation = replica.client, replica.rotation
+    if rotation.exact_reload is not False:
         try:
             await _post(
                 client,
@@ -261,16 +264,16 @@ async def _reload(client: VLLMClient, path: Path) -> None:
                 {"method": "agenttap_reload_weights", "kwargs": {"weights_path": str(path)}},
                 timeout_s=RELOAD_TIMEOUT_S,
             )
-            client.exact_reload = True
+            rotation.exact_reload = True
             return
         except RuntimeError as exc:
             if NO_EXTENSION not in str(exc):
                 raise
-            client.exact_reload = False
+            rotation.exact_reload = False
             logger.warning(
                 "agenttap: the policy server at %s has no agenttap_reload_weights (vLLM's "
-                "--worker-extension-cls rewriter.vllm_worker.AgentTapWorker, which python -m "
-                "rewriter.policy_server sets): its weights load with vLLM's reload_weights, "
+                "--worker-extension-cls policy_server.worker.AgentTapWorker, which python -m "
+                "policy_server sets): its weights load with vLLM's reload_weights, "
                 "which on a CPU leaves a tied output layer (tie_word_embeddings) as it was; "
                 "pass a probe to POST /policy/weights to have every update checked",
                 client.base_url,
@@ -307,34 +310,34 @@ async def load_on_replica(
     """Steps 1-6 of the module docstring on one replica (``lora``: ``path`` is a LoRA adapter,
     loaded beside the base weights); its outcome (never raises)."""
     started = time.monotonic()
-    client = replica.client
-    previous_lora = client.lora
-    outcome: dict[str, Any] = {"url": replica.url, "version": client.weight_version}
+    client, rotation = replica.client, replica.rotation
+    previous_lora = rotation.lora
+    outcome: dict[str, Any] = {"url": replica.url, "version": rotation.weight_version}
     replica.loading = True
-    hold = client.hold = asyncio.Event()
+    hold = rotation.hold = asyncio.Event()
     try:
         try:
             await _post(client, "/pause?mode=abort")
         except RuntimeError as exc:
-            replica.client.failed_versions.add(version)
+            rotation.failed_versions.add(version)
             outcome.update(ok=False, error=str(exc))
             return outcome
         loaded = False
         try:
             if lora:
-                await _load_lora(client, path, version)
+                await _load_lora(replica, path, version)
             else:
-                await _reload(client, path)
-                client.lora = None  # an adapter belongs to the base weights it was trained on
+                await _reload(replica, path)
+                rotation.lora = None  # an adapter belongs to the base weights it was trained on
             await _post(client, "/reset_prefix_cache")
             await _post(client, "/update_weight_version", {"new_version": version})
-            replica.client.weight_version = version
-            replica.client.failed_versions.discard(version)
+            rotation.weight_version = version
+            rotation.failed_versions.discard(version)
             loaded = True
             outcome.update(ok=True, version=version)
         except RuntimeError as exc:
             # Before the resume: what ran meanwhile ran on the weights it kept.
-            replica.client.failed_versions.add(version)
+            rotation.failed_versions.add(version)
             outcome.update(ok=False, error=str(exc))
         finally:
             try:
@@ -346,11 +349,11 @@ async def load_on_replica(
         if loaded and outcome["ok"]:
             await _verify(replicas, replica, probe, outcome)
             if lora:
-                await _unload_lora(client, previous_lora)
+                await _unload_lora(replica, previous_lora)
         return outcome
     finally:
         replica.loading = False
-        client.hold = None
+        rotation.hold = None
         hold.set()  # the held generations run here, or fail over where it is refused
         outcome["seconds"] = round(time.monotonic() - started, 3)
 
@@ -359,17 +362,17 @@ async def _verify(
     replicas: ReplicaSet, replica: Replica, probe: Probe | None, outcome: dict[str, Any]
 ) -> None:
     """Step 6's check and fingerprint; ``outcome`` says what was checked."""
-    client = replica.client
+    rotation = replica.rotation
     ids = probe.ids if probe is not None else replica.fingerprint_ids
     try:
         answers = await fingerprint(replicas, replica, ids)
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 (any failure: not verified)
         why = f"its prompt logprobs for the probe did not come back ({exc or type(exc).__name__})"
-        replica.unverified = client.refuse = why
+        replica.unverified = rotation.refuse = why
         outcome.update(ok=False, checked=probe is not None, error=why)
         return
     if probe is None:
-        replica.unverified = client.refuse = ""
+        replica.unverified = rotation.refuse = ""
         replica.probe_diff = None
         outcome["checked"] = False
         return
@@ -378,16 +381,16 @@ async def _verify(
     outcome.update(checked=True, max_diff=diff)
     if diff > replicas.tolerance:
         why = (
-            f"after loading {client.weight_version!r} its logprobs for the probe are "
+            f"after loading {rotation.weight_version!r} its logprobs for the probe are "
             f"{diff:.3g} from the trainer's (agenttap_weights_tolerance {replicas.tolerance:g}): "
             "it serves other weights than the trainer's (a folder that differs where it reads "
             "it, a partial load, an output layer a reload left stale)"
         )
-        replica.unverified = client.refuse = why
+        replica.unverified = rotation.refuse = why
         outcome.update(ok=False, error=why)
         logger.warning("agenttap: policy server %s is out of rotation: %s", replica.url, why)
         return
-    replica.unverified = client.refuse = ""
+    replica.unverified = rotation.refuse = ""
 
 
 class PolicyWeights:
@@ -418,14 +421,14 @@ class PolicyWeights:
             if probe is not None:
                 replicas.fingerprint_ids = list(probe.ids)
             for replica in targets:
-                replica.client.incoming_version = version
+                replica.rotation.incoming_version = version
             try:
                 outcomes = await asyncio.gather(
                     *(load_on_replica(replicas, r, path, version, probe, lora) for r in targets)
                 )
             finally:
                 for replica in targets:
-                    replica.client.incoming_version = None
+                    replica.rotation.incoming_version = None
             loaded = [o for o in outcomes if o.get("version") == version]
             if loaded:
                 self.history.add(version)
@@ -467,7 +470,7 @@ class PolicyWeights:
             if probe is not None:
                 replicas.fingerprint_ids = list(probe.ids)
             for replica in list(replicas.replicas.values()):
-                replica.client.weight_version = version
+                replica.rotation.weight_version = version
                 try:
                     await _post(replica.client, "/update_weight_version", {"new_version": version})
                     labelled = True

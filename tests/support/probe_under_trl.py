@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rewriter.policy_server import DEFAULT_MODEL_DIR, ensure_tiny_model  # noqa: E402
+from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model  # noqa: E402
 
 DROPOUT = 0.3
 

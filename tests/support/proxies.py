@@ -20,7 +20,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from capture.options import all_options
-from rewriter import policy_server
+from policy_server import launcher as policy_server
 from tests.support.paths import CAPTURE, MITMDUMP, QWEN3, REPO, TRAIN_PYTHON
 
 # A token every this many seconds: slower than agenttap_stream_flush_ms's default, so a proxy that

@@ -33,12 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rewriter import policy_server
+from policy_server import launcher
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How one server is started (``policy_server.start_vllm``'s options)."""
+    """How one server is started (``launcher.start_vllm``'s options)."""
 
     name: str
     max_model_len: int = 32768
@@ -148,10 +148,10 @@ class VllmServers:
                     server = Server(known["url"], Path(known["log"]), attached)
                     self._servers[config] = server
                     return server
-            model = policy_server.ensure_tiny_model(tokenizer=self.tokenizer)
-            port = policy_server.free_port()
+            model = launcher.ensure_tiny_model(tokenizer=self.tokenizer)
+            port = launcher.free_port()
             log = self.root / f"vllm-{config.name}.log"
-            proc = policy_server.start_vllm(
+            proc = launcher.start_vllm(
                 model, port, log_path=log, max_model_len=config.max_model_len,
                 extra_args=list(config.extra_args), max_lora_rank=config.max_lora_rank,
                 env_overrides=ONE_FLOATING_THREAD,
@@ -166,8 +166,8 @@ class VllmServers:
         server = self.start(config)
         if not server.ready:
             try:
-                policy_server.wait_ready(server.url, server.proc, timeout_s=timeout_s)  # type: ignore[arg-type]
-            except policy_server.PolicyServerError:
+                launcher.wait_ready(server.url, server.proc, timeout_s=timeout_s)  # type: ignore[arg-type]
+            except launcher.PolicyServerError:
                 print(server.log.read_text(errors="replace")[-5000:])
                 self.stop(config)
                 raise

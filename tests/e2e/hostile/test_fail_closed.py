@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from rewriter import policy_server
+from policy_server import launcher as policy_server
 from tests.support.fail_closed_cases import Case, cases, good_options, startup_inputs
 from tests.support.paths import CAPTURE, MITMDUMP, REPO
 from tests.support.stub_vllm import StubPolicy

@@ -233,12 +233,12 @@ def test_stopping_the_embedded_policy_while_vllm_starts_leaves_no_orphan(tmp_pat
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rewriter.policy_server", "--log", str(tmp_path / "vllm.log")],
+        [sys.executable, "-m", "policy_server", "--log", str(tmp_path / "vllm.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
     )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
-    # It serves on a unix socket of its own (rewriter/policy_server.py): the socket names it.
+    # It serves on a unix socket of its own (policy_server/launcher.py): the socket names it.
     match = re.search(r"at unix:(\S+)", line)
     assert match, line
     socket_path = match.group(1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rewriter import policy_server
+from policy_server import launcher as policy_server
 from tests.support.paths import CAPTURE, MITMDUMP, QWEN3, REPO
 from tests.support.proxies import agenttap_options
 from tests.support.stub_vllm import StubPolicy

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from capture.control.endpoints import Endpoints
-from rewriter.policy_server import free_port
+from policy_server.launcher import free_port
 from tests.support.proxies import Proxy, start_proxy
 from tests.support.stub_vllm import StubPolicy
 

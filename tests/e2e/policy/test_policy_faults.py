@@ -242,7 +242,7 @@ async def test_a_long_prompts_echo_is_read_and_garbage_as_long_is_not(stub: Stub
     200 kB, past the 128 KiB a stream line was once held to (a long agent session's every
     streamed call failed with a 502). The limit grows with the prompt; a line past it is still
     refused, and the same garbage fits no longer once the prompt is short."""
-    from rewriter.vllm_client import stream_line_limit
+    from rewriter.vllm_stream import stream_line_limit
 
     prompt = [100_000 + i % 50_000 for i in range(30_000)]
     params = SamplingParams(max_tokens=8)

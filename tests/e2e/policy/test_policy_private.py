@@ -1,6 +1,6 @@
 """Issue 37, items 2 and 6: the policy agenttap starts is reached by agenttap alone.
 
-``python -m rewriter.policy_server`` (the embedded policy of ``scripts/run_proxy.sh``) serves a
+``python -m policy_server`` (the embedded policy of ``scripts/run_proxy.sh``) serves a
 real vLLM on a unix socket in a folder only its owner may open, with no TCP listener on the
 host's network (its workers' torch listeners live in a network namespace of their own), its
 dev-mode routes reached over the socket by agenttap's weight update, and its folder is gone
@@ -30,8 +30,8 @@ import pytest
 from capture.client.launcher import AgentTap
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import exposure_warning
+from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
 from rewriter.canonical import SamplingParams
-from rewriter.policy_server import DEFAULT_MODEL_DIR, ensure_tiny_model
 from rewriter.policy_url import parse_policy_url, urlopen
 from rewriter.vllm_answers import Completion
 from tests.support.paths import QWEN3, REPO
@@ -152,7 +152,7 @@ def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> N
     log = tmp_path / "policy_server.out"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(PY), "-m", "rewriter.policy_server", "--max-model-len", "4096",
+            [str(PY), "-m", "policy_server", "--max-model-len", "4096",
              "--log", str(tmp_path / "vllm.log")],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
             env={**os.environ, **ONE_FLOATING_THREAD},
@@ -322,7 +322,7 @@ def test_run_proxy_keeps_the_log_of_a_policy_that_failed_and_removes_its_folder(
 
 def test_bwrap_is_here_for_the_policys_network_namespace() -> None:
     """The namespace the policy server runs vLLM in needs bwrap (as the rollouts' sandbox)."""
-    from rewriter.policy_server import own_network
+    from policy_server.launcher import own_network
 
     assert shutil.which("bwrap"), "apt-get install bubblewrap"
     assert own_network()[:1] == ["bwrap"]

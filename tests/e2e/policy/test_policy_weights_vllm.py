@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rewriter import policy_server
+from policy_server import launcher
 from tests.e2e.policy.test_abort_resume_vllm import LongStream, stream_long_story
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import Proxy, proxy_token, start_proxy
@@ -29,7 +29,7 @@ from tests.support.proxies import Proxy, proxy_token, start_proxy
 # It changes the session's vLLM for everyone: no other test may use it meanwhile.
 pytestmark = [pytest.mark.vllm, pytest.mark.policy_exclusive]
 
-HF_PYTHON = policy_server.VLLM_PYTHON  # torch + transformers live there, not in the proxy's
+HF_PYTHON = launcher.VLLM_PYTHON  # torch + transformers live there, not in the proxy's
 STREAM_TOKENS = 1200
 UPDATE_AFTER_CHUNKS = 20
 ATTEMPTS = 3
@@ -75,7 +75,7 @@ def max_diff(row: dict[str, Any], scores: list[float], positions: list[int]) -> 
 def test_weights_pushed_through_agenttap_sample_the_next_calls(
     vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    original = launcher.ensure_tiny_model(tokenizer=QWEN3)
     proxy = start_proxy(vllm_url, tmp_path / "out", confdir)
     pushed: list[str] = []
     try:

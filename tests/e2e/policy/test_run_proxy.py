@@ -58,11 +58,11 @@ class RunProxy:
         out: str = "",
         env: dict[str, str] | None = None,
     ) -> None:
-        from rewriter import policy_server
+        from policy_server import launcher
 
         self.cwd, self.token = cwd, (env or {}).get("AGENTTAP_TOKEN", "")
-        self.port = policy_server.free_port()
-        self.api_port = policy_server.free_port()
+        self.port = launcher.free_port()
+        self.api_port = launcher.free_port()
         self.log = tmp_path / "run_proxy.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from capture.policy.startup import check_policy, vocab_probe_ids
-from rewriter.policy_server import free_port
+from policy_server.launcher import free_port
 from rewriter.template import ChatTemplate
 from tests.support.paths import CAPTURE, MITMDUMP, QWEN3, QWEN25, REPO
 from tests.support.proxies import agenttap_options

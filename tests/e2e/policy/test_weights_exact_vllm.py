@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rewriter import policy_server
+from policy_server import launcher
 from rewriter.policy_url import urlopen
 from tests.e2e.policy.test_policy_weights_vllm import control, hf
 from tests.support.paths import QWEN3, REPO
@@ -41,7 +41,7 @@ from tests.support.vllm_servers import LORA, ONE_FLOATING_THREAD, VllmServers
 
 pytestmark = pytest.mark.vllm
 
-HF_PYTHON = policy_server.VLLM_PYTHON
+HF_PYTHON = launcher.VLLM_PYTHON
 PEFT_PYTHON = REPO / ".venv-train" / "bin" / "python"  # peft lives there
 CHECK_S = 2  # agenttap_weights_check_s of this module's proxy
 TOLERANCE = 1e-3
@@ -109,14 +109,14 @@ def tied() -> Iterator[Tied]:
     )  # fmt: skip
     for name in ("pushes", "wrong", "a", "b"):
         (root / name).mkdir(mode=0o700)
-    netns = policy_server.own_network()
+    netns = launcher.own_network()
     assert netns, "bwrap cannot make a namespace here; these tests need it"
     view = [*netns[:-2], "--bind", str(root / "wrong"), str(root / "pushes"), *netns[-2:]]
     procs, urls = [], []
     for name, prefix in (("a", netns), ("b", view)):
         sock = root / name / "vllm.sock"
         procs.append(
-            policy_server.start_vllm(
+            launcher.start_vllm(
                 model, socket_path=sock, netns=prefix, max_model_len=4096,
                 log_path=root / f"vllm-{name}.log", env_overrides=ONE_FLOATING_THREAD,
             )
@@ -125,14 +125,14 @@ def tied() -> Iterator[Tied]:
     try:
         for url, proc, name in zip(urls, procs, "ab", strict=True):
             try:
-                policy_server.wait_ready(url, proc, timeout_s=900)
-            except policy_server.PolicyServerError:
+                launcher.wait_ready(url, proc, timeout_s=900)
+            except launcher.PolicyServerError:
                 print((root / f"vllm-{name}.log").read_text()[-5000:])
                 raise
         yield Tied(root, model, urls)
     finally:
         for proc in procs:
-            policy_server.stop(proc)
+            launcher.stop(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -230,7 +230,7 @@ def test_tied_embeddings_update_exactly_on_every_replica(
 def test_untied_update_is_exact(
     vllm_url: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    original = launcher.ensure_tiny_model(tokenizer=QWEN3)
     new = tmp_path / "untied-step-1"
     probe = trainer("step", str(original), str(new), "3")
     proxy = start_proxy(vllm_url, tmp_path / "out", confdir)
@@ -359,7 +359,7 @@ LORA_LOGS: list[Path] = []
 def test_a_lora_adapter_is_served_exactly(
     lora_vllm: str, confdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    base = launcher.ensure_tiny_model(tokenizer=QWEN3)
     adapter = tmp_path / "adapter-1"
     probe = trainer("lora", str(base), str(adapter), "4", python=PEFT_PYTHON)
     assert (adapter / "adapter_config.json").exists() and not (
@@ -410,9 +410,9 @@ def test_prompt_logprobs_under_lora_are_exact_in_a_busy_batch(
 ) -> None:
     """vLLM's CPU LoRA logits layer gives a prompt's rows one adapter slot per request, which
     broadcasts only when the step holds one request: with several (a probe or a health check
-    beside a generation) the engine died (rewriter/vllm_lora_logits.py). Prompt logprobs of
+    beside a generation) the engine died (policy_server/lora_logits.py). Prompt logprobs of
     LoRA and base prompts sent at once, beside generations, equal each one's alone."""
-    base = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+    base = launcher.ensure_tiny_model(tokenizer=QWEN3)
     adapter = tmp_path / "adapter-busy"
     trainer("lora", str(base), str(adapter), "5", python=PEFT_PYTHON)
     body = json.dumps({"lora_name": "busy-lora", "lora_path": str(adapter)}).encode()

@@ -342,7 +342,7 @@ def test_models_and_local_answers(stub_proxy: Proxy, monkeypatch: pytest.MonkeyP
 def test_overloaded_when_policy_is_down(
     tmp_path: Path, confdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rewriter.policy_server import free_port
+    from policy_server.launcher import free_port
 
     # A policy that is down: started anyway, so its calls get the provider's retryable error.
     proxy = start_proxy(

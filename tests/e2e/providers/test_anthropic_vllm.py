@@ -59,7 +59,7 @@ def test_structured_output_from_the_real_policy(
     """Claude Code's title call: a random policy still has to give schema-valid JSON.
 
     Greedy, so that the run is the same every time. It needs the policy server's
-    disable_any_whitespace (rewriter/policy_server.py): without it, greedy gives ``{`` and then
+    disable_any_whitespace (policy_server/launcher.py): without it, greedy gives ``{`` and then
     whitespace up to max_tokens."""
     client = vllm_proxy.anthropic("anth-vllm-json", monkeypatch)
     schema = {

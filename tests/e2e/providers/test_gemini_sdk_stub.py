@@ -20,7 +20,7 @@ from google import genai
 from google.genai import errors, types
 from pydantic import BaseModel
 
-from rewriter.policy_server import free_port
+from policy_server.launcher import free_port
 from tests.support.paths import IM_END
 from tests.support.proxies import ONE_EVENT_PER_TOKEN_S, Proxy, start_proxy
 from tests.support.stub_vllm import StubPolicy

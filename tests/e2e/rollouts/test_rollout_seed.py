@@ -84,7 +84,7 @@ def test_a_seeded_long_prompt_on_the_real_vllm(vllm_url: str) -> None:
     """A prompt longer than one step's token budget is prefilled in chunks; vLLM samples (and
     throws away) a token at each partial chunk and rewinds the request's generator by an offset
     a CPU generator does not have: the engine died (RuntimeError "CPU Generator does not use
-    offset"). rewriter/vllm_worker.py rewinds it by its state: the call is answered, and the
+    offset"). policy_server/worker.py rewinds it by its state: the call is answered, and the
     same seed samples the same tokens however the prompt was chunked."""
     long_prompt = [100 + (i * 7919) % 5000 for i in range(12_000)]
     other_prompt = [100 + (i * 104_729) % 5000 for i in range(12_000)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from capture.client.launcher import AgentTap
-from rewriter import policy_server
+from policy_server import launcher as policy_server
 from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
 from tests.e2e.rollouts.test_train_trl_loop import TRAIN_PYTHON
 from tests.support.paths import QWEN3, REPO

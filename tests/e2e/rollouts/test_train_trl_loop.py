@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from capture.client.launcher import AgentTap
-from rewriter import policy_server
+from policy_server import launcher as policy_server
 from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
 from tests.support.paths import QWEN3, REPO
 

@@ -9,7 +9,7 @@ from capture.control.banner import ready_line, start_lines
 from capture.control.endpoints import Endpoints
 from capture.pipeline.recording import call_line, failed_line, log_field
 from capture.storage.records import FailedCall, TurnRecord
-from rewriter.policy_server import last_log_step
+from policy_server.launcher import last_log_step
 
 
 def _record(**changes: object) -> TurnRecord:

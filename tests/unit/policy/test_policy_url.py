@@ -19,7 +19,7 @@ from capture.options import parse_settings
 from capture.options.values import parse_model_map, parse_urls
 from capture.policy.pools import PolicyPools
 from capture.policy.startup import check_policy, open_dev_routes, warn_if_exposed
-from rewriter import policy_server
+from policy_server import launcher
 from rewriter.canonical import SamplingParams
 from rewriter.policy_url import (
     MAX_SOCKET_PATH_BYTES,
@@ -231,16 +231,16 @@ def test_the_socket_folder_must_be_private() -> None:
     # A short folder: a worker's tmp_path (.../popen-gw0/...) leaves no room for the socket.
     folder = Path(tempfile.mkdtemp(prefix="at-", dir="/tmp")) / "p"
     folder.mkdir(mode=0o700)
-    assert policy_server.private_folder(folder) is None
+    assert launcher.private_folder(folder) is None
     os.chmod(folder, 0o750)
-    problem = policy_server.private_folder(folder)
+    problem = launcher.private_folder(folder)
     assert problem and "chmod 700" in problem
-    with pytest.raises(policy_server.PolicyServerError, match="open to other users"):
-        policy_server.check_socket_path(folder / "vllm.sock")
+    with pytest.raises(launcher.PolicyServerError, match="open to other users"):
+        launcher.check_socket_path(folder / "vllm.sock")
     os.chmod(folder, 0o700)
     (folder / "vllm.sock").touch()
-    with pytest.raises(policy_server.PolicyServerError, match="already"):
-        policy_server.check_socket_path(folder / "vllm.sock")
+    with pytest.raises(launcher.PolicyServerError, match="already"):
+        launcher.check_socket_path(folder / "vllm.sock")
     deep = folder / ("d" * 80)
-    with pytest.raises(policy_server.PolicyServerError, match="107 bytes"):
-        policy_server.check_socket_path(deep / "vllm.sock")
+    with pytest.raises(launcher.PolicyServerError, match="107 bytes"):
+        launcher.check_socket_path(deep / "vllm.sock")

@@ -15,6 +15,7 @@ from capture.policy.pools import PolicyPools
 from capture.policy.replicas import ReplicasBusy, ReplicaSet
 from rewriter.canonical import SamplingParams
 from rewriter.vllm_client import Completion, PolicyError, VLLMClient
+from rewriter.vllm_rotation import Rotation
 from tests.support.paths import QWEN3
 from tests.support.stub_vllm import StubPolicy
 
@@ -186,3 +187,35 @@ async def test_a_refusal_is_not_failed_over(stubs: list[StubPolicy], tok: Any) -
         assert err.value.status == 400 and asked == []
     finally:
         await http.close()
+
+
+async def test_a_servers_rotation_state_is_one_its_replicas_hold_and_its_client_reads() -> None:
+    """Pools listing the same server share its replica's rotation state, and that server's
+    client reads it: a weight update that holds, relabels or refuses on one pool's replica
+    does so for every generation the server runs."""
+    rotations: dict[str, Rotation] = {}
+    async with aiohttp.ClientSession() as http:
+        clients: dict[str, VLLMClient] = {}
+
+        def client_of(url: str) -> VLLMClient:
+            return clients.setdefault(url, VLLMClient(url, http))
+
+        default = ReplicaSet(["http://r0"], client_of, rotations=rotations)
+        mapped = ReplicaSet(["http://r0", "http://r1"], client_of, rotations=rotations)
+        replica = default.replicas["http://r0"]
+        assert replica.rotation is mapped.replicas["http://r0"].rotation
+        assert replica.rotation is not mapped.replicas["http://r1"].rotation
+        replica.rotation.weight_version, replica.rotation.lora = "step-1", "lora-1"
+        replica.rotation.incoming_version = "step-2"
+        client = clients["http://r0"]
+        assert (client.weight_version, client.lora, client.sampling_version()) == (
+            "step-1",
+            "lora-1",
+            "step-2",
+        )
+        replica.rotation.refuse = "failed its probe"
+        with pytest.raises(PolicyError, match="out of rotation: failed its probe"):
+            await client.rotation.admitted(client.base_url)
+    # Without shared states, each set's replica has its own.
+    alone = ReplicaSet(["http://r0"], FakeClient)  # type: ignore[arg-type]
+    assert alone.replicas["http://r0"].rotation is not replica.rotation

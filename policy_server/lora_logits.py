@@ -1,5 +1,5 @@
-"""Prompt logprobs under a LoRA adapter on vLLM's CPU backend, for any batch (imported inside
-vLLM's worker by rewriter/vllm_worker.py; never by the proxy).
+"""The fix for prompt logprobs under a LoRA adapter on vLLM's CPU backend, for any batch
+(imported inside vLLM's worker by policy_server/worker.py; never by the proxy).
 
 Why it is needed: vLLM computes a request's ``prompt_logprobs`` by running its logits layer on
 the rows of the step's hidden states that are that request's prompt. With a LoRA adapter

@@ -1,4 +1,4 @@
-"""A vLLM worker extension (``--worker-extension-cls rewriter.vllm_worker.AgentTapWorker``) that
+"""A vLLM worker extension (``--worker-extension-cls policy_server.worker.AgentTapWorker``) that
 makes an in-place weight reload exact on vLLM's CPU backend. Imported inside vLLM's own
 environment (.venv-vllm), never by the proxy.
 
@@ -15,7 +15,7 @@ its hidden states with the new weights and its logits with the old embedding, a 
 again every layer that keeps its weight beside a prepared copy (embeddings and output heads;
 linear layers drop their weight once prepared, and were prepared again by the reload
 itself). agenttap calls it over ``POST /collective_rpc`` where the server has it
-(``python -m rewriter.policy_server`` starts vLLM with it) and plain ``reload_weights``
+(``python -m policy_server`` starts vLLM with it) and plain ``reload_weights``
 elsewhere, and checks the result with the trainer's probe either way
 (capture/policy/weights.py).
 
@@ -33,7 +33,11 @@ draws however its prompt was chunked.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
+
+from policy_server.lora_logits import patch_lora_prompt_logprobs
+from policy_server.pin import version_warning
 
 
 class AgentTapWorker:
@@ -116,9 +120,20 @@ def patch_cpu_seeded_chunks() -> bool:
     return True
 
 
+def warn_if_not_pinned() -> str:
+    """Write to vLLM's log (stderr) that this vLLM is not the one these patches were written
+    for (policy_server/pin.py); the warning, "" where it is the pinned one."""
+    try:
+        import vllm
+    except ImportError:
+        return ""
+    warning = version_warning(getattr(vllm, "__version__", None))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    return warning
+
+
+warn_if_not_pinned()
 patch_cpu_seeded_chunks()
-
-# Prompt logprobs under a LoRA adapter in a step of several requests (vllm_lora_logits.py).
-from rewriter.vllm_lora_logits import patch_lora_prompt_logprobs  # noqa: E402
-
+# Prompt logprobs under a LoRA adapter in a step of several requests (lora_logits.py).
 patch_lora_prompt_logprobs()
