@@ -17,8 +17,8 @@ from aiohttp import web
 from capture.control.bindings import Bindings
 from capture.control.endpoints import Endpoints
 from capture.control.metrics import Metrics
-from capture.control.sessions import SessionControl
-from capture.gateway_config import GatewayConfig
+from capture.control.sessions import ControlledSession, Limits, SessionControl
+from capture.gateway_config import GatewayConfig as GatewayConfig
 from capture.pipeline.turn import TurnPipeline
 from capture.policy.pools import PolicyPools
 from capture.storage.sessions import SessionStore
@@ -65,14 +65,31 @@ class ControlPlane(Protocol):
 
 
 class RolloutHost(Protocol):
-    """What rollouts use of the control plane: the gateway, the session environments, the
-    output folder, closing a session with its reward, and reading a request's JSON body."""
+    """What rollouts ask of the proxy, and nothing more: its settings (read-only), the
+    session environments and the output folder; a session opened, looked up, given or denied
+    public egress, closed with its reward, its rewards taken back; the bindings of relayed
+    connections; a request's JSON body read."""
 
-    gateway: GatewayCore
     endpoints: Endpoints
 
     @property
     def out_dir(self) -> Path: ...
+
+    @property
+    def settings(self) -> GatewayConfig: ...
+
+    @property
+    def bindings(self) -> Bindings: ...
+
+    def open_session(
+        self, sid: str, metadata: dict[str, Any], limits: Limits
+    ) -> ControlledSession: ...
+
+    def session(self, sid: str) -> ControlledSession | None: ...
+
+    def is_live(self, sid: str) -> bool: ...
+
+    def allow_egress(self, sid: str, public: bool) -> None: ...
 
     async def close_session(
         self,
@@ -82,5 +99,7 @@ class RolloutHost(Protocol):
         reward_auxiliary: bool = False,
         reward_source: str = "close",
     ) -> tuple[Any, list[dict[str, Any]], list[str]] | None: ...
+
+    def take_back_rewards(self, sid: str, since: float) -> list[dict[str, Any]]: ...
 
     async def body(self, request: web.Request) -> dict[str, Any]: ...

@@ -39,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from capture.control.answers import error, read_rows, rows_response, unmatched_threads
+from capture.control.bindings import Bindings
 from capture.control.endpoints import DUMMY_KEYS, Endpoints
 from capture.control.metrics import CONTENT_TYPE as METRICS_TYPE
 from capture.control.models import read_session
@@ -47,9 +48,9 @@ from capture.control.policy_routes import PolicyRoutes
 from capture.control.readiness import readiness
 from capture.control.replica_routes import ReplicaRoutes
 from capture.control.routing import Route, RouteTable, token_refusal
-from capture.control.sessions import ControlledSession, reject_unknown
+from capture.control.sessions import ControlledSession, Limits, reject_unknown
 from capture.logs.escape import printable
-from capture.ports import GatewayCore
+from capture.ports import GatewayConfig, GatewayCore
 from capture.rollouts.routes import RolloutRoutes
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.storage.sessions import RowAnnotations
@@ -111,6 +112,33 @@ class ControlAPI:
     @property
     def out_dir(self) -> Path:
         return self.gateway.config.out_dir
+
+    # -- what rollouts ask of the proxy (capture.ports.RolloutHost) ------------------------------
+    @property
+    def settings(self) -> GatewayConfig:
+        return self.gateway.config
+
+    @property
+    def bindings(self) -> Bindings:
+        return self.gateway.bindings
+
+    def open_session(self, sid: str, metadata: dict[str, Any], limits: Limits) -> ControlledSession:
+        return self.gateway.control.open(sid, metadata, limits)
+
+    def session(self, sid: str) -> ControlledSession | None:
+        return self.gateway.control.get(sid)
+
+    def is_live(self, sid: str) -> bool:
+        return any(s.id == sid for s in self.gateway.control.live())
+
+    def allow_egress(self, sid: str, public: bool) -> None:
+        if public:
+            self.gateway.egress_public.add(sid)
+        else:
+            self.gateway.egress_public.discard(sid)
+
+    def take_back_rewards(self, sid: str, since: float) -> list[dict[str, Any]]:
+        return self.gateway.take_back_rewards(sid, since)
 
     # -- what the gateway asks of its control plane (capture.ports.ControlPlane) ----------------
     @property

@@ -20,8 +20,8 @@ async def close(host: RolloutHost, run: Run) -> None:
     """Close the run's session with its reward (the verifier's: the rows' ``reward_source``
     says so); the rows say how it finished. A session someone else closed (and so could
     reward) before this runner did ends the run ``error``, its rows without a reward."""
-    host.gateway.egress_public.discard(run.session_id)
-    sess = host.gateway.control.get(run.session_id)
+    host.allow_egress(run.session_id, public=False)
+    sess = host.session(run.session_id)
     taken = taken_over(run, sess)
     if taken is not None:
         await _close_taken_over(host, run, taken)
@@ -52,14 +52,13 @@ async def _close_taken_over(host: RolloutHost, run: Run, why: str) -> None:
     by this runner: the run ends ``error`` saying so, and every reward its rows were given
     is taken back (the verifier's is not given: its session's calls are not the run's to
     vouch for)."""
-    control = host.gateway.control
     sid = run.session_id
-    if sid in {s.id for s in control.live()}:  # opened again by that caller: ended too
+    if host.is_live(sid):  # opened again by that caller: ended too
         await host.close_session(sid, None, end_reason=FinishReason.ERROR)
-    sess = control.get(sid)
+    sess = host.session(sid)
     # Shards written since the run began (a second's margin for the file times).
     since = time.time() - (time.monotonic() - run.started_at) - 1.0
-    run.rows = await asyncio.to_thread(host.gateway.take_back_rewards, sid, since)
+    run.rows = await asyncio.to_thread(host.take_back_rewards, sid, since)
     run.metrics = sess.metrics.as_dict() if sess is not None else {}
     verifier = f" (the verifier's was {run.reward:g})" if run.reward is not None else ""
     run.status, run.finish_reason, run.reward = RunStatus.ERROR, FinishReason.ERROR, None

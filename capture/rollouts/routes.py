@@ -75,7 +75,7 @@ class RolloutRoutes:
         summary = rollout.summary(rows=request.query.get("rows", "1") not in ("0", "false"))
         # While it runs: each live session's counts so far.
         for run in summary["rollouts"]:
-            live = self.api.gateway.control.get(run["session_id"])
+            live = self.api.session(run["session_id"])
             if live is not None and not live.closed:
                 run["metrics"] = {**live.metrics.as_dict(), **run["metrics"]}
         return web.json_response(summary)

@@ -55,8 +55,7 @@ class Rollouts:
         self.api = api
         self.max_running = max_running
         self._rollouts: dict[str, Rollout] = {}
-        gateway, ends = api.gateway, api.endpoints
-        config = gateway.config
+        ends, config = api.endpoints, api.settings
         # What every sandboxed run is shown read-only: the CA certificate and bundle, the
         # paths of agenttap_sandbox_expose.
         shown = (*(Path(p) for p in (ends.ca_path, ends.bundle_path) if p), *config.sandbox_expose)
@@ -64,7 +63,7 @@ class Rollouts:
             hide=self._hidden(),
             expose=shown,
             routes=self._routes,
-            bindings=gateway.bindings,
+            bindings=api.bindings,
             max_connections=config.rollout_max_connections,
             max_running=max_running,
         )
@@ -107,7 +106,7 @@ class Rollouts:
         not installed)."""
         if spec.id in self._rollouts:
             raise ValueError(f"rollout id {spec.id!r} is in use")
-        sandbox = spec.sandbox or self.api.gateway.config.sandbox
+        sandbox = spec.sandbox or self.api.settings.sandbox
         engine = self.box.make_engine(sandbox)
         self._check_expose(spec.expose)
         running = self.running_agents()
@@ -130,11 +129,11 @@ class Rollouts:
         for i in range(spec.n):
             sid = f"{spec.id}-{i}"
             metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
-            sess = self.api.gateway.control.open(sid, metadata, parse_limits(spec.limits or None))
+            sess = self.api.open_session(sid, metadata, parse_limits(spec.limits or None))
             if spec.seed is not None:  # each agent samples its own way, the same in every run
                 sess.seed = agent_seed(spec.seed, i)
             if spec.egress == EGRESS_PUBLIC:
-                self.api.gateway.egress_public.add(sid)
+                self.api.allow_egress(sid, public=True)
             runs.append(Run(i, sid, self.root / spec.id / str(i)))
         rollout = Rollout(spec, runs, sandbox, engine)
         self._rollouts[spec.id] = rollout
@@ -196,7 +195,7 @@ class Rollouts:
             if not rollout.cancelled and run.error is None:
                 failure = run.error = self._agent_failure(run)
             # A session someone else closed is not scored: its rows get no reward (_close).
-            taken = taken_over(run, self.api.gateway.control.get(run.session_id))
+            taken = taken_over(run, self.api.session(run.session_id))
             if rollout.cancelled:
                 run.status, run.finish_reason = RunStatus.CANCELLED, FinishReason.CANCELLED
             elif (
@@ -247,7 +246,7 @@ class Rollouts:
         """Why an agent that ended by itself failed: a non-zero exit (unless its session
         reached a limit, where the CLIs exit non-zero by design), or no model call at all (a
         CLI that could not start, a wrong key). None: it did its part."""
-        sess = self.api.gateway.control.get(run.session_id)
+        sess = self.api.session(run.session_id)
         limit = sess.limit_reached if sess is not None else None
         calls = sess.metrics.calls if sess is not None else 0
         if run.exit_code not in (0, None) and limit is None:
@@ -260,6 +259,6 @@ class Rollouts:
         return None
 
     def _hidden(self) -> tuple[Path, ...]:
-        config = self.api.gateway.config
+        config = self.api.settings
         confdir = (Path(config.confdir),) if config.confdir else ()
         return (Path(self.api.out_dir), *confdir, *config.sandbox_hide)

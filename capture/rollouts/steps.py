@@ -126,7 +126,7 @@ def session_env(host: RolloutHost, rollout: Rollout, run: Run) -> dict[str, str]
     """The session's environment for its agent (proxy, CA, its secret as the keys), its URLs
     as the rollout's engine reaches them (inside a sandbox: 127.0.0.1, where the forwarder
     listens)."""
-    sess = host.gateway.control.get(run.session_id)
+    sess = host.session(run.session_id)
     ends, url = host.endpoints, rollout.engine.url
     ends = replace(
         ends, api_url=url(ends.api_url), proxy_url=url(ends.proxy_url) if ends.proxy_url else ""
