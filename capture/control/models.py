@@ -109,7 +109,23 @@ LIMITS_WORDS: dict[str, Words] = {
 }
 
 
-class SessionBody(BaseModel):
+class SessionFields(BaseModel):
+    """What a body that opens a session checks the same way, whichever route it came by: its
+    ``id`` and its ``metadata`` (the fields themselves are declared where they stand in the
+    body's order)."""
+
+    @field_validator("id", mode="before", check_fields=False)
+    @classmethod
+    def _id(cls, value: Any) -> Any:
+        return check_session_id(value) if value is not None else None
+
+    @field_validator("metadata", mode="before", check_fields=False)
+    @classmethod
+    def _metadata(cls, value: Any) -> dict[str, Any]:
+        return check_metadata(value)
+
+
+class SessionBody(SessionFields):
     """``POST /sessions``: a session opened with its id (else a new one), metadata and
     limits."""
 
@@ -128,16 +144,6 @@ class SessionBody(BaseModel):
         if isinstance(value, dict):
             reject_unknown(value, tuple(cls.model_fields))
         return value
-
-    @field_validator("id", mode="before")
-    @classmethod
-    def _id(cls, value: Any) -> Any:
-        return check_session_id(value) if value is not None else None
-
-    @field_validator("metadata", mode="before")
-    @classmethod
-    def _metadata(cls, value: Any) -> dict[str, Any]:
-        return check_metadata(value)
 
     def session_limits(self) -> Limits:
         return self.limits.limits() if self.limits is not None else Limits()

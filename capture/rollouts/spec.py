@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     StrictBool,
@@ -23,11 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from capture.control.models import ID_PATTERN, SessionLimits, Words, read_body
+from capture.control.models import ID_PATTERN, SessionFields, SessionLimits, Words, read_body
 from capture.control.sessions import (
     Limits,
-    check_metadata,
-    check_session_id,
     parse_limits,
     reject_unknown,
 )
@@ -150,7 +147,7 @@ WORDS: dict[str, Words] = {
 }
 
 
-class RolloutBody(BaseModel):
+class RolloutBody(SessionFields):
     """``POST /rollouts``: the fields in the order they are checked (a body with two mistakes
     is told of the first)."""
 
@@ -265,16 +262,6 @@ class RolloutBody(BaseModel):
         if not math.isfinite(timeout):
             raise ValueError('"timeout_s" must be finite')
         return float(timeout)
-
-    @field_validator("id", mode="before")
-    @classmethod
-    def _id(cls, value: Any) -> Any:
-        return check_session_id(value) if value is not None else None
-
-    @field_validator("metadata", mode="before")
-    @classmethod
-    def _metadata(cls, value: Any) -> dict[str, Any]:
-        return check_metadata(value)
 
     def spec(self) -> RolloutSpec:
         """The rollout the runner starts."""
