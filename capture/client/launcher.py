@@ -40,7 +40,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from capture.control.openapi import ARROW_STREAM
+from capture.control.media import ARROW_STREAM
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "addons" / "capture.py"

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from aiohttp import web
 
-from capture.control.openapi import ARROW_STREAM
+from capture.control.media import ARROW_STREAM
 from capture.control.sessions import ControlledSession
 from capture.storage.shards import THREAD_SCHEMA, rows_to_table
 

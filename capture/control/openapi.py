@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from capture.control.media import ARROW_STREAM
 from capture.control.models import SessionBody
 from capture.rollouts.spec import RolloutBody
 
-ARROW_STREAM = "application/vnd.apache.arrow.stream"
 # The models served as components (their nested models beside them): name -> model.
 MODELS: dict[str, type[BaseModel]] = {"SessionBody": SessionBody, "RolloutBody": RolloutBody}
 REF = "#/components/schemas/{model}"

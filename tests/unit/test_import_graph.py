@@ -104,3 +104,22 @@ def test_the_architecture_maps_are_generated_from_the_code_now() -> None:
     assert house.rendered(REPO) == (REPO / "docs" / "ARCHITECTURE.md").read_text(), (
         "docs/ARCHITECTURE.md's maps are stale: run .venv/bin/python scripts/house.py --write"
     )
+
+
+def test_what_trainers_and_vllm_import_parses_as_python_3_11(known, graph) -> None:  # type: ignore[no-untyped-def]
+    """``.venv-train`` and ``.venv-vllm`` run Python 3.11: the trainer's side
+    (``capture.client``, ``capture.train``), the vLLM side (``policy_server``) and every
+    module they reach must parse there (a 3.12-only ``def f[T]`` once reached the client
+    through the OpenAPI module and broke every trainer example)."""
+    import ast
+
+    roots = [n for n in known if n.startswith(("capture.client", "capture.train", "policy_server"))]
+    reached = set(roots).union(*(house.reachable(graph, n) for n in roots))
+    bad = []
+    for name in sorted(reached):
+        try:
+            ast.parse(known[name].path.read_text(), feature_version=(3, 11))
+        except SyntaxError as exc:
+            bad.append(f"{name}: {exc}")
+    assert bad == []
+    assert "capture.storage.reader" in reached  # the check reaches past the roots
