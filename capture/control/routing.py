@@ -93,7 +93,12 @@ class RouteTable:
         match = await self.router.resolve(request)
         if isinstance(match, MatchInfoError):
             return match.http_exception.status
+        args = tuple(match.values())
+        # aiohttp decodes a path argument after matching: "a%2F..%2Fb" would be one id holding
+        # "/" and "..". An id is one segment of the decoded path, as before the table: 404.
+        if any("/" in arg for arg in args):
+            return 404
         info = match.route.resource
         assert info is not None
         route = self._by_route[(match.route.method, info.canonical)]
-        return route, tuple(match.values())
+        return route, args

@@ -137,3 +137,14 @@ def test_a_session_body_is_told_what_is_wrong_in_its_own_words() -> None:
         with pytest.raises(ValueError) as exc:
             read_session(body)
         assert words in str(exc.value), (body, str(exc.value))
+
+
+def test_a_path_argument_is_one_segment_of_the_decoded_path(api: ControlAPI) -> None:
+    """An encoded "/" does not make an id of several segments ("a/../b"): no such route, as
+    when the path was split by hand; a plain id still reaches its handler."""
+    for path in ("/sessions/a%2F..%2Fb/reward", "/sessions/..%2Fx", "/rollouts/r%2F1"):
+        method = "POST" if path.endswith("reward") else "GET"
+        status, body = call(api, method, path)
+        assert status == 404 and "no route" in body["error"]["message"], (path, body)
+    status, body = call(api, "GET", "/sessions/a..b")
+    assert status == 404 and "no session 'a..b'" in body["error"]["message"]
