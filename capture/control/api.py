@@ -129,7 +129,7 @@ class ControlAPI:
         return self.gateway.control.get(sid)
 
     def is_live(self, sid: str) -> bool:
-        return any(s.id == sid for s in self.gateway.control.live())
+        return self.gateway.control.is_live(sid)
 
     def allow_egress(self, sid: str, public: bool) -> None:
         if public:
@@ -338,7 +338,7 @@ class ControlAPI:
                 "set on its auxiliary rows too: titles, routers, summaries)"
             )
         control = self.gateway.control
-        if control.get(sid) is None or sid not in {s.id for s in control.live()}:
+        if control.get(sid) is None or not control.is_live(sid):
             if control.get(sid) is not None:
                 return error(409, f"agenttap: session {sid!r} is closed already")
             return self._unknown(sid)
@@ -380,7 +380,7 @@ class ControlAPI:
         ``reward_source``: what the rows' ``reward_source`` says (``verifier``: a rollout's
         runner closing it; the session then records it was the runner)."""
         control = self.gateway.control
-        if sid not in {s.id for s in control.live()}:
+        if not control.is_live(sid):
             return None
         started = time.monotonic()
         closed_by = "runner" if reward_source != REWARD_CLOSE else "api"

@@ -336,6 +336,9 @@ class SessionControl:
     def live(self) -> list[ControlledSession]:
         return list(self._live.values())
 
+    def is_live(self, session_id: str) -> bool:
+        return session_id in self._live
+
     def close(
         self,
         session_id: str,
