@@ -236,7 +236,9 @@ class TurnRecording:
         # the answer waits for it only with agenttap_journal_fsync=before_reply.
         synced = self.journal_syncer.request(journal)
         if self.fsync_before_reply:
-            await synced
+            # Shielded: other turns of this journal share the fsync; a cancelled reply must
+            # not cancel theirs.
+            await asyncio.shield(synced)
         self.control.note_recorded(
             parsed.session_id,
             len(record.prompt_ids),

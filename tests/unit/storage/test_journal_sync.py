@@ -41,15 +41,24 @@ def test_requests_while_one_waits_share_its_fsync(
     async def main() -> None:
         syncer = JournalSyncer()
         first = syncer.request(journal)
-        # The first fsync runs (it took its request): a line written now needs another one ...
+        # The first fsync runs (it took its request): a line written now needs another one,
+        # which starts only when the first ends ...
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
         second = syncer.request(journal)
         assert second is not first
-        # ... and every request while that one waits to start shares it (before_reply awaits
-        # the fsync that covers its own line).
-        assert syncer.request(journal) is second
-        assert syncer.request(journal) is second
+        # ... and every request while the first runs shares it (before_reply awaits the fsync
+        # that covers its own line), however many worker threads are free.
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            assert syncer.request(journal) is second
+        assert syncer.fsyncs == 1
         other = syncer.request(tmp_path / "gone.jsonl")  # removed already: nothing to do
+        assert syncer.fsyncs == 2  # another journal does not wait for this one
+        # A reply cancelled while it waits (shielded, as recording.py awaits it) leaves the
+        # shared fsync to the others.
+        waiter = asyncio.ensure_future(asyncio.shield(second))
+        await asyncio.sleep(0)
+        waiter.cancel()
         release.set()
         await asyncio.wait_for(asyncio.gather(first, second, other), 5)
         assert syncer.fsyncs == 3
