@@ -291,6 +291,8 @@ class AgentTap:
         wait: bool = True,
         seed: int | None = None,
         rows: bool = True,
+        image: str | None = None,
+        cwd: str | None = None,
     ) -> dict[str, Any]:
         """Run ``n`` agents (``claude-code``, ``codex``, ``gemini``, ``opencode``,
         ``mini-swe-agent``, ``openhands``, ``terminus-2`` or ``{"command": [...]}``) on
@@ -300,7 +302,9 @@ class AgentTap:
         "on_error"}``); returns, once all have ended (``wait``), each one's status,
         finish_reason, reward, metrics and rows. ``seed``: the policy's sampling is seeded
         (each agent's calls their own way), so the same prompts sample the same tokens.
-        ``rows=False``: the answer leaves out the rows (read them from OUT)."""
+        ``rows=False``: the answer leaves out the rows (read them from OUT). ``image``: each
+        agent and its verifier run in a container of that image (podman), starting in its
+        WORKDIR or ``cwd``, instead of a copy of ``workdir``."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
         if not rows:
             body["rows"] = False
@@ -315,6 +319,8 @@ class AgentTap:
             "timeout_s": timeout_s,
             "id": id,
             "seed": seed,
+            "image": image,
+            "cwd": cwd,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         return self.client.request("POST", "/rollouts", body, timeout=None if wait else -1.0)[0]

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from capture.isolation.cgroup import RolloutCgroup
+from capture.isolation.containers import ContainerPlan
+from capture.isolation.containers import remove_stale as remove_stale_containers
 from capture.isolation.disk import DiskQuota
 from capture.isolation.engines import ENGINES, Engine
 from capture.isolation.host import cap_instance_memory, mechanism, release, remove_stale
@@ -53,6 +55,8 @@ class BoxSpec:
     session_id: str | None = None
     expose: tuple[Path, ...] = ()
     quota: DiskQuota | None = None
+    # In a container of an image (the podman engine): what it runs in.
+    container: ContainerPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,16 @@ class BoxHandle:
                 await pumping
             # A run the kernel killed (out of memory) may have exited before a poll saw it.
             limit = limit or limit_hit(self.cgroup, self.spec.quota, self.pump)
+            if limit is None and child.container is not None and child.proc.returncode == 137:
+                # SIGKILLed in a container: the OOM killer's count went with its cgroup.
+                limit = "memory" if self.cgroup.memory_full() else None
             if limit is None and self.errors is not None and self.errors.hit:
                 limit = "output"
             usage = self.cgroup.usage()
         finally:
+            container = child.container
+            if container is not None and not (self.spec.container and self.spec.container.keep):
+                await container.remove()
             bridge = await self.box.release(self)
         return Ended(timed_out, limit, gone, child.proc.returncode, usage, bridge)
 
@@ -159,7 +169,7 @@ class Box:
     def prepare(total_mb: int) -> None:
         """At start: what a crashed instance left (its cgroups, its tmpfs) goes; the log says
         which kernel limits apply on this host; all runs together are capped at ``total_mb``."""
-        removed = remove_stale()
+        removed = remove_stale() + [f"container {n}" for n in remove_stale_containers()]
         if removed:
             logger.info("agenttap: removed what an earlier instance left: %s", ", ".join(removed))
         logger.info("%s", mechanism())
@@ -179,7 +189,10 @@ class Box:
     async def start(self, spec: BoxSpec, label: str = "") -> BoxHandle:
         """Start ``spec``'s command in its engine under its limits (``label`` names it in the
         log); OSError if it could not start (its cgroup and bridge are gone again then)."""
-        cgroup = RolloutCgroup.create(spec.name, spec.limits)
+        # A container engine takes one --cgroup-parent: the run's cgroup at one path in every
+        # hierarchy, its container's made below it, under its limits.
+        make = RolloutCgroup.create_aligned if spec.engine.aligned_cgroup else RolloutCgroup.create
+        cgroup = make(spec.name, spec.limits)
         handle = BoxHandle(self, spec, cgroup)
         pipes: dict[str, Any] = {
             "env": spec.env,
@@ -191,10 +204,7 @@ class Box:
             "start_new_session": True,
         }
         try:
-            handle.child = await spec.engine.spawn(
-                label or spec.name, spec.command, spec.folders, spec.session_id,
-                cgroup.launch_prefix(), spec.expose, pipes,
-            )  # fmt: skip
+            handle.child = await spec.engine.spawn(label or spec.name, spec, cgroup, pipes)
         except BaseException:
             await self.release(handle)
             raise
@@ -215,6 +225,7 @@ class Box:
     async def release(self, handle: BoxHandle) -> Any:
         """A run's cgroup removed and its bridge closed; what the bridge refused, if any."""
         await handle.cgroup.remove()
+        handle.cgroup.remove_engine_folders()
         sid = handle.spec.session_id
         if sid is not None and self._bridges is not None:
             return await self._bridges.close(sid)

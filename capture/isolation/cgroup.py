@@ -61,6 +61,28 @@ _JOIN = (
 )
 
 
+def _hierarchy_root(folder: Path) -> Path:
+    """The top of the cgroup hierarchy ``folder`` is in (the last folder up with a
+    ``cgroup.procs``)."""
+    root = folder
+    while root.parent != root and (root.parent / "cgroup.procs").exists():
+        root = root.parent
+    return root
+
+
+def _tree(folder: Path) -> list[Path]:
+    """``folder`` and the cgroup folders below it, parents first."""
+    found = [folder]
+    with contextlib.suppress(OSError):
+        for root, dirs, _ in os.walk(folder):
+            found.extend(Path(root) / d for d in sorted(dirs))
+    return found
+
+
+def _relative(folder: Path) -> Path:
+    return folder.relative_to(_hierarchy_root(folder))
+
+
 def rlimit_argv(limits: SandboxLimits) -> list[str]:
     """``prlimit`` before a command: RLIMIT_CPU per process, RLIMIT_FSIZE (the disk cap) per
     file, no core files. Empty without prlimit.
@@ -86,6 +108,45 @@ class RolloutCgroup:
         self.name = name
         self.limits = limits
         self.dirs = dirs
+        # The same path in every hierarchy, for a container engine's --cgroup-parent (its
+        # container's cgroup is made below it, under this run's limits); "" when not aligned.
+        self.relative = ""
+
+    @staticmethod
+    def create_aligned(name: str, limits: SandboxLimits) -> RolloutCgroup:
+        """A run's cgroup at one path in every hierarchy (``relative``), for a container engine
+        that takes a single ``--cgroup-parent``: this process's cgroup can sit at another path
+        in each v1 hierarchy (here: memory under the machine's own folder, pids at the top).
+        The memory hierarchy's path is used everywhere. OSError if a folder cannot be made."""
+        made = RolloutCgroup.create(name, limits)
+        if not made.dirs or made.kind != "v1" or "memory" not in made.dirs:
+            made.relative = (
+                "/" + str(_relative(next(iter(made.dirs.values())))) if made.dirs else ""
+            )
+            return made
+        relative = _relative(made.dirs["memory"])
+        for key, folder in list(made.dirs.items()):
+            aligned = _hierarchy_root(folder) / relative
+            if aligned == folder:
+                continue
+            aligned.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+            made.dirs[key] = aligned
+        made._configure()
+        made.relative = "/" + str(relative)
+        return made
+
+    def remove_engine_folders(self) -> None:
+        """The folders a container engine made at ``relative`` in the hierarchies this run does
+        not use (cpu, cpuset, devices, ...): empty once its container is gone."""
+        if not self.relative:
+            return
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            folder = hierarchy / self.relative.lstrip("/")
+            if folder not in self.dirs.values():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
     @staticmethod
     def create(name: str, limits: SandboxLimits) -> RolloutCgroup:
@@ -152,12 +213,28 @@ class RolloutCgroup:
         or None."""
         if self.oom_kills() > 0:
             return "memory"
-        if self.pids_refused() > 0:
+        if self.pids_refused() > 0 or (self.relative and self._pids_full()):
             return "pids"
         cpu = self.cpu_seconds()
         if cpu is not None and cpu >= self.limits.cpu_s:
             return "cpu_s"
         return None
+
+    def _pids_full(self) -> bool:
+        """Whether its processes reached the pids limit: below a container engine's cgroup
+        the kernel counts a refused fork in the container's own cgroup, gone with it, so
+        the peak is read instead."""
+        peak = self._file("pids", "pids.peak", "pids.peak")
+        return peak is not None and peak.exists() and _read_int(peak) >= self.limits.pids
+
+    def memory_full(self) -> bool:
+        """Whether its memory reached the limit (the peak at the cap, within a MiB): with a
+        run killed by SIGKILL, the OOM killer's work where the kernel counted the kill in a
+        container's own cgroup, gone with it."""
+        peak = self._file("memory", "memory.max_usage_in_bytes", "memory.peak")
+        if peak is None or not peak.exists():
+            return False
+        return _read_int(peak) >= self.limits.memory_mb * MIB - MIB
 
     def usage(self) -> dict[str, float]:
         """For metrics: ``memory_peak_bytes``, ``pids_peak``, ``cpu_s`` (those measured here)."""
@@ -175,7 +252,8 @@ class RolloutCgroup:
 
     def procs(self) -> list[int]:
         """Every process in this cgroup (as this PID namespace numbers them)."""
-        return sorted({p for d in self.dirs.values() for p in _procs(d)})
+        # A container engine's cgroups (its container's, its monitor's) are made below it.
+        return sorted({p for d in self.dirs.values() for sub in _tree(d) for p in _procs(sub)})
 
     async def kill_all(self, timeout_s: float = 5.0) -> bool:
         """SIGKILL every process of this run (a sandbox's daemons and their forks too) until
@@ -200,6 +278,9 @@ class RolloutCgroup:
         while left:
             for key, d in list(left.items()):
                 try:
+                    for sub in _tree(d)[1:][::-1]:  # what an engine made below it, first
+                        with contextlib.suppress(OSError):
+                            sub.rmdir()
                     d.rmdir()
                 except FileNotFoundError:
                     pass

@@ -15,10 +15,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
+from capture.isolation.cgroup import RolloutCgroup
+from capture.isolation.containers import (
+    CONTAINER_HOME,
+    CONTAINER_TMP,
+    UID_BASE,
+    Bind,
+    Container,
+    ContainerPlan,
+    host_program,
+)
+from capture.isolation.limits import SandboxLimits
 from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpreter
+from capture.isolation.podman import engine_command
 from capture.isolation.processes import Child
 from capture.isolation.sandbox import (
     SANDBOX_UID,
@@ -41,6 +55,25 @@ def sandbox_user() -> int | None:
     return SANDBOX_UID if os.geteuid() == 0 else None
 
 
+class RunSpec(Protocol):
+    """What an engine reads of a run (capture/isolation/box.py ``BoxSpec``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def command(self) -> list[str]: ...
+    @property
+    def folders(self) -> tuple[Path, Path, Path]: ...
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def expose(self) -> tuple[Path, ...]: ...
+    @property
+    def limits(self) -> SandboxLimits: ...
+    @property
+    def container(self) -> ContainerPlan | None: ...
+
+
 class BoxStarter(Protocol):
     """What an engine uses of the ``Box`` that runs it (capture/isolation/box.py)."""
 
@@ -56,6 +89,9 @@ class Engine:
     """How a run's command is started: the base runs it as it is (the ``none`` engine)."""
 
     name = "none"
+    # Whether its runs' cgroups must sit at one path in every hierarchy (a container engine's
+    # --cgroup-parent).
+    aligned_cgroup = False
 
     def __init__(self, box: BoxStarter) -> None:
         self.box = box
@@ -68,19 +104,13 @@ class Engine:
         """Give the run's folders to whoever the command runs as (blocking: in a thread)."""
 
     async def spawn(
-        self,
-        label: str,
-        command: list[str],
-        folders: tuple[Path, Path, Path],
-        network: str | None,
-        prefix: list[str],
-        extra_expose: tuple[Path, ...],
-        pipes: dict[str, Any],
+        self, label: str, spec: RunSpec, cgroup: RolloutCgroup, pipes: dict[str, Any]
     ) -> Child:
-        """Start ``command`` in ``folders[0]`` (work), after ``prefix``; ``network``: the
-        session whose bridge it reaches the proxy through (None: no network where the engine
-        can take it away)."""
-        work = folders[0]
+        """Start ``spec.command`` in ``spec.folders[0]`` (work) in ``cgroup`` under its limits;
+        ``spec.session_id``: the session whose bridge it reaches the proxy through (None: no
+        network where the engine can take it away)."""
+        work, prefix = spec.folders[0], cgroup.launch_prefix()
+        command = spec.command
         return Child(await asyncio.create_subprocess_exec(*prefix, *command, cwd=work, **pipes))
 
 
@@ -103,23 +133,18 @@ class BwrapEngine(Engine):
         give_to(sandbox_user(), *folders)
 
     async def spawn(
-        self,
-        label: str,
-        command: list[str],
-        folders: tuple[Path, Path, Path],
-        network: str | None,
-        prefix: list[str],
-        extra_expose: tuple[Path, ...],
-        pipes: dict[str, Any],
+        self, label: str, spec: RunSpec, cgroup: RolloutCgroup, pipes: dict[str, Any]
     ) -> Child:
-        work, home, tmp = folders
+        work, home, tmp = spec.folders
+        prefix = cgroup.launch_prefix()
+        command, network, extra_expose = spec.command, spec.session_id, spec.expose
         path_env = pipes["env"].get("PATH", "")
         bridge = await self.box.bridge(network) if network is not None else None
         inner, python = command, interpreter()
         if bridge is not None:
             inner = [python, "-I", "-S", str(INSIDE / "bridge.py"), *bridge.forwards(), "--"]
             inner += command
-        spec = SandboxSpec(
+        sandbox = SandboxSpec(
             work, home, tmp, hide=self.box.hide,
             expose=(
                 *program_paths(command, path_env),
@@ -133,7 +158,7 @@ class BwrapEngine(Engine):
         try:
             user = sandbox_user()
             stage = self.box.stage() if user is not None else None
-            argv = sandbox_argv(spec, inner, self.bwrap, info_fd=info_w, uid=user, stage=stage)
+            argv = sandbox_argv(sandbox, inner, self.bwrap, info_fd=info_w, uid=user, stage=stage)
             proc = await asyncio.create_subprocess_exec(
                 *prefix, *argv, pass_fds=(info_w,), cwd="/", **pipes
             )
@@ -150,5 +175,83 @@ class BwrapEngine(Engine):
         return child
 
 
+class PodmanEngine(Engine):
+    """A container of the run's image (capture/isolation/containers.py): no network but the
+    proxy's and the API's ports handed in by the forwarder, its root an unprivileged host uid,
+    the run's cgroup its parent (its limits, read and watched as any run's). Its HOME and
+    TMPDIR are the run's folders, shown at their own paths; its working folder is the
+    image's."""
+
+    name = "podman"
+    aligned_cgroup = True
+
+    def __init__(self, box: BoxStarter, engine: str = "podman") -> None:
+        super().__init__(box)
+        self.engine = engine
+        # EngineMissing (a ValueError) when it is not installed: the request is refused.
+        engine_command(engine)
+
+    def url(self, url: str) -> str:
+        return inside_url(url)
+
+    def hand_over(self, *folders: Path) -> None:
+        # The container's root is UID_BASE on the host; an image's own user may be another
+        # uid of its range: the top folders are open to it too (nothing else can reach them).
+        give_to(UID_BASE, *folders)
+        for folder in folders:
+            folder.chmod(0o777)
+
+    async def spawn(
+        self, label: str, spec: RunSpec, cgroup: RolloutCgroup, pipes: dict[str, Any]
+    ) -> Child:
+        plan = spec.container
+        if plan is None:
+            raise ValueError("the podman engine runs a container: the run names no image")
+        _, home, tmp = spec.folders
+        env = dict(pipes["env"])
+        if plan.from_host:
+            command, binds = host_program(spec.command, env.get("PATH", os.defpath))
+        else:
+            command, binds = list(spec.command), ()
+        shown = tuple(Bind(p, str(p)) for p in (*self.box.expose, *spec.expose) if p.exists())
+        # HOME and TMPDIR at fixed paths: a host path's parents, made in the image's tree for
+        # the mount, would stay in the state a verifier starts from (and may not be made there).
+        inside = {str(home): str(CONTAINER_HOME), str(tmp): str(CONTAINER_TMP)}
+        binds = (*binds, *shown, Bind(home, inside[str(home)], False))
+        binds += (Bind(tmp, inside[str(tmp)], False),)
+        env = {key: _moved(value, inside) for key, value in env.items()}
+        env["PATH"] = plan.path
+        container = await Container.create(
+            container_name(spec.name), plan.image, command, env, (*binds, *plan.binds),
+            spec.limits, plan.cwd, cgroup.relative, plan.engine,
+        )  # fmt: skip
+        try:
+            pid = await container.init()
+            if spec.session_id is not None:
+                bridge = await self.box.bridge(spec.session_id)
+                assert bridge.folder is not None
+                await container.join_network(pid, bridge.forwards(bridge.folder), bridge.folder)
+            argv, engine_env = container.start_argv()
+            proc = await asyncio.create_subprocess_exec(*argv, **{**pipes, "env": engine_env})
+        except BaseException:
+            await container.remove()
+            raise
+        return Child(proc, container=container)
+
+
+def _moved(value: str, inside: dict[str, str]) -> str:
+    """An environment value naming a folder of the run's, as the container sees it."""
+    for host, there in inside.items():
+        if value == host or value.startswith(host + "/"):
+            return there + value[len(host) :]
+    return value
+
+
+def container_name(run: str) -> str:
+    """A container's name: the run's (made safe), unique."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:48].strip("._-") or "run"
+    return f"agenttap-{safe}-{secrets.token_hex(3)}"
+
+
 # Every engine by the name a request or an option gives ("sandbox": "bwrap" | "none").
-ENGINES: dict[str, type[Engine]] = {"bwrap": BwrapEngine, "none": Engine}
+ENGINES: dict[str, type[Engine]] = {"bwrap": BwrapEngine, "none": Engine, "podman": PodmanEngine}

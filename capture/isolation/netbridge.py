@@ -144,9 +144,11 @@ class NetBridge:
             await self.close()
             raise
 
-    def forwards(self) -> list[str]:
-        """The forwarder's arguments: ``127.0.0.1:PORT=/.agenttap/NAME.sock`` per route."""
-        return [f"127.0.0.1:{r.port}={INSIDE / f'{r.name}.sock'}" for r in self.routes]
+    def forwards(self, at: Path = INSIDE) -> list[str]:
+        """The forwarder's arguments: ``127.0.0.1:PORT=AT/NAME.sock`` per route (``at``: where
+        the forwarder sees this bridge's folder: ``/.agenttap`` in a sandbox, the folder
+        itself for one on the host)."""
+        return [f"127.0.0.1:{r.port}={at / f'{r.name}.sock'}" for r in self.routes]
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -10,6 +10,7 @@ default, so containers start with both lowered. ``engine_command`` gives the arg
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import shutil
@@ -31,12 +32,13 @@ def ulimits() -> tuple[int, int]:
     container may only lower them here)."""
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    cap = 1 << 20
 
-    def bounded(hard: int) -> int:
+    def bounded(hard: int, cap: int) -> int:
         return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
 
-    return bounded(nofile), bounded(nproc)
+    # nproc: runc refused 65536 and more here with a hard limit of 96365 (measured); a run's
+    # processes are capped by its cgroup's pids limit anyway.
+    return bounded(nofile, 1 << 16), bounded(nproc, 32768)
 
 
 def containers_conf() -> Path:
@@ -48,7 +50,8 @@ def containers_conf() -> Path:
         '[engine]\nruntime = "runc"\n'
         f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
     )
-    path = _CONF_DIR / "containers.conf"
+    # Named by its text: another instance with other limits never rewrites it under us.
+    path = _CONF_DIR / f"containers-{hashlib.sha256(text.encode()).hexdigest()[:12]}.conf"
     if not path.exists() or path.read_text() != text:
         _CONF_DIR.mkdir(mode=0o700, exist_ok=True)
         staged = path.with_suffix(f".{os.getpid()}.tmp")
@@ -64,7 +67,7 @@ def engine_command(engine: str = "podman") -> list[str]:
     found = shutil.which(engine)
     if found is None:
         raise EngineMissing(
-            f"{engine} is not installed: a rollout with an \"image\" runs in a container of "
+            f'{engine} is not installed: a rollout with an "image" runs in a container of '
             f"it. Install it (as root: apt-get install podman runc) or run scripts/setup.sh"
         )
     if engine == "podman":

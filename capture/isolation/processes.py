@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import Protocol
 
 from capture.isolation.sandbox import Jail
 
@@ -29,6 +30,16 @@ class Child:
 
     proc: asyncio.subprocess.Process
     jail: Jail | None = None
+    # In a container: the engine ends its processes (the process we started is its client).
+    container: Stoppable | None = None
+
+
+class Stoppable(Protocol):
+    async def stop(self, grace_s: int = ...) -> None: ...
+
+    async def running(self) -> bool: ...
+
+    async def remove(self) -> None: ...
 
 
 async def stop(child: Child, graceful: bool) -> bool:
@@ -37,6 +48,15 @@ async def stop(child: Child, graceful: bool) -> bool:
     its sandbox's init (the kernel kills the rest of its PID namespace), and a wait until that
     init is gone. Unsandboxed: its process group, SIGTERM then SIGKILL."""
     jail, proc = child.jail, child.proc
+    if child.container is not None:
+        await child.container.stop(int(KILL_GRACE_S) if graceful else 0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), GONE_TIMEOUT_S)
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        return not await child.container.running()
     if jail is None:
         await _kill_group(proc)
         return not _group_alive(proc.pid)

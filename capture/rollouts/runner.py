@@ -39,6 +39,7 @@ from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBudget, MemoryBusy, default_budget_mb, run_need_mb
 from capture.rollouts.closing import close, taken_over
+from capture.rollouts.images import forget_state, read_image
 from capture.rollouts.runs import RUN_LIVE, Busy, FinishReason, Rollout, Run, RunStatus
 from capture.rollouts.spec import RolloutSpec
 from capture.rollouts.steps import run_agent, verify
@@ -106,7 +107,8 @@ class Rollouts:
         not installed)."""
         if spec.id in self._rollouts:
             raise ValueError(f"rollout id {spec.id!r} is in use")
-        sandbox = spec.sandbox or self.api.settings.sandbox
+        # A rollout with an image runs in its containers; else in the sandbox asked for.
+        sandbox = "podman" if spec.image else (spec.sandbox or self.api.settings.sandbox)
         engine = self.box.make_engine(sandbox)
         self._check_expose(spec.expose)
         running = self.running_agents()
@@ -174,6 +176,8 @@ class Rollouts:
 
     # -- running -------------------------------------------------------------------------------
     async def _run_all(self, rollout: Rollout) -> None:
+        if rollout.spec.image:
+            await read_image(rollout, self.root / rollout.id / "image-seed")
         await asyncio.gather(*(self._run(rollout, run) for run in rollout.runs))
         logger.info(
             "agenttap: rollout %s done: %s",
@@ -189,7 +193,9 @@ class Rollouts:
         try:
             # Its memory and tmpfs, once they fit beside the running agents (admission.py).
             promised = await self.memory.acquire(need, lambda: rollout.cancelled)
-            if promised:
+            if rollout.image_error is not None:
+                run.error = rollout.image_error
+            elif promised:
                 await run_agent(self.api, self.box, rollout, run)
             failure = None
             if not rollout.cancelled and run.error is None:
@@ -213,6 +219,7 @@ class Rollouts:
             logger.exception("agenttap: rollout %s/%d failed", rollout.id, run.index)
             run.error = f"agenttap: internal error: {exc}"
         finally:
+            await forget_state(rollout, run)
             await self._keep_files(run)
             await close(self.api, run)
             run.wall_time_s = time.monotonic() - run.started_at

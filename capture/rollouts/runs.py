@@ -90,6 +90,8 @@ class Run:
     quota: DiskQuota | None = None
     # The box running now: the agent's, then the verifier's.
     handle: BoxHandle | None = None
+    # An image's run: the agent's stopped container committed, the verifier's starting state.
+    state_image: str | None = None
 
     def summary(self, rows: bool = True) -> dict[str, Any]:
         out = {
@@ -128,6 +130,13 @@ class Rollout:
     created_at: float = field(default_factory=time.time)
     cancelled: bool = False
     task: asyncio.Task[None] | None = None
+    # With an "image": where its runs start (its WORKDIR or "cwd") and its PATH, read from
+    # the image before any runs; or why it cannot be used.
+    image_workdir: str = "/"
+    image_path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    image_error: str | None = None
+    # The image's working folder as it was built (for "keep": the seed its files go onto).
+    image_seed: Path | None = None
 
     @property
     def id(self) -> str:

@@ -6,6 +6,7 @@ otherwise.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,13 +67,19 @@ class RolloutSpec:
     # Seeds the policy's sampling: each agent's session gets a seed of its own from it
     # (capture.control.sessions.agent_seed), each call one from that and its prompt. None: not.
     seed: int | None = None
+    # A container image each agent and its verifier run in (the podman engine), and the folder
+    # inside it they start in (None: the image's WORKDIR).
+    image: str | None = None
+    cwd: str | None = None
 
 
 # The fields of a body, in the order they have always been checked (and named when unknown).
 KNOWN = (
     "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
-    "expose", "egress", "seed", "timeout_s", "wait", "rows",
+    "expose", "egress", "seed", "timeout_s", "wait", "rows", "image", "cwd",
 )  # fmt: skip
+# An image reference: [registry/]name[:tag][@digest], as podman and docker read one.
+IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/:-]{0,254}(@sha256:[0-9a-f]{64})?")
 AGENT_SCHEMA: dict[str, Any] = {
     "oneOf": [
         {"type": "string", "enum": list(AGENTS)},
@@ -164,6 +171,18 @@ class RolloutBody(SessionFields):
         Path | None,
         WithJsonSchema({"type": "string", "description": "a folder each agent gets a copy of"}),
     ] = None
+    image: Annotated[
+        str | None,
+        WithJsonSchema(
+            {"type": "string", "description": "a container image each agent runs in (podman)"}
+        ),
+    ] = None
+    cwd: Annotated[
+        str | None,
+        WithJsonSchema(
+            {"type": "string", "description": "where in the image it starts; default its WORKDIR"}
+        ),
+    ] = None
     # Read even when left out: the kernel's limits have defaults.
     limits: Annotated[Any, WithJsonSchema(LIMITS_SCHEMA), Field(validate_default=True)] = None
     verifier: Annotated[Any, WithJsonSchema(VERIFIER_SCHEMA)] = None
@@ -230,6 +249,33 @@ class RolloutBody(SessionFields):
             raise ValueError(f'"workdir" {str(path)!r} is not a folder on the proxy\'s machine')
         return path
 
+    @field_validator("image", mode="before")
+    @classmethod
+    def _image(cls, image: Any, info: ValidationInfo) -> str | None:
+        if image is None:
+            return None
+        if not isinstance(image, str) or not IMAGE_REF.fullmatch(image):
+            raise ValueError('"image" must be an image reference: NAME[:TAG] (lower case)')
+        if info.data.get("workdir") is not None:
+            raise ValueError(
+                '"image" and "workdir": an image holds its own working folder; put the task\'s '
+                'files in the image (FROM it, COPY them), or give "workdir" alone'
+            )
+        return image
+
+    @field_validator("cwd", mode="before")
+    @classmethod
+    def _cwd(cls, cwd: Any, info: ValidationInfo) -> str | None:
+        if cwd is None:
+            return None
+        if info.data.get("image") is None:
+            raise ValueError('"cwd" is the folder inside the "image" to start in: give an image')
+        if not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
+            raise ValueError('"cwd" must be an absolute path inside the image')
+        if ".." in cwd.split("/"):
+            raise ValueError('"cwd" must not hold ".."')
+        return cwd
+
     @field_validator("limits")
     @classmethod
     def _limits(cls, value: Any) -> tuple[SandboxLimits, Limits]:
@@ -245,7 +291,26 @@ class RolloutBody(SessionFields):
     def _verifier(cls, value: Any, info: ValidationInfo) -> VerifierSpec | None:
         if value is None:
             return None
-        return parse_verifier(value, has_workdir=info.data.get("workdir") is not None)
+        has_files = info.data.get("workdir") is not None or info.data.get("image") is not None
+        verifier = parse_verifier(value, has_workdir=has_files)
+        if info.data.get("image") is not None and verifier.pytest:
+            raise ValueError(
+                '"verifier.pytest" runs the proxy\'s Python; in an "image" give "command" (the '
+                'image\'s own tools, e.g. ["python3", "-m", "pytest", "/tests"]) and '
+                '"tests"'
+            )
+        if verifier.tests is not None and info.data.get("image") is None:
+            raise ValueError('"verifier.tests" is shown at /tests in the "image": give an image')
+        return verifier
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox(cls, sandbox: str | None, info: ValidationInfo) -> str | None:
+        if sandbox is not None and info.data.get("image") is not None:
+            raise ValueError(
+                '"sandbox" and "image": a rollout with an image runs in its container (podman)'
+            )
+        return sandbox
 
     @field_validator("expose", mode="before")
     @classmethod
@@ -287,6 +352,8 @@ class RolloutBody(SessionFields):
             timeout_s=timeout,
             id=self.id or "r-" + uuid.uuid4().hex[:12],
             seed=self.seed,
+            image=self.image,
+            cwd=self.cwd,
         )
 
 

@@ -13,11 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from capture.isolation.box import Box, BoxSpec, Ended
+from capture.isolation.containers import ContainerPlan
 from capture.isolation.limits import limit_words
 from capture.isolation.workdir import UnsafeWorkdir, copy_seed, restore, sanitize
 from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.agents import config_home, prepare_home
+from capture.rollouts.images import after_agent, agent_plan, verifier_plan
 from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, RunStatus, plain_env, tail
 from capture.rollouts.scoring import graded_folder, score, verifier_command
 
@@ -38,7 +40,7 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
     run.quota = await asyncio.to_thread(box.disk, run.folder / "box", spec.sandbox_limits.disk_mb)
     run.base = base = run.quota.path
     work, home, tmp = base / "work", base / "home", base / "tmp"
-    if spec.workdir is not None:
+    if spec.workdir is not None and spec.image is None:
         try:
             await asyncio.to_thread(copy_seed, spec.workdir, work)
         except UnsafeWorkdir as exc:  # the seed changed since the request was checked
@@ -63,14 +65,18 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
     if rollout.cancelled:
         return
     run.status = RunStatus.RUNNING
+    plan = agent_plan(rollout) if spec.image is not None else None
     try:
         ended = await supervised(
-            box, rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s
-        )
-    except OSError as exc:
+            box, rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s,
+            container=plan,
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:
         run.error = f"the agent could not start: {exc}"
         return
     finally:
+        if plan is not None:  # its working folder out, its state kept for the verifier
+            await after_agent(rollout, run, work)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         run.agent_output = tail(log)
     if ended.timed_out:
@@ -93,6 +99,7 @@ async def supervised(
     log: Path,
     timeout_s: float,
     stderr_log: Path | None = None,
+    container: ContainerPlan | None = None,
 ) -> Ended:
     """Run ``command`` (the agent or the verifier) in a box of the rollout's engine under the
     kernel's limits (its output kept to ``output_mb`` in ``log``, its stderr apart in
@@ -111,6 +118,7 @@ async def supervised(
         session_id=run.session_id if role == "agent" else None,
         expose=rollout.spec.expose,
         quota=run.quota,
+        container=container,
     )
     run.handle = handle = await box.start(spec, label=f"rollout {rollout.id}")
     ended = await handle.wait(timeout_s, lambda: rollout.cancelled)
@@ -148,11 +156,10 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
     base = run.base or run.folder
     work = base / "work"
     home, tmp = base / "verifier-home", base / "verifier-tmp"
+    seed = rollout.image_seed if spec.image is not None else spec.workdir
     try:
-        graded = await asyncio.to_thread(
-            graded_folder, verifier, spec.workdir, work, base / "graded"
-        )
-        if graded is None and verifier.restore and spec.workdir is not None:
+        graded = await asyncio.to_thread(graded_folder, verifier, seed, work, base / "graded")
+        if graded is None and verifier.restore and spec.workdir is not None and not spec.image:
             await asyncio.to_thread(restore, spec.workdir, work, verifier.restore)
     except (UnsafeWorkdir, OSError) as exc:
         run.error = f"the verifier's files could not be made ready: {exc}"
@@ -177,6 +184,9 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
         kept = [work / rel for rel in (graded.kept if graded is not None else [])]
         command, extra = await asyncio.to_thread(verifier_command, verifier, tmp, kept)
         await asyncio.to_thread(rollout.engine.hand_over, work, home, tmp)
+        plan = None
+        if spec.image is not None:
+            plan = verifier_plan(rollout, run, work if graded is not None else None)
         env = {
             **plain_env(home, tmp),
             "PYTHONSAFEPATH": "1",
@@ -186,7 +196,7 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
         log, errors = run.folder / "verifier.log", run.folder / "verifier-stderr.log"
         ended = await supervised(
             box, rollout, run, "verifier", command, env, (work, home, tmp), log,
-            VERIFIER_TIMEOUT_S, stderr_log=errors,
+            VERIFIER_TIMEOUT_S, stderr_log=errors, container=plan,
         )  # fmt: skip
         stdout = tail(log, VERIFIER_TAIL)  # read for the reward: its stderr never is
         run.verifier_output = stdout[-OUTPUT_KEPT:]
@@ -199,7 +209,7 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
         if ended.timed_out or ended.limit is not None or rollout.cancelled:
             return  # stopped: its output is no score
         scored = await asyncio.to_thread(score, verifier, ended.exit_code, stdout, tmp)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         run.error = f"the verifier could not start: {exc}"
         return
     finally:

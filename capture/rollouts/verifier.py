@@ -22,6 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from capture.isolation.workdir import check_restore
@@ -56,6 +57,9 @@ class VerifierSpec:
     restore: tuple[str, ...] = ()
     on_error: str = "skip"
     reward_range: tuple[float, float] = REWARD_RANGE
+    # A folder on the proxy's machine shown read-only at /tests in an image's verifier only
+    # (hidden tests: the agent never saw them, and nothing it left there counts).
+    tests: Path | None = None
 
 
 def parse_verifier(spec: Any, has_workdir: bool) -> VerifierSpec:
@@ -64,7 +68,7 @@ def parse_verifier(spec: Any, has_workdir: bool) -> VerifierSpec:
         spec = {"command": spec}  # the short form: the command alone
     if not isinstance(spec, dict):
         raise ValueError(_USAGE)
-    known = {"command", "pytest", "python", "keep", "restore", "on_error", "reward_range"}
+    known = {"command", "pytest", "python", "keep", "restore", "on_error", "reward_range", "tests"}
     if not set(spec) <= known:
         unknown = ", ".join(sorted(map(str, set(spec) - known)))
         raise ValueError(f"{_USAGE}; not {unknown}")
@@ -97,7 +101,20 @@ def parse_verifier(spec: Any, has_workdir: bool) -> VerifierSpec:
             '"verifier.on_error" must be "skip" (a failed agent gets no reward) or "score" '
             "(the verifier scores it all the same)"
         )
+    tests = None
+    if "tests" in spec:
+        value = spec["tests"]
+        if not isinstance(value, str) or not value.startswith("/") or "\x00" in value:
+            raise ValueError(
+                '"verifier.tests" must be an absolute folder path on the proxy\'s machine'
+            )
+        tests = Path(value).resolve()
+        if not tests.is_dir():
+            raise ValueError(
+                f'"verifier.tests" {str(tests)!r} is not a folder on the proxy\'s machine'
+            )
     return VerifierSpec(
+        tests=tests,
         command=command,
         pytest=pytest_ids,
         python=python,
