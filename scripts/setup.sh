@@ -67,6 +67,12 @@ fi
 if ! command -v bwrap >/dev/null 2>&1; then
   apt_install bubblewrap "rollouts run their agents in its sandbox (or run them unsandboxed with --set agenttap_sandbox=none)"
 fi
+# A rollout with an "image" runs in a podman container (runc: crun refuses hybrid cgroups);
+# with no registry reachable, base images are made from Debian's packages by mmdebstrap
+# (capture/isolation/images.py, docs/IMAGES.md).
+command -v podman >/dev/null 2>&1 || apt_install podman "rollouts with an image run in its containers"
+command -v runc >/dev/null 2>&1 || apt_install runc "podman's runtime here (crun refuses hybrid cgroups)"
+command -v mmdebstrap >/dev/null 2>&1 || apt_install mmdebstrap "makes base images from Debian's packages"
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   bash scripts/install_clients.sh >/dev/null
