@@ -1,6 +1,9 @@
 """Isolation: how agenttap runs a command it does not trust, importable without the proxy.
 ``box`` (the facade: ``Box.start(spec) -> BoxHandle``, with ``wait``, ``stop`` and ``usage``),
-``engines`` (what a run starts in, by name: ``bwrap``, ``none``), ``sandbox`` (bubblewrap's
+``engines`` (what a run starts in, by name: ``bwrap``, ``none``, ``podman``), ``containers``
+(a run in a container of a task's image: the engine's CLI, the agent brought in from the host),
+``podman`` (the engine's command and configuration), ``images`` (base and task images, built
+and cached by content), ``sandbox`` (bubblewrap's
 command line from an allowlist of mounts, the sandbox's processes), ``launch`` (bwrap started
 as a user that owns nothing; run by path), ``workdir`` (safe workdir copies), ``processes``
 (ending every process of a run), ``netbridge`` and ``bridge`` (a sandbox's own network: the

@@ -3,7 +3,8 @@ session, run after run, the memory they are promised), ``runs`` (a rollout and i
 what their answers say), ``steps`` (a run's agent and verifier, each in a box of
 capture/isolation/), ``closing`` (a run's session closed with its reward, or its rewards taken
 back when someone else closed it), ``spec`` (a ``/rollouts`` request read and checked),
-``routes`` (``/rollouts``), ``agents`` (the agent catalogue: each CLI's headless command line,
+``routes`` (``/rollouts``), ``images`` (a rollout in its task's own image: what the agent and the
+verifier start from), ``agents`` (the agent catalogue: each CLI's headless command line,
 environment and configuration folders), ``admission`` (memory promised to running agents),
 ``verifier``, ``scoring``, ``grading``, ``pytest_verifier`` and ``pytest_guard`` (the
 verifier's spec, its reward, what of the agent's it sees), ``harbor_env`` (the old import path

@@ -1,48 +1,123 @@
 """Rollouts in a task's own image (``"image"``): a real scaffold brought in from the host runs
-in a podman container of an image that has neither it nor node nor the host's Python; its tool
-calls run the image's tools; the verifier starts from the state the agent left, with the hidden
-tests shown at /tests."""
+in a podman container of a SWE-style task image (the repository at /testbed, Debian's Python
+3.11, no node, none of the host's installs); its tool calls run the image's tools; the
+verifier starts from the state the agent left, with the task's hidden tests shown at /tests.
+What the agent plants there, or a limit it hits, counts for nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from capture.client.launcher import AgentTap
-from tests.e2e.rollouts.test_rollouts import agent_processes
+from capture.isolation.podman import LABEL, engine_command, engine_env
+from tests.e2e.providers.test_anthropic_sdk_stub import hermes
 from tests.support.proxies import read_threads, read_turns
-from tests.support.scaffold_task import (
-    DONE,
-    MINI_STEPS,
-    TASK,
-    VERIFIER,
-    check_trained_exactly_once,
-    step_rule,
-)
+from tests.support.scaffold_task import check_trained_exactly_once
 from tests.support.stub_vllm import StubPolicy
+from tests.support.task_images import swe_task, task_folder, task_image
 
-IMAGE = "localhost/agenttap-notes:test"
+TASK = swe_task("swe-slugify")
+HIDDEN = str(task_folder("swe-slugify") / "tests")
+# The hidden tests, their verdict as one number on stdout (pytest's own output to stderr). The
+# verifier runs with PYTHONSAFEPATH=1 (no module the agent left shadows the standard library):
+# the repository is put on the path by name.
+GRADE = [
+    "sh", "-c",
+    "PYTHONPATH=/testbed python3 -m pytest -q -p no:cacheprovider /tests >&2 && echo 1 || echo 0",
+]  # fmt: skip
+# mini-swe-agent's one tool is bash; each step runs in the image's /testbed.
+MINI_FIX = [
+    "Look first.\n" + hermes("bash", {"command": "python3 --version; cat textkit/slug.py"}),
+    "Fix the run.\n" + hermes("bash", {"command": "sed -i 's/9]\"/9]+\"/' textkit/slug.py"}),
+    "Done.\n" + hermes("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+]
+# A conftest.py that marks every test passed, planted where the verifier's tests will be.
+PLANT = (
+    "mkdir -p /tests && printf '%s\\n' 'import pytest' '@pytest.hookimpl(hookwrapper=True)' "
+    "'def pytest_runtest_makereport(item, call):' '    out = yield' "
+    "'    out.get_result().outcome = \"passed\"' > /tests/conftest.py && echo planted"
+)
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    return task_image("swe-slugify")
+
+
+def _rule(stub: StubPolicy, steps: list[str]) -> Callable[[dict[str, Any]], str | None]:
+    def rule(body: dict[str, Any]) -> str | None:
+        text = stub.tok.decode(body["prompt"])
+        if TASK["prompt"] not in text:
+            return None
+        return steps[min(text.count("<tool_response>"), len(steps) - 1)]
+
+    return rule
 
 
 @pytest.fixture
 def scripted(stub: StubPolicy) -> Iterator[None]:
-    rule = step_rule(stub, MINI_STEPS)
+    rule = _rule(stub, MINI_FIX)
     stub.rules.insert(0, rule)
     yield
     stub.rules.remove(rule)
 
 
+def containers_of(rollout_id: str) -> list[str]:
+    listed = subprocess.run(
+        [*engine_command(), "ps", "--all", "--filter", f"label={LABEL}", "--format", "{{.Names}}"],
+        capture_output=True, text=True, env=engine_env(), check=True,
+    )  # fmt: skip
+    return [name for name in listed.stdout.split() if rollout_id in name]
+
+
 @pytest.mark.usefixtures("scripted")
-def test_mini_swe_agent_in_an_image_is_scored_on_its_state(stub_tap: AgentTap) -> None:
-    result = stub_tap.rollout("mini-swe-agent", TASK, n=1, image=IMAGE, verifier=VERIFIER)
+def test_mini_swe_agent_fixes_a_swe_task_in_its_image(stub_tap: AgentTap, image: str) -> None:
+    verifier = {"command": GRADE, "tests": HIDDEN}
+    result = stub_tap.rollout("mini-swe-agent", TASK["prompt"], image=image, verifier=verifier)
     assert result["status"] == "done" and result["sandbox"] == "podman", result
     run = result["rollouts"][0]
     assert run["status"] == "ok", run["error"]
-    assert run["reward"] == 1.0 and run["finish_reason"] == "stop"
+    assert run["reward"] == 1.0 and run["finish_reason"] == "stop", run["verifier_stderr"]
     folder = Path(run["workdir"]).parent
-    assert (folder / "work" / "notes.txt").read_text() == DONE
+    # Its tool calls ran the image's Python (3.11), not the host's (3.12): its trajectory,
+    # in the HOME it was given.
+    trajectory = folder / "home" / ".config" / "mini-swe-agent" / "last_mini_run.traj.json"
+    assert "Python 3.11" in trajectory.read_text()
+    # Its working folder is kept with the run, fixed.
+    fixed = (folder / "work" / "textkit" / "slug.py").read_text()
+    assert '9]+"' in fixed
     sid = run["session_id"]
     check_trained_exactly_once(read_threads(stub_tap.out, sid), read_turns(stub_tap.out, sid))
-    assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
+    assert containers_of(result["id"]) == []  # every container went with its run
+
+
+def test_tests_planted_by_the_agent_are_not_the_tests_run(stub_tap: AgentTap, image: str) -> None:
+    """The agent writes a /tests/conftest.py that passes everything and fixes nothing: the
+    verifier's /tests is the task's hidden tests alone, so the reward is 0."""
+    verifier = {"command": GRADE, "tests": HIDDEN, "on_error": "score"}
+    agent = {"command": ["sh", "-c", PLANT]}
+    result = stub_tap.rollout(agent, "plant", image=image, verifier=verifier)
+    run = result["rollouts"][0]
+    assert "planted" in run["agent_output"], run
+    assert run["reward"] == 0.0, run
+    assert "failed" in run["verifier_stderr"]
+    # The control: the same grade on the solved repository is 1 (the tests can pass).
+    solve = ["sh", "-c", "sed -i 's/9]\"/9]+\"/' textkit/slug.py && echo solved"]
+    result = stub_tap.rollout({"command": solve}, "solve", image=image, verifier=verifier)
+    assert result["rollouts"][0]["reward"] == 1.0, result["rollouts"][0]
+
+
+def test_a_container_past_its_memory_ends_with_that_limit(stub_tap: AgentTap, image: str) -> None:
+    agent = {"command": ["python3", "-c", "x = bytearray(600 << 20); print('alive')"]}
+    result = stub_tap.rollout(
+        agent, "grow", image=image, limits={"memory_mb": 256, "disk_mb": 64}
+    )
+    run = result["rollouts"][0]
+    assert run["limit"] == "memory" and run["finish_reason"] == "limit", run
+    assert "alive" not in run["agent_output"]
+    assert containers_of(result["id"]) == []
