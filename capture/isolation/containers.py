@@ -158,7 +158,27 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
     for path in dict.fromkeys(shown):
         if not any(path == s or path.is_relative_to(s) for s in SYSTEM):
             binds.append(Bind(path, str(path)))
+    binds += _linked_binds(argv)
     return runner, _outermost(binds)
+
+
+def _linked_binds(argv: list[str]) -> list[Bind]:
+    """For each path of ``argv`` reached through a linked folder (a checkout at another path, a
+    venv linked in): the folder the link leads to, shown at the link's own path, so the path
+    the program is called by exists in the container too."""
+    binds = []
+    for arg in argv:
+        if not arg.startswith("/") or not os.path.exists(arg):
+            continue
+        path = Path("/")
+        for part in Path(arg).parts[1:]:
+            path = path / part
+            if any(path == s or path.is_relative_to(s) for s in SYSTEM):
+                break
+            if path.is_symlink():
+                binds.append(Bind(Path(os.path.realpath(path)), str(path)))
+                break
+    return binds
 
 
 def _outermost(binds: list[Bind]) -> tuple[Bind, ...]:

@@ -16,6 +16,7 @@ checkout).
 from __future__ import annotations
 
 import logging
+import subprocess
 from pathlib import Path
 
 from capture.isolation.containers import (
@@ -27,7 +28,6 @@ from capture.isolation.containers import (
     image_config,
     remove_image,
 )
-from capture.logs.escape import printable
 from capture.rollouts.runs import Rollout, Run
 
 logger = logging.getLogger(__name__)
@@ -54,13 +54,23 @@ async def read_image(rollout: Rollout, seed: Path) -> None:
     for entry in config.get("Env") or []:
         if isinstance(entry, str) and entry.startswith("PATH="):
             rollout.image_path = entry[5:]
-    if spec.verifier is not None and spec.verifier.keep is not None:
-        try:
-            await copy_workdir(spec.image, rollout.image_workdir, seed, f"{rollout.id}-seed")
-        except EngineError as exc:
-            rollout.image_error = f"the image's working folder could not be read: {exc}"
-            return
-        rollout.image_seed = seed
+    try:
+        await copy_workdir(spec.image, rollout.image_workdir, seed, f"{rollout.id}-seed")
+    except EngineError as exc:
+        rollout.image_error = f"the image's working folder could not be read: {exc}"
+        return
+    rollout.image_seed = seed
+
+
+def copy_tree(seed: Path, dest: Path) -> None:
+    """An image's working folder copied for one run, as it is: its links stay links (they
+    resolve in the container, never on this host), its modes kept. Blocking: in a thread."""
+    done = subprocess.run(
+        ["cp", "-a", "--no-dereference", "--", f"{seed}/.", str(dest)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise OSError(f"the image's working folder could not be copied: {done.stderr.strip()}")
 
 
 async def copy_workdir(image: str, workdir: str, dest: Path, name: str) -> None:
@@ -75,37 +85,38 @@ async def copy_workdir(image: str, workdir: str, dest: Path, name: str) -> None:
         await container.remove()
 
 
-def agent_plan(rollout: Rollout) -> ContainerPlan:
-    """The agent's container: a named agent is brought in from the host; a ``{"command"}``
-    agent is the image's own program. Kept once stopped when the verifier grades its state."""
+def agent_plan(rollout: Rollout, work: Path) -> ContainerPlan:
+    """The agent's container: its working folder the run's ``work`` (a copy of the image's, on
+    the run's size-capped disk), bound at the image's; a named agent brought in from the host,
+    a ``{"command"}`` agent the image's own program. Kept once stopped when the verifier grades
+    its state."""
     spec = rollout.spec
     assert spec.image is not None
-    verifier = spec.verifier
     return ContainerPlan(
         image=spec.image,
         cwd=rollout.image_workdir,
         path=rollout.image_path,
         from_host=isinstance(spec.agent, str),
-        keep=verifier is not None and verifier.keep is None,
+        binds=(Bind(work, rollout.image_workdir, read_only=False),),
+        keep=grades_state(rollout),
     )
 
 
-async def after_agent(rollout: Rollout, run: Run, work: Path) -> None:
-    """Once the agent's processes are gone: its working folder copied out to ``work`` (kept
-    with the run) and, when the verifier grades its state, its container committed."""
+def grades_state(rollout: Rollout) -> bool:
+    """Whether the verifier starts from the state the agent left (not from the image)."""
+    verifier = rollout.spec.verifier
+    return verifier is not None and verifier.keep is None
+
+
+async def after_agent(rollout: Rollout, run: Run) -> None:
+    """Once the agent's processes are gone: when the verifier grades its state, its container
+    committed (all but the working folder, which is the run's ``work/`` already)."""
     handle = run.handle
     container = handle.child.container if handle is not None and handle.child else None
     if not isinstance(container, Container):
         return
     try:
-        try:
-            await container.copy_out(rollout.image_workdir, work)
-        except EngineError as exc:
-            logger.warning(
-                "agenttap: rollout %s/%d: the agent's working folder was not kept: %s",
-                rollout.id, run.index, printable(str(exc)),
-            )  # fmt: skip
-        if agent_plan(rollout).keep and run.error is None:
+        if grades_state(rollout) and run.error is None:
             tag = f"{STATE_REPO}:{container.name.removeprefix('agenttap-')}".lower()
             run.state_image = await container.commit(tag)
     except EngineError as exc:
@@ -114,19 +125,18 @@ async def after_agent(rollout: Rollout, run: Run, work: Path) -> None:
         await container.remove()
 
 
-def verifier_plan(rollout: Rollout, run: Run, graded: Path | None) -> ContainerPlan:
-    """The verifier's container: the agent's committed state, or (``keep``) the image as
-    built with ``graded`` (the seed and the kept files) on its working folder; the hidden
-    tests at /tests. Its command is the image's own."""
+def verifier_plan(rollout: Rollout, run: Run, work: Path, graded: bool) -> ContainerPlan:
+    """The verifier's container: the agent's committed state with its ``work`` on the working
+    folder, or (``keep``: ``graded``) the image as built with ``work`` the seed plus the kept
+    files; the hidden tests at /tests. Its command is the image's own."""
     spec = rollout.spec
     verifier = spec.verifier
     assert spec.image is not None and verifier is not None
-    binds: list[Bind] = []
+    binds = [Bind(work, rollout.image_workdir, read_only=False)]
     if verifier.tests is not None:
         binds.append(Bind(verifier.tests, TESTS_AT))
-    if graded is not None:
+    if graded:
         image = spec.image
-        binds.append(Bind(graded, rollout.image_workdir, read_only=False))
     else:
         assert run.state_image is not None
         image = run.state_image

@@ -19,7 +19,7 @@ from capture.isolation.workdir import UnsafeWorkdir, copy_seed, restore, sanitiz
 from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.agents import config_home, prepare_home
-from capture.rollouts.images import after_agent, agent_plan, verifier_plan
+from capture.rollouts.images import after_agent, agent_plan, copy_tree, verifier_plan
 from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, RunStatus, plain_env, tail
 from capture.rollouts.scoring import graded_folder, score, verifier_command
 
@@ -40,13 +40,21 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
     run.quota = await asyncio.to_thread(box.disk, run.folder / "box", spec.sandbox_limits.disk_mb)
     run.base = base = run.quota.path
     work, home, tmp = base / "work", base / "home", base / "tmp"
-    if spec.workdir is not None and spec.image is None:
+    if spec.image is not None:
+        # The image's working folder, on the run's size-capped disk (its "disk_mb").
+        assert rollout.image_seed is not None
+        try:
+            await asyncio.to_thread(copy_tree, rollout.image_seed, work)
+        except OSError as exc:
+            run.error = str(exc)
+            return
+    elif spec.workdir is not None:
         try:
             await asyncio.to_thread(copy_seed, spec.workdir, work)
         except UnsafeWorkdir as exc:  # the seed changed since the request was checked
             run.error = str(exc)
             return
-    else:
+    if not work.exists():
         work.mkdir()
     for folder in (home, tmp):
         folder.mkdir()
@@ -65,7 +73,7 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
     if rollout.cancelled:
         return
     run.status = RunStatus.RUNNING
-    plan = agent_plan(rollout) if spec.image is not None else None
+    plan = agent_plan(rollout, work) if spec.image is not None else None
     try:
         ended = await supervised(
             box, rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s,
@@ -75,8 +83,8 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
         run.error = f"the agent could not start: {exc}"
         return
     finally:
-        if plan is not None:  # its working folder out, its state kept for the verifier
-            await after_agent(rollout, run, work)
+        if plan is not None:  # its state kept for the verifier
+            await after_agent(rollout, run)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         run.agent_output = tail(log)
     if ended.timed_out:
@@ -167,9 +175,9 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
     if graded is not None:
         run.graded = graded.summary()
         work = base / "graded"
-    else:
+    elif spec.image is None:
         # What the agent left to trip the verifier (a link out of the workdir, a FIFO that
-        # blocks a read) goes before it runs.
+        # blocks a read) goes before it runs. (In an image its links resolve in its container.)
         removed = await asyncio.to_thread(sanitize, work)
         if removed:
             run.sanitized = removed[:100]
@@ -186,7 +194,7 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
         await asyncio.to_thread(rollout.engine.hand_over, work, home, tmp)
         plan = None
         if spec.image is not None:
-            plan = verifier_plan(rollout, run, work if graded is not None else None)
+            plan = verifier_plan(rollout, run, work, graded is not None)
         env = {
             **plain_env(home, tmp),
             "PYTHONSAFEPATH": "1",
