@@ -293,6 +293,7 @@ class AgentTap:
         rows: bool = True,
         image: str | None = None,
         cwd: str | None = None,
+        task: str | os.PathLike[str] | None = None,
     ) -> dict[str, Any]:
         """Run ``n`` agents (``claude-code``, ``codex``, ``gemini``, ``opencode``,
         ``mini-swe-agent``, ``openhands``, ``terminus-2`` or ``{"command": [...]}``) on
@@ -304,8 +305,14 @@ class AgentTap:
         (each agent's calls their own way), so the same prompts sample the same tokens.
         ``rows=False``: the answer leaves out the rows (read them from OUT). ``image``: each
         agent and its verifier run in a container of that image (podman), starting in its
-        WORKDIR or ``cwd``, instead of a copy of ``workdir``."""
+        WORKDIR or ``cwd``, instead of a copy of ``workdir``. ``task``: a Harbor task folder
+        (its image built, its instruction the prompt when ``prompt`` is empty, its tests the
+        verifier, its limits)."""
         body: dict[str, Any] = {"agent": agent, "prompt": prompt, "n": n, "wait": wait}
+        if task is not None:
+            body["task"] = str(Path(task).resolve())
+            if not prompt:
+                del body["prompt"]
         if not rows:
             body["rows"] = False
         optional = {

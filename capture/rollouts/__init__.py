@@ -16,6 +16,7 @@ MAY_IMPORT: tuple[str, ...] = (
     "capture.ports",  # RolloutHost, REWARD_VERIFIER
     "capture.isolation",  # the Box the runner starts
     "capture.harbor.env",  # the old module name kept
+    "capture.harbor.task",  # a Harbor task folder read
     "capture.control.sessions",
     "capture.control.models",  # the body models' shared checks
     "capture.egress",

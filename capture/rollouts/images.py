@@ -15,10 +15,12 @@ checkout).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 from pathlib import Path
 
+from capture.harbor.task import HARBOR_BUILD_TIMEOUT_S, VERIFIER_LOGS
 from capture.isolation.containers import (
     Bind,
     Container,
@@ -28,6 +30,7 @@ from capture.isolation.containers import (
     image_config,
     remove_image,
 )
+from capture.isolation.images import build_image
 from capture.rollouts.runs import Rollout, Run
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,25 @@ logger = logging.getLogger(__name__)
 TESTS_AT = "/tests"
 # Where a verifier that grades the agent's state starts: its stopped container, committed.
 STATE_REPO = "localhost/agenttap-state"
+
+
+async def build_task(rollout: Rollout) -> None:
+    """A Harbor task's image built from its environment/ (cached by the build context's hash:
+    built once), as the rollout's ``image``; with a verifier of its own (tests/Dockerfile,
+    ``environment_mode = "separate"``), that image too. Failing: ``image_error``."""
+    task = rollout.spec.task
+    assert task is not None
+    timeout = task.build_timeout_s or HARBOR_BUILD_TIMEOUT_S
+    try:
+        rollout.spec.image = await asyncio.to_thread(
+            build_image, task.environment, task.containerfile, timeout=timeout
+        )
+        if task.verifier_separate and task.verifier_containerfile is not None:
+            rollout.verifier_image = await asyncio.to_thread(
+                build_image, task.tests, task.verifier_containerfile, timeout=timeout
+            )
+    except (OSError, ValueError) as exc:
+        rollout.image_error = f"the task's image could not be built: {exc}"
 
 
 async def read_image(rollout: Rollout, seed: Path) -> None:
@@ -125,7 +147,9 @@ async def after_agent(rollout: Rollout, run: Run) -> None:
         await container.remove()
 
 
-def verifier_plan(rollout: Rollout, run: Run, work: Path, graded: bool) -> ContainerPlan:
+def verifier_plan(
+    rollout: Rollout, run: Run, work: Path, graded: bool, logs: Path | None = None
+) -> ContainerPlan:
     """The verifier's container: the agent's committed state with its ``work`` on the working
     folder, or (``keep``: ``graded``) the image as built with ``work`` the seed plus the kept
     files; the hidden tests at /tests. Its command is the image's own."""
@@ -135,7 +159,11 @@ def verifier_plan(rollout: Rollout, run: Run, work: Path, graded: bool) -> Conta
     binds = [Bind(work, rollout.image_workdir, read_only=False)]
     if verifier.tests is not None:
         binds.append(Bind(verifier.tests, TESTS_AT))
-    if graded:
+    if logs is not None:  # Harbor's reward folder, fresh: what the agent left there is hidden
+        binds.append(Bind(logs, VERIFIER_LOGS, read_only=False))
+    if rollout.verifier_image is not None:  # a verifier with a container of its own (Harbor)
+        image = rollout.verifier_image
+    elif graded:
         image = spec.image
     else:
         assert run.state_image is not None

@@ -39,7 +39,7 @@ from capture.logs.escape import printable
 from capture.ports import RolloutHost
 from capture.rollouts.admission import MemoryBudget, MemoryBusy, default_budget_mb, run_need_mb
 from capture.rollouts.closing import close, taken_over
-from capture.rollouts.images import forget_state, read_image
+from capture.rollouts.images import build_task, forget_state, read_image
 from capture.rollouts.runs import RUN_LIVE, Busy, FinishReason, Rollout, Run, RunStatus
 from capture.rollouts.spec import RolloutSpec
 from capture.rollouts.steps import run_agent, verify
@@ -108,7 +108,8 @@ class Rollouts:
         if spec.id in self._rollouts:
             raise ValueError(f"rollout id {spec.id!r} is in use")
         # A rollout with an image runs in its containers; else in the sandbox asked for.
-        sandbox = "podman" if spec.image else (spec.sandbox or self.api.settings.sandbox)
+        in_image = spec.image is not None or spec.task is not None
+        sandbox = "podman" if in_image else (spec.sandbox or self.api.settings.sandbox)
         engine = self.box.make_engine(sandbox)
         self._check_expose(spec.expose)
         running = self.running_agents()
@@ -176,7 +177,9 @@ class Rollouts:
 
     # -- running -------------------------------------------------------------------------------
     async def _run_all(self, rollout: Rollout) -> None:
-        if rollout.spec.image:
+        if rollout.spec.task is not None:
+            await build_task(rollout)
+        if rollout.spec.image and rollout.image_error is None:
             await read_image(rollout, self.root / rollout.id / "image-seed")
         await asyncio.gather(*(self._run(rollout, run) for run in rollout.runs))
         logger.info(

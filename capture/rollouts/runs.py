@@ -137,6 +137,8 @@ class Rollout:
     image_error: str | None = None
     # The image's working folder as it was built (for "keep": the seed its files go onto).
     image_seed: Path | None = None
+    # A Harbor task's verifier image, when it has one of its own (tests/Dockerfile).
+    verifier_image: str | None = None
 
     @property
     def id(self) -> str:

@@ -25,6 +25,8 @@ from capture.rollouts.verifier import RewardError, VerifierSpec, file_reward, st
 REWARD_FILE_ENV = "AGENTTAP_REWARD_FILE"
 REWARD_FILE_NAME = "agenttap-reward"
 PYTEST_FOLDER = "agenttap-pytest"
+# In a Harbor verifier's TMPDIR: the folder shown at /logs/verifier, made fresh for it.
+HARBOR_LOGS = "harbor-logs"
 REWARD_FILE_CAP = 64 * 1024
 # Every file of the agent's, for the pytest verifier when no "keep" is given.
 KEEP_ALL = ("**",)
@@ -75,6 +77,8 @@ def score(verifier: VerifierSpec, returncode: int | None, stdout: str, tmp: Path
     try:
         if verifier.pytest:
             return _pytest_score(verifier, returncode, tmp)
+        if verifier.harbor:
+            return _harbor_score(verifier, tmp / HARBOR_LOGS)
         if returncode != 0:
             return Scored(error=f"the verifier exited with {returncode}")
         written = read_inside(tmp, REWARD_FILE_NAME, REWARD_FILE_CAP)
@@ -84,6 +88,20 @@ def score(verifier: VerifierSpec, returncode: int | None, stdout: str, tmp: Path
         return Scored(reward=stdout_reward(stdout, verifier.reward_range))
     except RewardError as exc:
         return Scored(error=str(exc))
+
+
+def _harbor_score(verifier: VerifierSpec, logs: Path) -> Scored:
+    """A Harbor test script's reward: reward.json (a number, or named numbers), else
+    reward.txt, in the /logs/verifier it was given fresh."""
+    for name in ("reward.json", "reward.txt"):
+        written = read_inside(logs, name, REWARD_FILE_CAP)
+        if written is not None:
+            reward, named = file_reward(written.decode("utf-8", "replace"), verifier.reward_range)
+            return Scored(reward=reward, rewards=named)
+    return Scored(
+        error="the task's tests/test.sh wrote no /logs/verifier/reward.txt or reward.json "
+        "(its output is kept)"
+    )
 
 
 def _pytest_score(verifier: VerifierSpec, returncode: int | None, tmp: Path) -> Scored:

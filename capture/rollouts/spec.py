@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +29,8 @@ from capture.control.sessions import (
     parse_limits,
     reject_unknown,
 )
+from capture.harbor.task import TEST_SCRIPT, HarborTask, read_task
+from capture.harbor.task import limits as task_limits
 from capture.isolation.limits import SANDBOX_LIMIT_KEYS, SandboxLimits, parse_sandbox_limits
 from capture.rollouts.agents import AGENTS, agent_command
 from capture.rollouts.verifier import VerifierSpec, parse_verifier
@@ -71,12 +73,15 @@ class RolloutSpec:
     # inside it they start in (None: the image's WORKDIR).
     image: str | None = None
     cwd: str | None = None
+    # A Harbor task folder (capture/harbor/task.py): its image built from environment/ before
+    # the runs (``image`` set then), its instruction the prompt, tests/test.sh the verifier.
+    task: HarborTask | None = None
 
 
 # The fields of a body, in the order they have always been checked (and named when unknown).
 KNOWN = (
     "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
-    "expose", "egress", "seed", "timeout_s", "wait", "rows", "image", "cwd",
+    "expose", "egress", "seed", "timeout_s", "wait", "rows", "image", "cwd", "task",
 )  # fmt: skip
 # An image reference: [registry/]name[:tag][@digest], as podman and docker read one.
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/:-]{0,254}(@sha256:[0-9a-f]{64})?")
@@ -183,6 +188,15 @@ class RolloutBody(SessionFields):
             {"type": "string", "description": "where in the image it starts; default its WORKDIR"}
         ),
     ] = None
+    task: Annotated[
+        Any,
+        WithJsonSchema(
+            {
+                "type": "string",
+                "description": "a Harbor task folder: its image, instruction, tests and limits",
+            }
+        ),
+    ] = None
     # Read even when left out: the kernel's limits have defaults.
     limits: Annotated[Any, WithJsonSchema(LIMITS_SCHEMA), Field(validate_default=True)] = None
     verifier: Annotated[Any, WithJsonSchema(VERIFIER_SCHEMA)] = None
@@ -217,6 +231,8 @@ class RolloutBody(SessionFields):
     def _known(cls, value: Any) -> Any:
         if isinstance(value, dict):
             reject_unknown(value, KNOWN)
+            if value.get("task") is not None:
+                value = with_task(value)
         return value
 
     @field_validator("prompt")
@@ -292,7 +308,18 @@ class RolloutBody(SessionFields):
         if value is None:
             return None
         has_files = info.data.get("workdir") is not None or info.data.get("image") is not None
-        verifier = parse_verifier(value, has_workdir=has_files)
+        task = info.data.get("task")
+        verifier = parse_verifier(value, has_workdir=has_files or task is not None)
+        if task is not None:
+            # Harbor's convention for its own tests; the task's tests shown at /tests, in the
+            # verifier's container only, unless the caller named others.
+            harbor = list(verifier.command) == ["bash", TEST_SCRIPT]
+            return replace(
+                verifier,
+                tests=verifier.tests or task.tests,
+                harbor=harbor,
+                timeout_s=task.verifier_timeout_s,
+            )
         if info.data.get("image") is not None and verifier.pytest:
             raise ValueError(
                 '"verifier.pytest" runs the proxy\'s Python; in an "image" give "command" (the '
@@ -354,7 +381,42 @@ class RolloutBody(SessionFields):
             seed=self.seed,
             image=self.image,
             cwd=self.cwd,
+            task=self.task,
         )
+
+
+def with_task(body: dict[str, Any]) -> dict[str, Any]:
+    """A body naming a Harbor ``"task"`` folder, with what the task gives filled in where the
+    body leaves it out: the prompt (instruction.md), the limits (task.toml's memory and
+    storage), the agent's timeout and the verifier (tests/test.sh, its reward what it writes to
+    /logs/verifier, its timeout). ValueError worded for the caller for a folder that is no task."""
+    folder = body["task"]
+    if not isinstance(folder, str) or not folder.startswith("/") or "\x00" in folder:
+        raise ValueError('"task" must be the absolute path of a Harbor task folder')
+    for key in ("image", "workdir", "sandbox"):
+        if key in body:
+            raise ValueError(
+                f'"task" and "{key}": a Harbor task builds its own image from environment/'
+            )
+    task = read_task(Path(folder))
+    filled: dict[str, Any] = {**body, "task": task}
+    filled.setdefault("prompt", task.prompt)
+    given, _ = task_limits(task)
+    # Its disk is RAM (a tmpfs charged to memory_mb): at most half the task's memory.
+    if "disk_mb" in given and "memory_mb" in given:
+        given["disk_mb"] = min(int(given["disk_mb"]), max(1, int(given["memory_mb"]) // 2))
+    if given or "limits" in body:
+        limits = body.get("limits")
+        filled["limits"] = {**given, **limits} if isinstance(limits, dict) else limits
+    if task.agent_timeout_s is not None:
+        filled.setdefault("timeout_s", task.agent_timeout_s)
+    verifier = body.get("verifier")
+    if verifier is None:
+        filled["verifier"] = {"command": ["bash", TEST_SCRIPT]}
+    elif isinstance(verifier, dict) and not {"command", "pytest"} & set(verifier):
+        # Its own settings ("on_error", "reward_range", "keep") for the task's test script.
+        filled["verifier"] = {"command": ["bash", TEST_SCRIPT], **verifier}
+    return filled
 
 
 def read_rollout(body: Any) -> RolloutBody:

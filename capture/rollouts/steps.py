@@ -21,7 +21,7 @@ from capture.ports import RolloutHost
 from capture.rollouts.agents import config_home, prepare_home
 from capture.rollouts.images import after_agent, agent_plan, copy_tree, verifier_plan
 from capture.rollouts.runs import OUTPUT_KEPT, Rollout, Run, RunStatus, plain_env, tail
-from capture.rollouts.scoring import graded_folder, score, verifier_command
+from capture.rollouts.scoring import HARBOR_LOGS, graded_folder, score, verifier_command
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
     spec = rollout.spec
     verifier = spec.verifier
     assert verifier is not None
+    timeout_s = verifier.timeout_s or VERIFIER_TIMEOUT_S
     base = run.base or run.folder
     work = base / "work"
     home, tmp = base / "verifier-home", base / "verifier-tmp"
@@ -191,10 +192,13 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
     try:
         kept = [work / rel for rel in (graded.kept if graded is not None else [])]
         command, extra = await asyncio.to_thread(verifier_command, verifier, tmp, kept)
+        if verifier.harbor:  # Harbor's /logs/verifier, fresh (made before it is handed over)
+            (tmp / HARBOR_LOGS).mkdir()
         await asyncio.to_thread(rollout.engine.hand_over, work, home, tmp)
         plan = None
         if spec.image is not None:
-            plan = verifier_plan(rollout, run, work, graded is not None)
+            logs = tmp / HARBOR_LOGS if verifier.harbor else None
+            plan = verifier_plan(rollout, run, work, graded is not None, logs)
         env = {
             **plain_env(home, tmp),
             "PYTHONSAFEPATH": "1",
@@ -204,13 +208,13 @@ async def verify(box: Box, rollout: Rollout, run: Run) -> None:
         log, errors = run.folder / "verifier.log", run.folder / "verifier-stderr.log"
         ended = await supervised(
             box, rollout, run, "verifier", command, env, (work, home, tmp), log,
-            VERIFIER_TIMEOUT_S, stderr_log=errors, container=plan,
+            timeout_s, stderr_log=errors, container=plan,
         )  # fmt: skip
         stdout = tail(log, VERIFIER_TAIL)  # read for the reward: its stderr never is
         run.verifier_output = stdout[-OUTPUT_KEPT:]
         run.verifier_stderr = tail(errors)
         if ended.timed_out:
-            run.error = f"the verifier ran past {VERIFIER_TIMEOUT_S:g} s and was stopped"
+            run.error = f"the verifier ran past {timeout_s:g} s and was stopped"
         elif ended.limit is not None:
             run.limit = ended.limit
             run.error = limit_words("verifier", ended.limit, spec.sandbox_limits)

@@ -60,6 +60,12 @@ class VerifierSpec:
     # A folder on the proxy's machine shown read-only at /tests in an image's verifier only
     # (hidden tests: the agent never saw them, and nothing it left there counts).
     tests: Path | None = None
+    # Harbor's convention (a task folder's tests/test.sh): the reward is what it wrote to
+    # /logs/verifier (reward.json, else reward.txt), a folder made fresh for it; its exit status
+    # and output are not read.
+    harbor: bool = False
+    # Seconds it may run (None: the default, capture/rollouts/steps.py VERIFIER_TIMEOUT_S).
+    timeout_s: float | None = None
 
 
 def parse_verifier(spec: Any, has_workdir: bool) -> VerifierSpec:

@@ -114,10 +114,68 @@ def test_tests_planted_by_the_agent_are_not_the_tests_run(stub_tap: AgentTap, im
 
 def test_a_container_past_its_memory_ends_with_that_limit(stub_tap: AgentTap, image: str) -> None:
     agent = {"command": ["python3", "-c", "x = bytearray(600 << 20); print('alive')"]}
-    result = stub_tap.rollout(
-        agent, "grow", image=image, limits={"memory_mb": 256, "disk_mb": 64}
-    )
+    result = stub_tap.rollout(agent, "grow", image=image, limits={"memory_mb": 256, "disk_mb": 64})
     run = result["rollouts"][0]
     assert run["limit"] == "memory" and run["finish_reason"] == "limit", run
     assert "alive" not in run["agent_output"]
     assert containers_of(result["id"]) == []
+
+
+HARBOR = task_folder("harbor-fix-script")
+HARBOR_FIX = [
+    "Look.\n" + hermes("bash", {"command": "cat /app/report.py"}),
+    "Fix.\n"
+    + hermes(
+        "bash",
+        {
+            "command": 'sed -i \'s/sum(row\\["amount"\\] for/sum(float(row["amount"]) for/\' '
+            "/app/report.py && python3 /app/report.py /app/sales.csv"
+        },
+    ),  # fmt: skip
+    "Done.\n" + hermes("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+]
+
+
+@pytest.fixture
+def harbor_scripted(stub: StubPolicy) -> Iterator[None]:
+    prompt = (HARBOR / "instruction.md").read_text().strip()
+
+    def rule(body: dict[str, Any]) -> str | None:
+        text = stub.tok.decode(body["prompt"])
+        if prompt[:60] not in text:
+            return None
+        return HARBOR_FIX[min(text.count("<tool_response>"), len(HARBOR_FIX) - 1)]
+
+    stub.rules.insert(0, rule)
+    yield
+    stub.rules.remove(rule)
+
+
+@pytest.mark.usefixtures("harbor_scripted")
+def test_a_harbor_task_folder_is_built_run_and_scored_by_its_tests(stub_tap: AgentTap) -> None:
+    """``"task": DIR``: the image built from environment/, instruction.md the prompt,
+    tests/test.sh the verifier, its /logs/verifier/reward.txt the reward, task.toml's limits."""
+    result = stub_tap.rollout("mini-swe-agent", "", task=HARBOR)
+    run = result["rollouts"][0]
+    assert result["sandbox"] == "podman" and run["status"] == "ok", run["error"]
+    assert run["reward"] == 1.0, run["verifier_output"]
+    # task.toml's memory (1024) and storage (1024, at most half the memory: RAM) applied.
+    assert run["usage"]["agent"]["memory_peak_bytes"] <= 1024 << 20
+    assert containers_of(result["id"]) == []
+
+
+def test_a_reward_file_the_agent_wrote_never_counts(stub_tap: AgentTap) -> None:
+    """The agent writes 1 to /logs/verifier/reward.txt and fixes nothing: the verifier's
+    /logs/verifier is a fresh folder, so the task's tests give 0."""
+    plant = ["sh", "-c", "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt; echo ok"]
+    result = stub_tap.rollout(
+        {"command": plant}, "plant", task=HARBOR, verifier={"on_error": "score"}
+    )
+    run = result["rollouts"][0]
+    assert run["reward"] == 0.0, run
+    # The control: the task's own solution scores 1 through the same verifier.
+    solve = ["bash", "-c", (HARBOR / "solution" / "solve.sh").read_text()]
+    result = stub_tap.rollout(
+        {"command": solve}, "solve", task=HARBOR, verifier={"on_error": "score"}
+    )
+    assert result["rollouts"][0]["reward"] == 1.0, result["rollouts"][0]
