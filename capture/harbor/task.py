@@ -202,11 +202,8 @@ def limits(task: HarborTask) -> tuple[dict[str, int | float], list[str]]:
         # Harbor's storage is the container's disk; agenttap's disk_mb caps what a run writes
         # to its work folder, HOME and TMPDIR, the disk an agent fills.
         mapped["disk_mb"] = task.storage_mb
-    if task.cpus is not None:
-        unenforced.append(
-            f"cpus = {task.cpus:g}: agenttap limits CPU seconds (cpu_s), not cores; "
-            "the run may use every core of the host"
-        )
+    # cpus: the container engine's own cap (--cpus, capture/rollouts/images.py), not a limit
+    # key. What is left unenforced: nothing read here today.
     return mapped, unenforced
 
 

@@ -93,6 +93,8 @@ class ContainerPlan:
     binds: tuple[Bind, ...] = ()
     keep: bool = False
     engine: str = "podman"
+    # CPU cores it may use at once (a Harbor task's cpus); None: the host's.
+    cpus: float | None = None
 
 
 def _loader() -> Path:
@@ -217,10 +219,9 @@ async def image_config(image: str, engine: str = "podman") -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def limit_flags(limits: SandboxLimits) -> list[str]:
+def limit_flags(cpus: float | None) -> list[str]:
     """The engine's own caps beside the run's cgroup (memory, pids and CPU seconds are the
-    cgroup's, its container's made below it): CPUs, where the limits give them."""
-    cpus = getattr(limits, "cpus", None)
+    cgroup's, its container's made below it): CPU cores, where given."""
     return [f"--cpus={cpus:g}"] if cpus else []
 
 
@@ -247,6 +248,7 @@ class Container:
         cwd: str | None,
         cgroup_parent: str,
         engine: str = "podman",
+        cpus: float | None = None,
     ) -> Container:
         """A container of ``image`` that will run ``command`` (not started yet); its
         environment goes through a file only this user reads, never the command line."""
@@ -262,7 +264,7 @@ class Container:
             "create", "--name", name, "--label", f"{LABEL}={OWNER}",
             "--network", "none", "--security-opt", "no-new-privileges",
             "--uidmap", f"0:{UID_BASE}:{ID_RANGE}", "--gidmap", f"0:{UID_BASE}:{ID_RANGE}",
-            "--env-file", str(env_file), "--init", *limit_flags(limits),
+            "--env-file", str(env_file), "--init", *limit_flags(cpus),
             *(("--cgroup-parent", cgroup_parent) if cgroup_parent else ()),
             *(f"--volume={b.flag()}" for b in binds),
             *(("--workdir", cwd) if cwd else ()),

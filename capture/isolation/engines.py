@@ -223,7 +223,7 @@ class PodmanEngine(Engine):
         env["PATH"] = plan.path
         container = await Container.create(
             container_name(spec.name), plan.image, command, env, (*binds, *plan.binds),
-            spec.limits, plan.cwd, cgroup.relative, plan.engine,
+            spec.limits, plan.cwd, cgroup.relative, plan.engine, plan.cpus,
         )  # fmt: skip
         try:
             pid = await container.init()

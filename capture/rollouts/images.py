@@ -121,6 +121,7 @@ def agent_plan(rollout: Rollout, work: Path) -> ContainerPlan:
         from_host=isinstance(spec.agent, str),
         binds=(Bind(work, rollout.image_workdir, read_only=False),),
         keep=grades_state(rollout),
+        cpus=spec.task.cpus if spec.task is not None else None,
     )
 
 
@@ -169,7 +170,11 @@ def verifier_plan(
         assert run.state_image is not None
         image = run.state_image
     return ContainerPlan(
-        image=image, cwd=rollout.image_workdir, path=rollout.image_path, binds=tuple(binds)
+        image=image,
+        cwd=rollout.image_workdir,
+        path=rollout.image_path,
+        binds=tuple(binds),
+        cpus=spec.task.cpus if spec.task is not None else None,
     )
 
 

@@ -405,9 +405,9 @@ def with_task(body: dict[str, Any]) -> dict[str, Any]:
     # Its disk is RAM (a tmpfs charged to memory_mb): at most half the task's memory.
     if "disk_mb" in given and "memory_mb" in given:
         given["disk_mb"] = min(int(given["disk_mb"]), max(1, int(given["memory_mb"]) // 2))
-    if given or "limits" in body:
-        limits = body.get("limits")
-        filled["limits"] = {**given, **limits} if isinstance(limits, dict) else limits
+    limits = body.get("limits")
+    if limits is None or isinstance(limits, dict):  # else the limits' own error is told
+        filled["limits"] = {**given, **(limits or {})}
     if task.agent_timeout_s is not None:
         filled.setdefault("timeout_s", task.agent_timeout_s)
     verifier = body.get("verifier")

@@ -179,3 +179,53 @@ def test_a_reward_file_the_agent_wrote_never_counts(stub_tap: AgentTap) -> None:
         {"command": solve}, "solve", task=HARBOR, verifier={"on_error": "score"}
     )
     assert result["rollouts"][0]["reward"] == 1.0, result["rollouts"][0]
+
+
+def test_a_scaffold_in_an_image_records_the_real_policy_exactly(
+    vllm_url: str, confdir: Path, tmp_path: Path, image: str
+) -> None:
+    """mini-swe-agent in the task's image, answered by the real vLLM (the tiny random Qwen3):
+    its rows equal vLLM's own re-score of them, as a scaffold's rows do in the bwrap sandbox."""
+    from capture.client.launcher import AgentTap
+    from tests.e2e.providers.test_trajectory_vllm import _assert_exact
+    from tests.support.paths import QWEN3
+
+    tap = AgentTap.start(vllm_url, QWEN3, tmp_path / "out", confdir=confdir)
+    try:
+        result = tap.rollout("mini-swe-agent", TASK["prompt"], image=image, limits={"max_calls": 2})
+        sid = result["rollouts"][0]["session_id"]
+        rows = read_threads(tap.out, sid)
+        turns = read_turns(tap.out, sid)
+    finally:
+        tap.close()
+    assert rows and len(turns) >= 1, result
+    for row in rows:
+        assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
+    assert containers_of(result["id"]) == []
+
+
+def test_a_crashed_instances_containers_are_removed_at_the_next_start(image: str) -> None:
+    """A container whose owner label names an instance that is gone (a pid of this namespace
+    that no longer runs) is removed by the next start; one of a live instance is kept."""
+    from capture.isolation.containers import OWNER, remove_stale
+    from capture.isolation.host import instance_tag
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone_owner = instance_tag().rsplit("-", 2)[0] + f"-{dead.pid}-1"
+    names = {"agenttap-stale-test-gone": gone_owner, "agenttap-stale-test-live": OWNER}
+    for name, owner in names.items():
+        subprocess.run(
+            [*engine_command(), "create", "--name", name, "--label", f"{LABEL}={owner}",
+             image, "true"],
+            capture_output=True, env=engine_env(), check=True,
+        )  # fmt: skip
+    try:
+        removed = remove_stale()
+        assert "agenttap-stale-test-gone" in removed
+        assert "agenttap-stale-test-live" not in removed
+        assert containers_of("agenttap-stale-test") == ["agenttap-stale-test-live"]
+    finally:
+        subprocess.run(
+            [*engine_command(), "rm", "--force", *names], capture_output=True, env=engine_env()
+        )
