@@ -6,7 +6,10 @@ What the agent plants there, or a limit it hits, counts for nothing."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 from capture.client.launcher import AgentTap
 from capture.isolation.podman import LABEL, engine_command, engine_env
 from tests.e2e.providers.test_anthropic_sdk_stub import hermes
+from tests.support.paths import REPO
 from tests.support.proxies import read_threads, read_turns
 from tests.support.scaffold_task import check_trained_exactly_once
 from tests.support.stub_vllm import StubPolicy
@@ -229,3 +233,48 @@ def test_a_crashed_instances_containers_are_removed_at_the_next_start(image: str
         subprocess.run(
             [*engine_command(), "rm", "--force", *names], capture_output=True, env=engine_env()
         )
+
+
+def test_a_container_past_its_pids_or_its_time_is_ended(stub_tap: AgentTap, image: str) -> None:
+    bomb = ["sh", "-c", "for i in $(seq 200); do sleep 30 & done; wait"]
+    result = stub_tap.rollout({"command": bomb}, "fork", image=image, limits={"pids": 64})
+    run = result["rollouts"][0]
+    assert run["limit"] == "pids" and run["finish_reason"] == "limit", run
+    slow = ["sh", "-c", "echo started; sleep 120"]
+    result = stub_tap.rollout({"command": slow}, "slow", image=image, timeout_s=3)
+    run = result["rollouts"][0]
+    assert "ran past its timeout (3 s)" in run["error"], run
+    assert run["metrics"].get("wall_time_s", 0) < 60
+    assert containers_of(result["id"]) == []
+
+
+def test_a_container_reaches_no_host_file_and_its_listener_stays_inside(
+    stub_tap: AgentTap, image: str
+) -> None:
+    """From inside: OUT, the token file and the repository are not there; a port it listens
+    on is its own loopback's, not the host's."""
+    port = 18000 + os.getpid() % 1000
+    probe = (
+        "import os, socket, sys, time\n"
+        "for path in sys.argv[1:]:\n"
+        "    print(path, os.path.exists(path))\n"
+        f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print('listening')\n"
+        "sys.stdout.flush(); time.sleep(4)\n"
+    )
+    hidden = [str(stub_tap.out), str(REPO / "capture"), "/root/.bash_history"]
+    agent = {"command": ["python3", "-c", probe, *hidden]}
+    result = stub_tap.rollout(agent, "/etc/hostname", image=image, wait=False)
+    log = stub_tap.out / "rollouts" / result["id"] / "0" / "agent.log"
+    deadline = time.monotonic() + 60
+    while "listening" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "the probe never listened"
+        time.sleep(0.2)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    while stub_tap.get_rollout(result["id"])["status"] != "done":
+        assert time.monotonic() < deadline + 60
+        time.sleep(0.5)
+    output = log.read_text()
+    for path in hidden:
+        assert f"{path} False" in output, output
+    assert "/etc/hostname True" in output  # the control: its own files are there
