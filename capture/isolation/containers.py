@@ -145,12 +145,16 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
             interpreter, args = found, names[1:]
         argv = [interpreter, *args, argv[0], *argv[1:]]
     loader = _loader()
-    # The loader loads the real file; the program sees the path it was called by (a venv's
-    # python finds its venv from it).
+    # The loader loads the real file; the program sees the name it was called by, in its real
+    # folder (a venv's python finds its venv from it). Only real paths are shown in the
+    # container: a path through a linked folder (a worktree's .venv -> another checkout's) is
+    # not there, so the scripts are passed by their real paths (node and Python resolve a
+    # script's links themselves anyway).
     program_file = _in_container(Path(os.path.realpath(argv[0])))
-    argv0 = argv[0] if not Path(argv[0]).is_relative_to("/usr") else program_file
-    rest = [_in_container(Path(a)) if a.startswith("/") and os.path.exists(a) else a
-            for a in argv[1:]]  # fmt: skip
+    called = Path(os.path.realpath(Path(argv[0]).parent)) / Path(argv[0]).name
+    argv0 = str(called) if not called.is_relative_to("/usr") else program_file
+    rest = [_in_container(Path(os.path.realpath(a))) if a.startswith("/") and os.path.exists(a)
+            else a for a in argv[1:]]  # fmt: skip
     libraries = _in_container(loader.parent)
     runner = [_in_container(loader), "--library-path", libraries, "--argv0", argv0]
     runner += [program_file, *rest]
