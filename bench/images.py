@@ -1,7 +1,7 @@
 """What a run in a task's container image costs against the bwrap sandbox beside it: each
 scaffold's start, and 16 runs at once, measured in one run (issue 49).
 
-    .venv/bin/python bench/images.py [--reps 3] [--concurrency 16] [--agents claude-code,codex]
+    .venv/bin/python bench/images.py [--reps 2] [--concurrency 16] [--agents claude-code,codex]
                                      [--task swe-slugify]
 
 The isolation API directly (capture/isolation/box.py; no proxy, no network): a ``Box``, its
@@ -22,7 +22,11 @@ Concurrency: ``--concurrency`` runs of ``python3 -c 'import time; time.sleep(2)'
 once, the image's Python in its containers and the host's ``/usr/bin/python3`` in bwrap: the
 wall time until every one ended, the sum of their cgroups' ``memory_peak_bytes`` and the drop
 of the host's MemAvailable (its lowest while they ran against before: other work on the host
-moves it too).
+moves it too), and the most PSS at once of the containers' host processes (each one's
+``podman start --attach`` and conmon, outside its cgroup).
+
+With ``--reps 3`` a run took 7 minutes on 2 cores at load 9, OpenHands' starts most of it;
+the default (``--reps 2``) makes 6 starts per scaffold and engine instead of 8.
 """
 
 from __future__ import annotations
@@ -432,7 +436,7 @@ async def measure_crowd(bench: Bench, engine: str, n: int) -> Crowd:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
-        "--reps", type=int, default=3, help="warm starts per engine (after one cold)"
+        "--reps", type=int, default=2, help="warm starts per engine (after one cold)"
     )
     parser.add_argument("--concurrency", type=int, default=16, help="runs at once (0: none)")
     parser.add_argument(
