@@ -2,6 +2,7 @@
 ``box`` (the facade: ``Box.start(spec) -> BoxHandle``, with ``wait``, ``stop`` and ``usage``),
 ``engines`` (what a run starts in, by name: ``bwrap``, ``none``, ``podman``), ``containers``
 (a run in a container of a task's image: the engine's CLI, the agent brought in from the host),
+``hostprog`` (a host program's ELF copy whose interpreter is the host's loader),
 ``podman`` (the engine's command and configuration), ``images`` (base and task images, built
 and cached by content), ``sandbox`` (bubblewrap's
 command line from an allowlist of mounts, the sandbox's processes), ``launch`` (bwrap started

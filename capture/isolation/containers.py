@@ -1,21 +1,21 @@
-"""One run in a container of a task's own image (podman, or docker): ``Container`` drives the
-engine's CLI (create, init, start attached, stop, commit, copy out, remove), ``host_program``
-brings an agent's program in from the host, and ``remove_stale`` removes what a crashed
-instance left.
+"""One run in a container of a task's own image (podman): ``Container`` drives the engine's
+CLI (create, init, start attached, stop, commit, copy out, remove), ``host_program`` brings an
+agent's program in from the host, and ``remove_stale`` removes what a crashed instance left.
 
 The image need not hold the agent's program, node or the host's Python. The agent's install is
-shown read-only at its own path, and the host's ``/usr`` at ``/.agenttap/host/usr``; the
-program runs through the host's own dynamic loader with the host's libraries
-(``ld-linux ... --library-path``), so it works whatever C library the image has. Only that
-process is loaded so: every program it starts (the agent's tool calls) is the image's own.
+shown read-only at its own path and the host's ``/usr`` at ``/.agenttap/host/usr``; its program
+file is shown as a copy whose interpreter is the host's own loader, reading the host's
+libraries (capture/isolation/hostprog.py), so it runs whatever C library the image has, and
+``/proc/self/exe`` is the program itself. Every program it starts (the agent's tool calls) is
+the image's own, with the image's loader and libraries.
 
 The container has no network (``--network none``): its loopback only. The forwarder
 (capture/isolation/bridge.py) runs as a host process that joined the container's network
 namespace alone (``nsenter --net``), listening on its loopback at the proxy's and the API's
 ports before the agent starts; the image needs nothing for it. The container's root is mapped
-to an unprivileged range of host uids (``--uidmap``), with no new privileges; its memory and
-pids are capped by the engine, and its cgroup is read for usage and the limit hit
-(capture/isolation/cgroup.py).
+to an unprivileged range of host uids (``--uidmap``), with no new privileges. It runs under the
+run's cgroup (``--cgroup-parent``): its memory, pids and CPU seconds are the run's limits, read
+and watched as any run's (capture/isolation/cgroup.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from capture.isolation.host import _stale, instance_tag
+from capture.isolation.hostprog import (
+    CACHE_AT,
+    LOADER_AT,
+    edited_loader,
+    edited_program,
+    is_dynamic_elf,
+    library_cache,
+)
 from capture.isolation.limits import SandboxLimits
 from capture.isolation.podman import LABEL, engine_command, engine_env
 from capture.isolation.sandbox import program_paths
@@ -97,14 +105,6 @@ class ContainerPlan:
     cpus: float | None = None
 
 
-def _loader() -> Path:
-    """The host's dynamic loader (its real path, under /usr on a merged-/usr system)."""
-    for name in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1"):
-        if os.path.exists(name):
-            return Path(os.path.realpath(name))
-    raise EngineError("the host's dynamic loader was not found: the agent cannot be run from it")
-
-
 def _in_container(path: Path) -> str:
     """Where a host path is seen in the container: under HOST_USR for the host's /usr, else at
     its own path (mounted there)."""
@@ -144,20 +144,25 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
                 raise FileNotFoundError(f"{argv[0]}'s interpreter {' '.join(line)!r} is not here")
             interpreter, args = found, names[1:]
         argv = [interpreter, *args, argv[0], *argv[1:]]
-    loader = _loader()
-    # The loader loads the real file; the program sees the name it was called by, in its real
-    # folder (a venv's python finds its venv from it). Only real paths are shown in the
-    # container: a path through a linked folder (a worktree's .venv -> another checkout's) is
-    # not there, so the scripts are passed by their real paths (node and Python resolve a
-    # script's links themselves anyway).
-    program_file = _in_container(Path(os.path.realpath(argv[0])))
+    # The program runs as itself (capture/isolation/hostprog.py): its ELF file, copied with the
+    # host's loader as its interpreter, shown over its own path. It is called by the name it was
+    # called by, in its real folder (a venv's python finds its venv from it). Only real paths
+    # are shown: a path through a linked folder is not there, so scripts are passed by their
+    # real paths (node and Python resolve a script's links themselves anyway).
+    real = Path(os.path.realpath(argv[0]))
+    program_at = _in_container(real)
     called = Path(os.path.realpath(Path(argv[0]).parent)) / Path(argv[0]).name
-    argv0 = str(called) if not called.is_relative_to("/usr") else program_file
+    argv0 = str(called) if not called.is_relative_to("/usr") else program_at
     rest = [_in_container(Path(os.path.realpath(a))) if a.startswith("/") and os.path.exists(a)
             else a for a in argv[1:]]  # fmt: skip
-    libraries = _in_container(loader.parent)
-    runner = [_in_container(loader), "--library-path", libraries, "--argv0", argv0]
-    runner += [program_file, *rest]
+    runner = [argv0, *rest]
+    edited: list[Bind] = []
+    if is_dynamic_elf(real):
+        edited = [
+            Bind(edited_program(real), program_at),
+            Bind(edited_loader(), LOADER_AT),
+            Bind(library_cache(str(HOST_USR)), CACHE_AT),
+        ]
     shown = [Path(os.path.realpath(p)) for p in program_paths(command, path_env)]
     shown += [Path(os.path.realpath(a)) for a in argv if a.startswith("/") and os.path.exists(a)]
     binds = [Bind(Path("/usr"), str(HOST_USR))]
@@ -165,7 +170,8 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
         if not any(path == s or path.is_relative_to(s) for s in SYSTEM):
             binds.append(Bind(path, str(path)))
     binds += _linked_binds(argv)
-    return runner, _outermost(binds)
+    # The edited program over its own path, inside the binds that show its install.
+    return runner, (*_outermost(binds), *edited)
 
 
 def _linked_binds(argv: list[str]) -> list[Bind]:

@@ -61,7 +61,7 @@ def _interp_slot(fh: object) -> tuple[int, int] | None:
     head = read(64)
     if len(head) < 64 or head[:4] != ELF_MAGIC or head[4] != 2 or head[5] != 1:
         return None
-    phoff, = struct.unpack_from("<Q", head, 0x20)
+    (phoff,) = struct.unpack_from("<Q", head, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
     for index in range(phnum):
         seek(phoff + index * phentsize)
@@ -70,9 +70,10 @@ def _interp_slot(fh: object) -> tuple[int, int] | None:
             return None
         (kind,) = struct.unpack_from("<I", entry, 0)
         if kind == PT_INTERP:
-            offset, size = struct.unpack_from("<Q", entry, 0x08)[0], struct.unpack_from(
-                "<Q", entry, 0x20
-            )[0]
+            offset, size = (
+                struct.unpack_from("<Q", entry, 0x08)[0],
+                struct.unpack_from("<Q", entry, 0x20)[0],
+            )
             return offset, size
     return None
 
@@ -156,9 +157,7 @@ def library_cache(host_usr_at: str) -> Path:
         try:
             (root / inside.lstrip("/")).mkdir(parents=True)
             (root / "ld.conf").write_text(inside + "\n")
-            script = (
-                'mount --bind "$1" "$2" && ldconfig -X -r "$3" -f /ld.conf -C /cache'
-            )
+            script = 'mount --bind "$1" "$2" && ldconfig -X -r "$3" -f /ld.conf -C /cache'
             done = subprocess.run(
                 ["unshare", "-m", "sh", "-c", script, "sh", str(libs),
                  str(root / inside.lstrip("/")), str(root)],

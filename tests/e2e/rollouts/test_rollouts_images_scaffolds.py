@@ -17,7 +17,9 @@ import pytest
 from capture.client.launcher import AgentTap
 from capture.isolation.containers import host_program
 from capture.isolation.podman import engine_command, engine_env
+from tests.e2e.clis.test_gemini_cli import answer_router
 from tests.e2e.providers.test_anthropic_sdk_stub import hermes
+from tests.e2e.providers.test_conservation_e2e import conservation
 from tests.e2e.rollouts.test_rollouts_images import GRADE, HIDDEN, TASK, containers_of
 from tests.support.proxies import read_threads, read_turns
 from tests.support.scaffold_task import TITLE, TITLE_PROMPT, check_trained_exactly_once
@@ -44,6 +46,8 @@ def _codex(command: str) -> str:
 STEPS = {
     "claude-code": [
         "Look first.\n" + hermes("Read", {"file_path": SLUG}),
+        # Its Grep runs its built-in ripgrep: itself again, by process.execPath.
+        hermes("Grep", {"pattern": "re\\.sub", "path": "/testbed"}),
         hermes("Bash", {"command": PROBE, "description": "Which Python"}),
         # In the order Claude Code renders its Edit call back (replace_all first), so the
         # next prompt extends the tokens sampled.
@@ -61,6 +65,12 @@ STEPS = {
     ],
     # Codex's one tool is exec, a script calling its nested tools.
     "codex": [_codex(PROBE), _codex(SED), "Fixed slugify."],
+    "gemini": [
+        hermes("read_file", {"file_path": SLUG}),
+        hermes("run_shell_command", {"command": PROBE, "description": "Which Python"}),
+        hermes("run_shell_command", {"command": SED, "description": "Fix the run"}),
+        "Fixed slugify.",
+    ],
 }
 
 
@@ -71,6 +81,9 @@ def image() -> str:
 
 def _rule(stub: StubPolicy, steps: list[str]) -> Callable[[dict[str, Any]], str | None]:
     def rule(body: dict[str, Any]) -> str | None:
+        routed = answer_router(body)  # Gemini CLI's router call
+        if routed is not None:
+            return routed
         text = stub.tok.decode(body["prompt"])
         if ASKED not in text:
             return None
@@ -106,9 +119,19 @@ def test_each_scaffold_fixes_a_swe_task_in_its_image(
     turns = read_turns(stub_tap.out, sid)
     # Its tool call ran in the image: the image's Python imported the package in /testbed.
     assert SEEN in stub.tok.decode(turns[-1]["prompt_ids"])
+    if agent == "claude-code":  # its ripgrep found the file, in the image
+        assert "textkit/slug.py" in stub.tok.decode(turns[2]["prompt_ids"]).split("Grep")[-1]
     rows = read_threads(stub_tap.out, sid)
-    check_trained_exactly_once(rows, turns)
-    # One conversation, a call per step (OpenCode's title call its one side row).
+    conservation(rows, turns)
+    # A schema-constrained call (Gemini CLI's router) trains re-scored logprobs (provenance 2,
+    # docs/SHARDS.md); every other call the stub's own, sampled.
+    constrained = {t["request_id"] for t in turns if "constrained" in t["metadata"]}
+    check_trained_exactly_once(
+        [r for r in rows if not constrained & set(r["trained_request_ids"])],
+        [t for t in turns if t["request_id"] not in constrained],
+    )
+    # One conversation, a call per step (OpenCode's title call, Gemini CLI's router call their
+    # one side row).
     mains = [r for r in rows if r["thread_kind"] == "main"]
     assert [r["num_turns"] for r in mains] == [len(STEPS[agent])], rows
     assert containers_of(result["id"]) == []  # every container went with its run
