@@ -393,7 +393,23 @@ def remove_stale(engine: str = "podman") -> list[str]:
             [*prefix, "rm", "--force", "--time", "0", *stale],
             capture_output=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
         )  # fmt: skip
-    return stale
+    # The agents' committed states it left (a commit carries its container's labels).
+    images = subprocess.run(
+        [*prefix, "images", "--filter", f"label={LABEL}",
+         "--format", "{{.Repository}}:{{.Tag}} {{index .Labels \"" + LABEL + "\"}}"],
+        capture_output=True, text=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    states = []
+    for line in images.stdout.splitlines():
+        ref, _, owner = line.partition(" ")
+        if ref and owner != OWNER and _stale(owner):
+            states.append(ref)
+    if states:
+        subprocess.run(
+            [*prefix, "rmi", "--force", *states],
+            capture_output=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    return stale + states
 
 
 def _host_tmp() -> str:

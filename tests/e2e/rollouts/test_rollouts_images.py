@@ -224,8 +224,15 @@ def test_a_crashed_instances_containers_are_removed_at_the_next_start(image: str
              image, "true"],
             capture_output=True, env=engine_env(), check=True,
         )  # fmt: skip
+    # A committed state (an agent's, for its verifier) carries its container's owner.
+    state = "localhost/agenttap-state:stale-test"
+    subprocess.run(
+        [*engine_command(), "commit", "--quiet", "agenttap-stale-test-gone", state],
+        capture_output=True, env=engine_env(), check=True,
+    )  # fmt: skip
     try:
         removed = remove_stale()
+        assert state in removed
         assert "agenttap-stale-test-gone" in removed
         assert "agenttap-stale-test-live" not in removed
         assert containers_of("agenttap-stale-test") == ["agenttap-stale-test-live"]
