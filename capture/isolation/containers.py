@@ -45,7 +45,7 @@ from capture.isolation.hostprog import (
 )
 from capture.isolation.limits import SandboxLimits
 from capture.isolation.podman import LABEL, engine_command, engine_env
-from capture.isolation.sandbox import program_paths
+from capture.isolation.sandbox import program_paths, shebang
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +113,6 @@ def _in_container(path: Path) -> str:
     return str(path)
 
 
-def _shebang(path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(256)
-    except OSError:
-        return []
-    if not head.startswith(b"#!"):
-        return []
-    return head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
-
-
 def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bind, ...]]:
     """``command`` (a program on the host) as the container runs it: through the host's loader,
     its script interpreters resolved on the host (``#!/usr/bin/env node`` included), and the
@@ -133,7 +122,7 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
         raise FileNotFoundError(f"the agent's program {command[0]!r} is not on this host")
     argv = [program, *command[1:]]
     for _ in range(3):  # a script's interpreter may be a script too (env -> node)
-        line = _shebang(Path(os.path.realpath(argv[0])))
+        line = shebang(Path(os.path.realpath(argv[0])))
         if not line:
             break
         interpreter, *args = line
@@ -371,45 +360,36 @@ async def remove_image(tag: str, engine: str = "podman") -> None:
 
 
 def remove_stale(engine: str = "podman") -> list[str]:
-    """The containers an earlier instance of agenttap left (its label names an owner that is
-    not this process), removed; their names. Nothing when the engine is not installed."""
+    """What an earlier instance of agenttap left (its label names an owner that is gone):
+    its containers and the agents' states it committed (a commit carries its container's
+    labels), removed; their names. Nothing when the engine is not installed."""
     try:
         prefix = engine_command(engine)
     except ValueError:
         return []
     env = engine_env(engine)
-    listed = subprocess.run(
-        [*prefix, "ps", "--all", "--filter", f"label={LABEL}",
-         "--format", "{{.Names}} {{index .Labels \"" + LABEL + "\"}}"],
-        capture_output=True, text=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
-    )  # fmt: skip
-    stale = []
-    for line in listed.stdout.splitlines():
-        name, _, owner = line.partition(" ")
-        if name and owner != OWNER and _stale(owner):
-            stale.append(name)
-    if stale:
-        subprocess.run(
-            [*prefix, "rm", "--force", "--time", "0", *stale],
-            capture_output=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
+    owner = '{{index .Labels "' + LABEL + '"}}'
+    removed = []
+    for listing, name, remove in (
+        (["ps", "--all"], "{{.Names}}", ["rm", "--force", "--time", "0"]),
+        (["images"], "{{.Repository}}:{{.Tag}}", ["rmi", "--force"]),
+    ):
+        listed = subprocess.run(
+            [*prefix, *listing, "--filter", f"label={LABEL}", "--format", f"{name} {owner}"],
+            capture_output=True, text=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
         )  # fmt: skip
-    # The agents' committed states it left (a commit carries its container's labels).
-    images = subprocess.run(
-        [*prefix, "images", "--filter", f"label={LABEL}",
-         "--format", "{{.Repository}}:{{.Tag}} {{index .Labels \"" + LABEL + "\"}}"],
-        capture_output=True, text=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
-    )  # fmt: skip
-    states = []
-    for line in images.stdout.splitlines():
-        ref, _, owner = line.partition(" ")
-        if ref and owner != OWNER and _stale(owner):
-            states.append(ref)
-    if states:
-        subprocess.run(
-            [*prefix, "rmi", "--force", *states],
-            capture_output=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
-        )  # fmt: skip
-    return stale + states
+        stale = [
+            ref
+            for ref, _, tag in (line.partition(" ") for line in listed.stdout.splitlines())
+            if ref and tag != OWNER and _stale(tag)
+        ]
+        if stale:
+            subprocess.run(
+                [*prefix, *remove, *stale],
+                capture_output=True, env=env, timeout=CALL_TIMEOUT_S, check=False,
+            )  # fmt: skip
+        removed += stale
+    return removed
 
 
 def _host_tmp() -> str:

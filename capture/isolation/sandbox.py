@@ -303,7 +303,7 @@ def _program_installs(program: Path, path_env: str, found: list[Path], depth: in
         found.extend(_install_of(candidate))
     if depth >= 2:
         return
-    interpreter = _shebang(Path(os.path.realpath(program)))
+    interpreter = shebang(Path(os.path.realpath(program)))
     if interpreter:
         name, *rest = interpreter
         if os.path.basename(name) == "env" and rest:
@@ -343,7 +343,8 @@ def _venv_base(cfg: Path) -> list[Path]:
     return []
 
 
-def _shebang(path: Path) -> list[str]:
+def shebang(path: Path) -> list[str]:
+    """A script's ``#!`` line, split (empty for anything else)."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(256)
