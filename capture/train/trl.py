@@ -84,6 +84,8 @@ PathLike = str | os.PathLike[str]
 VerifierFunc = Callable[[str, dict[str, Any]], float | None]
 Verifier = list[str] | dict[str, Any] | VerifierFunc
 Workdir = PathLike | Callable[[str], PathLike | None]
+# A container image, or a function of the task's text giving one.
+Image = str | Callable[[str], str | None]
 AgentSpec = str | dict[str, list[str]]
 Agent = AgentSpec | Callable[[str], AgentSpec]
 
@@ -153,8 +155,12 @@ class AgentTapRolloutFunc:
         timeout_s: float | None = None,
         filler_id: int | None = None,
         seed: int | None = None,
+        image: Image | None = None,
+        task_folder: Workdir | None = None,
     ) -> None:
         self.tap = tap
+        self.image = image
+        self.task_folder = task_folder
         self.agent = agent
         self.workdir = workdir
         self.verifier = verifier
@@ -251,13 +257,22 @@ class AgentTapRolloutFunc:
         metadata = {"split": "train", **self.metadata}
         if step is not None:
             metadata.setdefault("trainer_step", step)
-        return {
+        image = self.image(task) if callable(self.image) else self.image
+        folder = self.task_folder(task) if callable(self.task_folder) else self.task_folder
+        options = {
             "workdir": workdir,
             "verifier": verifier,
             "limits": self.limits,
             "metadata": metadata,
             "timeout_s": self.timeout_s,
         }
+        # A task's own container image, or a Harbor task folder (docs/API.md), only when given:
+        # an older proxy knows neither.
+        if image is not None:
+            options["image"] = image
+        if folder is not None:
+            options["task"] = folder
+        return options
 
     def _seeded(self, step: int, index: int) -> dict[str, Any]:
         """A seeded run's rollout ``seed`` and ``id`` for task ``index`` of ``step``; {} when
@@ -308,6 +323,8 @@ def make_rollout_func(
     metadata: dict[str, Any] | None = None,
     timeout_s: float | None = None,
     seed: int | None = None,
+    image: Image | None = None,
+    task_folder: Workdir | None = None,
 ) -> AgentTapRolloutFunc:
     """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
     ``agent`` (``claude-code``, ``codex``, ``gemini``, ``opencode``, ``mini-swe-agent`` or
@@ -317,12 +334,16 @@ def make_rollout_func(
     it returns and how failures and missing rewards are handed on. ``limits``: each agent's
     session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
     every session's (``split`` "train" and the trainer's ``trainer_step`` are set unless
-    given); ``seed``: the policy's sampling seeded, so a run repeats (see **Seeds**)."""
+    given); ``seed``: the policy's sampling seeded, so a run repeats (see **Seeds**);
+    ``image``: each agent runs in a container of that image (or a function of the task's text
+    giving one); ``task_folder``: a Harbor task folder (or a function giving one), its image,
+    tests and limits (docs/API.md)."""
     if workdir is not None and not callable(workdir) and not Path(workdir).is_dir():
         raise ValueError(f"workdir {str(workdir)!r} is not a folder: give the task's folder")
     return AgentTapRolloutFunc(
         tap, agent=agent, workdir=workdir, verifier=verifier, limits=limits,
-        metadata=metadata, timeout_s=timeout_s, seed=seed,
+        metadata=metadata, timeout_s=timeout_s, seed=seed, image=image,
+        task_folder=task_folder,
     )  # fmt: skip
 
 

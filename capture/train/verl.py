@@ -27,8 +27,9 @@ this loop cuts by verl's own rule: a longer prompt keeps its last ``prompt_lengt
 trainer's driver, its policy URL pointing at the rollout servers verl started, or any instance):
 ``api_url`` and ``token`` / ``token_file`` from the YAML entry, else the environment variables
 ``AGENTTAP_API`` and ``AGENTTAP_TOKEN`` (set them before Ray starts its workers). Per sample,
-``extra_info["agenttap"]`` may set ``agent``, ``workdir``, ``verifier``, ``limits``,
-``timeout_s`` (a task's own folder and verifier); the YAML entry sets the defaults.
+``extra_info["agenttap"]`` may set ``agent``, ``workdir``, ``image``, ``task`` (a Harbor task
+folder), ``verifier``, ``limits``, ``timeout_s`` (a task's own folder, image and verifier); the
+YAML entry sets the defaults.
 
 verl's ``sampling_params`` are not applied: the agent's own requests set temperature and length.
 A rollout that made no row returns a one-token stand-in, masked (``response_mask`` 0), reward
@@ -56,7 +57,7 @@ from capture.train.rows import DEFAULT_FILLER_ID, prompt_text, verl_fields
 
 # How long a rollout refused for the proxy's cap on agents at once (429) waits to try again.
 BUSY_RETRY_S = 2.0
-PER_SAMPLE_KEYS = ("agent", "workdir", "verifier", "limits", "timeout_s")
+PER_SAMPLE_KEYS = ("agent", "workdir", "verifier", "limits", "timeout_s", "image", "task")
 
 
 def _plain(value: Any) -> Any:
@@ -103,6 +104,8 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
         verifier: Any = None,
         limits: Any = None,
         timeout_s: float | None = None,
+        image: str | None = None,
+        task: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -113,6 +116,8 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
             "verifier": _plain(verifier),
             "limits": _plain(limits),
             "timeout_s": timeout_s,
+            "image": image,
+            "task": task,
         }
 
     def rollout_body(self, **kwargs: Any) -> dict[str, Any]:
@@ -134,9 +139,11 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
         verifier = options["verifier"]
         if verifier:
             body["verifier"] = {"command": verifier} if isinstance(verifier, list) else verifier
-        for key in ("limits", "timeout_s"):
+        for key in ("limits", "timeout_s", "image"):
             if options[key] is not None:
                 body[key] = options[key]
+        if options["task"] is not None:  # a Harbor task folder (docs/API.md)
+            body["task"] = str(Path(options["task"]).resolve())
         return body
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
