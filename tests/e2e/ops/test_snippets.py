@@ -17,6 +17,7 @@ import pytest
 
 from capture.storage.reader import load_threads
 from tests.e2e.rollouts.test_rollouts import FIRST_CALL, agent_rule
+from tests.e2e.rollouts.test_rollouts_images import harbor_rule
 from tests.support.paths import QWEN3, REPO
 from tests.support.stub_vllm import StubPolicy
 
@@ -31,6 +32,10 @@ def kind(code: str) -> str:
     """Which test runs a snippet, by what it starts."""
     if "ProxyPool.start(" in code:
         return "ray"
+    if "task=" in code or "image=" in code:
+        return "task"
+    if "capture.isolation.images" in code:
+        return "images"
     if "AgentTap.start(" in code:
         return "trainer"
     if "load_threads(" in code:
@@ -129,3 +134,22 @@ def test_the_ray_snippet(stub: StubPolicy, second_stub: StubPolicy, tmp_path: Pa
     assert rows == through_ray == 1  # one session, one call: one thread row
     shards = sorted((tmp_path / "rollouts-pool").glob("proxy-*/threads/*.parquet"))
     assert len(shards) == 1, shards
+
+
+def test_the_image_snippets_and_the_task_snippet(stub: StubPolicy, tmp_path: Path) -> None:
+    """Building a base and task images (docs/IMAGES.md), then README's Harbor task folder to a
+    scored group: the scripted mini-swe-agent fixes it in its image, its test script gives 1.
+    Run where a user runs them, the repository's folder: its tests/ is linked in."""
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    for name, code in only("images"):
+        done = run_snippet(code, tmp_path, 600)
+        assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr[-5000:]}"
+    rule = harbor_rule(stub)
+    stub.rules.insert(0, rule)
+    try:
+        ((name, code),) = only("task")
+        done = run_snippet(code, tmp_path, 600, POLICY_URL=stub.url)
+    finally:
+        stub.rules.remove(rule)
+    assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr[-5000:]}"
+    assert done.stdout.strip().splitlines()[-1] == "[('ok', 1.0), ('ok', 1.0)]", done.stdout

@@ -140,8 +140,8 @@ HARBOR_FIX = [
 ]
 
 
-@pytest.fixture
-def harbor_scripted(stub: StubPolicy) -> Iterator[None]:
+def harbor_rule(stub: StubPolicy) -> Callable[[dict[str, Any]], str | None]:
+    """The stub's answers to mini-swe-agent on harbor-fix-script, by how far it got."""
     prompt = (HARBOR / "instruction.md").read_text().strip()
 
     def rule(body: dict[str, Any]) -> str | None:
@@ -150,6 +150,12 @@ def harbor_scripted(stub: StubPolicy) -> Iterator[None]:
             return None
         return HARBOR_FIX[min(text.count("<tool_response>"), len(HARBOR_FIX) - 1)]
 
+    return rule
+
+
+@pytest.fixture
+def harbor_scripted(stub: StubPolicy) -> Iterator[None]:
+    rule = harbor_rule(stub)
     stub.rules.insert(0, rule)
     yield
     stub.rules.remove(rule)
