@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -47,6 +48,22 @@ def _wait_for(
         time.sleep(0.2)
 
 
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range: run_proxy.sh binds it only once its
+    policy is up, minutes later, and a port of that range (what binding port 0 gives) was taken
+    by another process's outgoing connection in between (measured: EADDRINUSE after 3 min)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 class RunProxy:
     """``scripts/run_proxy.sh`` started as a user would, its output in a log file."""
 
@@ -58,11 +75,11 @@ class RunProxy:
         out: str = "",
         env: dict[str, str] | None = None,
     ) -> None:
-        from policy_server import launcher
-
         self.cwd, self.token = cwd, (env or {}).get("AGENTTAP_TOKEN", "")
-        self.port = launcher.free_port()
-        self.api_port = launcher.free_port()
+        self.port = quiet_port()
+        self.api_port = quiet_port()
+        while self.api_port == self.port:
+            self.api_port = quiet_port()
         self.log = tmp_path / "run_proxy.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
