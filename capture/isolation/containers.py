@@ -43,7 +43,7 @@ from capture.isolation.hostprog import (
     is_dynamic_elf,
     library_cache,
 )
-from capture.isolation.limits import SandboxLimits
+from capture.isolation.netbridge import interpreter
 from capture.isolation.podman import LABEL, engine_command, engine_env
 from capture.isolation.sandbox import program_paths, shebang
 
@@ -243,7 +243,6 @@ class Container:
         command: list[str],
         env: dict[str, str],
         binds: tuple[Bind, ...],
-        limits: SandboxLimits,
         cwd: str | None,
         cgroup_parent: str,
         engine: str = "podman",
@@ -252,13 +251,13 @@ class Container:
         """A container of ``image`` that will run ``command`` (not started yet); its
         environment goes through a file only this user reads, never the command line."""
         container = cls(name, engine)
-        env_file = Path(_host_tmp()) / f"agenttap-env-{secrets.token_hex(8)}"
+        for key, value in env.items():
+            if "\n" in value or "\n" in key:
+                raise ValueError(f"the environment variable {key!r} holds a newline")
+        env_file = Path(tempfile.gettempdir()) / f"agenttap-env-{secrets.token_hex(8)}"
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            for key, value in env.items():
-                if "\n" in value or "\n" in key:
-                    raise ValueError(f"the environment variable {key!r} holds a newline")
-                fh.write(f"{key}={value}\n")
+            fh.writelines(f"{key}={value}\n" for key, value in env.items())
         argv = [
             "create", "--name", name, "--label", f"{LABEL}={OWNER}",
             "--network", "none", "--security-opt", "no-new-privileges",
@@ -294,7 +293,7 @@ class Container:
         returns, so the agent's first call never races it."""
         self.bridge = await asyncio.create_subprocess_exec(
             "nsenter", f"--net=/proc/{pid}/ns/net", f"--setuid={NOBODY}", f"--setgid={NOBODY}",
-            "--", "/usr/bin/python3", "-I", "-S", str(folder / "bridge.py"), *forwards,
+            "--", interpreter(), "-I", "-S", str(folder / "bridge.py"), *forwards,
             "--", "/bin/sh", "-c", "echo ready; exec sleep infinity",
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True,
@@ -390,7 +389,3 @@ def remove_stale(engine: str = "podman") -> list[str]:
             )  # fmt: skip
         removed += stale
     return removed
-
-
-def _host_tmp() -> str:
-    return tempfile.gettempdir()

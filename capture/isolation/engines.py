@@ -30,7 +30,6 @@ from capture.isolation.containers import (
     ContainerPlan,
     host_program,
 )
-from capture.isolation.limits import SandboxLimits
 from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpreter
 from capture.isolation.podman import engine_command
 from capture.isolation.processes import Child
@@ -68,8 +67,6 @@ class RunSpec(Protocol):
     def session_id(self) -> str | None: ...
     @property
     def expose(self) -> tuple[Path, ...]: ...
-    @property
-    def limits(self) -> SandboxLimits: ...
     @property
     def container(self) -> ContainerPlan | None: ...
 
@@ -179,8 +176,8 @@ class PodmanEngine(Engine):
     """A container of the run's image (capture/isolation/containers.py): no network but the
     proxy's and the API's ports handed in by the forwarder, its root an unprivileged host uid,
     the run's cgroup its parent (its limits, read and watched as any run's). Its HOME and
-    TMPDIR are the run's folders, shown at their own paths; its working folder is the
-    image's."""
+    TMPDIR are the run's folders, shown at /.agenttap/home and /.agenttap/tmp; its working
+    folder is the run's copy of the image's (capture/rollouts/images.py)."""
 
     name = "podman"
     aligned_cgroup = True
@@ -223,7 +220,7 @@ class PodmanEngine(Engine):
         env["PATH"] = plan.path
         container = await Container.create(
             container_name(spec.name), plan.image, command, env, (*binds, *plan.binds),
-            spec.limits, plan.cwd, cgroup.relative, plan.engine, plan.cpus,
+            plan.cwd, cgroup.relative, plan.engine, plan.cpus,
         )  # fmt: skip
         try:
             pid = await container.init()

@@ -4,9 +4,10 @@ verifier starts from.
 Before any run: the image is read (its WORKDIR, its PATH); one that is not here fails every run
 with words that say how to get it. The agent runs in a container of the image (the podman
 engine, capture/isolation/containers.py): its own program brought in from the host, its tool
-calls the image's own tools. Once every process of it is gone, its working folder is copied
-out (``work/``, kept with the run) and, for a verifier that grades the agent's state, the
-stopped container is committed: the verifier starts from exactly what the agent left, with the
+calls the image's own tools. Its working folder is the run's own copy of the image's
+(``work/``, on the run's size-capped disk, bound at the image's WORKDIR, kept with the run).
+Once every process of it is gone, for a verifier that grades the agent's state, the stopped
+container is committed: the verifier starts from exactly what the agent left, with the
 task's hidden tests shown at ``/tests`` (read-only, in the verifier's container only: nothing
 the agent left there is seen). With ``"keep"`` the verifier starts from the image as built, the
 agent's kept files copied onto its working folder (SWE-bench's grade: the patch on a clean
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from capture.harbor.task import HARBOR_BUILD_TIMEOUT_S, VERIFIER_LOGS
 from capture.isolation.containers import (
+    LABEL,
+    OWNER,
     Bind,
     Container,
     ContainerPlan,
@@ -60,8 +63,9 @@ async def build_task(rollout: Rollout) -> None:
 
 
 async def read_image(rollout: Rollout, seed: Path) -> None:
-    """The image's WORKDIR and PATH onto ``rollout``; with ``keep``, its working folder as
-    built copied to ``seed``. Failing: ``image_error``, which every run reports."""
+    """The image's WORKDIR and PATH onto ``rollout``, and its working folder as built copied
+    to ``seed`` (what each run's copy starts from). Failing: ``image_error``, which every run
+    reports."""
     spec = rollout.spec
     assert spec.image is not None
     try:
@@ -100,7 +104,11 @@ async def copy_workdir(image: str, workdir: str, dest: Path, name: str) -> None:
     container = Container(f"agenttap-{name}")
     dest.mkdir(parents=True, exist_ok=True)
     try:
-        await engine_call(["create", "--name", container.name, image, "true"], container.engine)
+        # Labelled as every container of this instance: a crash here leaves none behind.
+        await engine_call(
+            ["create", "--name", container.name, "--label", f"{LABEL}={OWNER}", image, "true"],
+            container.engine,
+        )
         container.created = True
         await container.copy_out(workdir, dest)
     finally:
