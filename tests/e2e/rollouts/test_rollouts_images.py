@@ -291,3 +291,27 @@ def test_a_container_reaches_no_host_file_and_its_listener_stays_inside(
     for path in hidden:
         assert f"{path} False" in output, output
     assert "/etc/hostname True" in output  # the control: its own files are there
+
+
+def test_keep_grades_the_image_as_built_not_programs_the_agent_left(
+    stub_tap: AgentTap, image: str
+) -> None:
+    """Graded on its state, the verifier runs the container's programs, which the agent (its
+    root) could replace. With "keep" it starts from the image as built, only the kept files of
+    the working folder copied in: a fake python3 the agent left that "passes" is not there."""
+    fake = (
+        "printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/python3 && "
+        "chmod +x /usr/local/bin/python3 && echo faked"
+    )
+    verifier = {"command": GRADE, "tests": HIDDEN, "keep": ["textkit/*.py"], "on_error": "score"}
+    result = stub_tap.rollout(
+        {"command": ["sh", "-c", fake]}, "fake", image=image, verifier=verifier
+    )
+    run = result["rollouts"][0]
+    assert "faked" in run["agent_output"], run
+    assert run["reward"] == 0.0 and run["graded"], run
+    # The control: the fix, kept, scores 1 on the image as built.
+    solve = ["sh", "-c", "sed -i 's/9]\"/9]+\"/' textkit/slug.py && echo solved"]
+    result = stub_tap.rollout({"command": solve}, "solve", image=image, verifier=verifier)
+    assert result["rollouts"][0]["reward"] == 1.0, result["rollouts"][0]
+    assert containers_of(result["id"]) == []
