@@ -96,6 +96,7 @@ def serve_stub(
     *,
     cached_decode: bool = False,
     conn: Any = None,
+    dev_mode: bool = False,
 ) -> None:
     """The vLLM-shaped stub policy in this (child) process, answering ``reply`` with a chunk
     every ``chunk_delay_s``. Without ``conn``: prints its URL and serves until stdin closes;
@@ -105,6 +106,7 @@ def serve_stub(
     stub = StubPolicy(str(tokenizer))
     stub.default_reply = reply
     stub.chunk_delay_s = chunk_delay_s
+    stub.dev_mode = dev_mode  # vLLM's /pause and /resume
     if cached_decode:
         stub.tok = CachedTokenizer(stub.tok)  # type: ignore[assignment]
     url = stub.start()

@@ -5,12 +5,23 @@ before it (``prompt_logprobs``), for health checks, weight probes and fingerprin
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 from rewriter.ids_json import ids_json
-from rewriter.vllm_answers import answer_choices, answer_json, checked_logprob, malformed_answer
+from rewriter.vllm_answers import (
+    PolicyError,
+    answer_choices,
+    answer_json,
+    checked_logprob,
+    malformed_answer,
+)
 from rewriter.vllm_probe import Probing
 from rewriter.vllm_request import JSON_CONTENT, RawJson
+
+logger = logging.getLogger(__name__)
+# As many aborts as a generation is resumed across (rewriter/vllm_resume.py MAX_RESUMES).
+MAX_ABORTS = 16
 
 
 class Scoring(Probing):
@@ -30,14 +41,25 @@ class Scoring(Probing):
             "max_tokens": 1,
             "prompt_logprobs": 0,
         }
-        try:
-            async with asyncio.timeout_at(self._deadline()):
-                resp = await self._post("/v1/completions", body, headers)
-                async with resp:
-                    raw = await resp.read()
-        except TimeoutError as exc:
-            raise self._stalled() from exc
-        choices = answer_choices(answer_json(raw, "an answer"))
+        # A server paused with mode=abort (a trainer's weight sync) ends the request at once:
+        # finish_reason "abort" and no prompt logprobs. Asked again, it waits for the resume.
+        for _ in range(MAX_ABORTS + 1):
+            try:
+                async with asyncio.timeout_at(self._deadline()):
+                    resp = await self._post("/v1/completions", body, headers)
+                    async with resp:
+                        raw = await resp.read()
+            except TimeoutError as exc:
+                raise self._stalled() from exc
+            choices = answer_choices(answer_json(raw, "an answer"))
+            if not (choices and choices[0].get("finish_reason") == "abort"):
+                break
+            logger.info("a prompt_logprobs request was aborted by the policy server; asking again")
+        else:
+            raise PolicyError(
+                f"the policy server at {self.base_url} aborted a prompt_logprobs request "
+                f"{MAX_ABORTS + 1} times (paused with mode=abort each time); giving up"
+            )
         try:
             entries = choices[0]["prompt_logprobs"]
             out: list[float | None] = []

@@ -335,6 +335,10 @@ class AgentTap:
     def get_rollout(self, rollout_id: str) -> dict[str, Any]:
         return self.client.get(f"/rollouts/{rollout_id}")
 
+    def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
+        """A reward for a session (open or closed: a late one), as ``ProxyPool.reward``."""
+        self.client.post(f"/sessions/{session_id}/reward", {"reward": reward})
+
     def cancel_rollout(self, rollout_id: str) -> dict[str, Any]:
         """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""
         return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]

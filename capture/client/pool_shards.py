@@ -9,8 +9,11 @@ under a root, local or not.
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -20,6 +23,9 @@ import pyarrow.fs as pafs
 SHARD_KINDS = ("turns", "threads", "failed", "rewards")
 # The column ``dataset()`` adds: the folder of the proxy that wrote the row (``proxy-<n>``).
 PROXY_COLUMN = "proxy"
+# The sessions of rollout attempts whose node was lost (capture/client/pool_rollouts.py), at the
+# pool's root: their rows, should any reach storage, are never read back.
+LOST_FILE = "lost-sessions.json"
 
 
 def resolve_filesystem(
@@ -104,6 +110,33 @@ def open_dataset(fs: pafs.FileSystem | str, base: str = "", kind: str = "threads
         raise FileNotFoundError(f"no {kind} shards under {base}/proxy-*/{kind}")
     # The first folder under ``base`` (proxy-<n>) becomes the ``proxy`` column.
     partitioning = ds.DirectoryPartitioning(pa.schema([(PROXY_COLUMN, pa.string())]))
-    return ds.dataset(
+    found = ds.dataset(
         files, filesystem=fs, format="parquet", partitioning=partitioning, partition_base_dir=base
     )
+    lost = lost_session_ids(load_lost(fs, base))
+    if lost and "session_id" in found.schema.names:
+        # A lost attempt's rows (recovered from its journal later) are never trained.
+        return found.filter(~ds.field("session_id").isin(sorted(lost)))  # type: ignore[no-any-return]
+    return found
+
+
+def load_lost(fs: pafs.FileSystem, base: str) -> list[dict[str, Any]]:
+    """The lost attempts recorded under a pool's root (``LOST_FILE``); [] when none."""
+    try:
+        with fs.open_input_stream(f"{base}/{LOST_FILE}") as fh:
+            entries = json.loads(fh.read().decode())
+    except (FileNotFoundError, OSError, ValueError):
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def save_lost(fs: pafs.FileSystem, base: str, entries: list[dict[str, Any]]) -> None:
+    """Write ``entries`` as the pool's ``LOST_FILE`` (a temporary name, then moved in place)."""
+    tmp = f"{base}/.{LOST_FILE}.{time.monotonic_ns()}"
+    with fs.open_output_stream(tmp) as fh:
+        fh.write(json.dumps(entries, indent=1).encode())
+    fs.move(tmp, f"{base}/{LOST_FILE}")
+
+
+def lost_session_ids(entries: list[dict[str, Any]]) -> set[str]:
+    return {str(sid) for e in entries for sid in e.get("session_ids") or []}

@@ -61,9 +61,19 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from capture.client.pool_shards import PROXY_COLUMN, open_dataset, resolve_filesystem, shard_files
+from capture.client.pool_rollouts import Capacity, GroupRun, GroupRunner
+from capture.client.pool_shards import (
+    PROXY_COLUMN,
+    load_lost,
+    lost_session_ids,
+    open_dataset,
+    resolve_filesystem,
+    save_lost,
+    shard_files,
+)
 from capture.client.proxy_actor import ProxyActor as ProxyActor  # importable from here too
-from capture.client.proxy_actor import proxy_actor_class
+from capture.client.proxy_actor import proxy_actor_class, rollout_need_mb
+from capture.client.shipping import Packed, pack_folder
 
 if TYPE_CHECKING:
     import ray.data
@@ -135,6 +145,10 @@ class ProxyPool:
         self._loads: list[dict[str, int]] = [{} for _ in actors]
         self._loads_at = float("-inf")
         self._stopped = False
+        self._groups: dict[str, GroupRun] = {}
+        self._group_of: dict[str, tuple[str, int]] = {}  # rollout session id -> (group, actor)
+        self._dead: set[int] = set()  # actors found dead (their node lost): never placed on
+        self._lost: list[dict[str, Any]] = load_lost(read_fs, read_base)
 
     @classmethod
     def start(
@@ -215,7 +229,16 @@ class ProxyPool:
         """Every actor's live sessions and calls in flight (polled now)."""
         import ray
 
-        loads = list(ray.get([a.load.remote() for a in self.actors]))
+        loads: list[dict[str, int]] = []
+        for i, actor in enumerate(self.actors):
+            if i in self._dead:
+                loads.append({"sessions": 1 << 30, "dead": 1})  # never the least loaded
+                continue
+            try:
+                loads.append(ray.get(actor.load.remote(), timeout=60))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._dead.add(i)
+                loads.append({"sessions": 1 << 30, "dead": 1})
         with self._lock:
             self._loads, self._loads_at = loads, time.monotonic()
         return loads
@@ -281,26 +304,241 @@ class ProxyPool:
         import ray
 
         index = self._closed_on.get(session_id, self._where.get(session_id))
+        if index is None and session_id in self._group_of:
+            index = self._group_of[session_id][1]  # an agent of a rollout the pool ran
         if index is None:
             raise KeyError(f"the pool never held a session {session_id!r}")
         ray.get(self.actors[index].reward.remote(session_id, reward))
 
     def sessions(self) -> list[dict[str, Any]]:
         """Every actor's live sessions (``GET /sessions``), each with its actor's ``proxy``."""
-        import ray
 
-        found = ray.get([a.sessions.remote() for a in self.actors])
-        return [{**s, PROXY_COLUMN: i} for i, live in enumerate(found) for s in live]
+        found = self._each("sessions")
+        return [{**s, PROXY_COLUMN: i} for i, live in found.items() for s in live]
 
     def stats(self) -> list[dict[str, Any]]:
-        import ray
 
-        return list(ray.get([a.stats.remote() for a in self.actors]))
+        return list(self._each("stats").values())
 
     def flush(self) -> list[str]:
+
+        return [p for written in self._each("flush").values() for p in written]
+
+    def _each(self, method: str) -> dict[int, Any]:
+        """``method`` called on every actor not found dead, by actor index; an actor that dies
+        meanwhile is left out (and never used again)."""
         import ray
 
-        return [p for written in ray.get([a.flush.remote() for a in self.actors]) for p in written]
+        refs = {
+            i: getattr(a, method).remote() for i, a in enumerate(self.actors) if i not in self._dead
+        }
+        out = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._dead.add(i)
+        return out
+
+    # -- rollouts ----------------------------------------------------------------------------
+    def capacities(self, image: str | None = None) -> list[Capacity]:
+        """What each alive actor's node can run now (``ProxyActor.capacity``)."""
+        return self._capacities(set(), image)
+
+    def _capacities(self, skip: set[int], image: str | None = None) -> list[Capacity]:
+        import ray
+
+        alive = [i for i in range(len(self.actors)) if i not in self._dead | skip]
+        refs = {i: self.actors[i].capacity.remote(image) for i in alive}
+        out = []
+        for i, ref in refs.items():
+            try:
+                out.append(Capacity.of(ray.get(ref, timeout=60)))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._dead.add(i)
+        return out
+
+    def rollout(
+        self,
+        agent: str | dict[str, list[str]],
+        prompt: str = "",
+        n: int = 1,
+        *,
+        workdir: str | os.PathLike[str] | None = None,
+        image: str | None = None,
+        cwd: str | None = None,
+        task: str | os.PathLike[str] | None = None,
+        verifier: list[str] | dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        id: str | None = None,
+        seed: int | None = None,
+        rows: bool = True,
+        wait: bool = True,
+        retries: int = 0,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Run ``n`` agents as one group across the pool's nodes: ``POST /rollouts``'s
+        arguments (``AgentTap.rollout``; other body fields such as ``sandbox`` or ``egress`` as
+        keywords), each node running its share through its own agenttap. The folders given
+        (``workdir``, ``task``, a verifier's ``tests``) are shipped to the nodes through Ray's
+        object store. The answer is ``POST /rollouts``'s, each rollout naming its ``node`` (Ray
+        node id) and ``proxy`` (actor index); a rollout whose node is lost ends
+        ``finish_reason: "node_lost"``, or with ``retries`` runs again on another node under a
+        new session id (docs/API.md "Rollouts on Ray"). ``wait=False``: the answer at once
+        (``status`` "running"); ``get_rollout`` gives it later."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError("n must be a whole number from 1")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError("retries must be a whole number from 0")
+        rid = id or f"r-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            if rid in self._groups:
+                raise ValueError(f"rollout id {rid!r} is in use in this pool: give another")
+        body: dict[str, Any] = {"agent": agent, "prompt": prompt, "wait": True, "rows": rows}
+        if task is not None and not prompt:
+            del body["prompt"]  # the task's instruction
+        given = {
+            "limits": limits, "metadata": metadata, "timeout_s": timeout_s, "seed": seed,
+            "image": image, "cwd": cwd,
+            "verifier": (
+                {"command": verifier} if isinstance(verifier, list) and verifier else verifier
+            ),
+            **fields,
+        }  # fmt: skip
+        body.update({k: v for k, v in given.items() if v is not None})
+        packed: dict[str, Packed] = {}
+        if workdir is not None:
+            packed["workdir"] = pack_folder(workdir)
+        if task is not None:
+            packed["task"] = pack_folder(task)
+        check = body.get("verifier")
+        tests = check.get("tests") if isinstance(check, dict) else None
+        if tests is not None:
+            packed["tests"] = pack_folder(tests)
+        group = GroupRun(rid, agent, n, retries)
+        runner = GroupRunner(
+            group, body, packed, self.actors, self._capacities_for(image),
+            self._mark_lost, rollout_need_mb(limits), image is not None or task is not None,
+        )  # fmt: skip
+        with self._lock:
+            self._groups[rid] = group
+        thread = threading.Thread(target=runner.run, name=f"agenttap-group-{rid}", daemon=True)
+        thread.start()
+        if not wait:
+            return group.summary()
+        group.done.wait()
+        return self._answer(group)
+
+    async def rollout_async(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``rollout`` from a coroutine (it waits in a worker thread)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.rollout, *args, **kwargs)
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        """A group's answer so far (``status`` "running" until every rollout has ended)."""
+        group = self._groups.get(rollout_id)
+        if group is None:
+            raise KeyError(f"the pool ran no rollout {rollout_id!r}")
+        return self._answer(group) if group.done.is_set() else group.summary()
+
+    def rollout_files(
+        self, rollout_id: str, dest: str | os.PathLike[str] | None = None
+    ) -> list[Path]:
+        """Copy each node's folder of a group (its agents' logs, kept work folders, verifier
+        output: ``OUT/rollouts/ID/I/``, retries' folders too) from the actors that ran it to
+        ``dest`` (default ``OUT_ROOT/files/``); the folders written, ``DEST/proxy-<n>/ID``."""
+        import io
+        import tarfile
+
+        import ray
+
+        group = self._groups.get(rollout_id)
+        if group is None or not group.done.is_set():
+            raise KeyError(f"the pool has no ended rollout {rollout_id!r}")
+        where: dict[tuple[int, str], None] = {}
+        for run in group.runs.values():
+            if run.get("finish_reason") != "node_lost" and run.get("proxy") is not None:
+                rid = str(run["session_id"]).rsplit("-", 1)[0]
+                where[(int(run["proxy"]), rid)] = None
+        root = Path(dest) if dest is not None else self.out_root / "files"
+        written = []
+        for actor, rid in where:
+            data = ray.get(self.actors[actor].rollout_files.remote(rid))
+            target = root / f"proxy-{actor}"
+            target.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+                tar.extractall(target, filter="data")
+            written.append(target / rid)
+        return written
+
+    def _answer(self, group: GroupRun) -> dict[str, Any]:
+        if group.error is not None:
+            raise group.error
+        answer = group.summary()
+        with self._lock:
+            for run in answer["rollouts"]:
+                if run.get("finish_reason") != "node_lost" and run.get("proxy") is not None:
+                    self._group_of[str(run["session_id"])] = (group.id, int(run["proxy"]))
+        return answer
+
+    def _capacities_for(self, image: str | None) -> Any:
+        def capacities(skip: set[int]) -> list[Capacity]:
+            return self._capacities(skip, image)
+
+        return capacities
+
+    def _mark_lost(self, actor: int, sessions: list[str], why: str) -> None:
+        """An actor found dead while it ran ``sessions``: never placed on again; the sessions
+        written to the pool's lost list (their rows never read back)."""
+        with self._lock:
+            self._dead.add(actor)
+            self._lost.append(
+                {"proxy": actor, "session_ids": sessions, "why": why, "at": time.time()}
+            )
+            entries = list(self._lost)
+        save_lost(self.read_fs, self.read_base, entries)
+
+    def lost_sessions(self) -> set[str]:
+        """Session ids of rollout attempts lost with their node (their rows never read)."""
+        with self._lock:
+            return lost_session_ids(self._lost)
+
+    # -- weights -----------------------------------------------------------------------------
+    def update_weights(
+        self,
+        path: str | os.PathLike[str],
+        version: str,
+        probe: dict[str, Any] | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        lora: bool = False,
+    ) -> dict[str, Any]:
+        """``AgentTap.update_weights`` for the pool: one actor makes every policy replica load
+        ``path`` (checked against ``model``'s or ``probe``'s logprobs), then every other actor
+        records calls from then on as sampled by ``version``. ``path`` must be readable by
+        the policy servers and by that actor's node. Between the push and the last actor's
+        label, that actor's calls in flight are labelled with the version before: push between
+        training steps, with no rollout running (as TRL's loop does)."""
+        import ray
+
+        lora = lora or (model is not None and hasattr(model, "peft_config"))
+        if probe is None and model is not None:
+            from capture.train.probe import weights_probe
+
+            probe = weights_probe(model, tokenizer)
+        alive = [i for i in range(len(self.actors)) if i not in self._dead]
+        if not alive:
+            raise RuntimeError("no actor of the pool is alive: start a new pool")
+        first, rest = alive[0], alive[1:]
+        where = str(Path(path).resolve())
+        answer: dict[str, Any] = ray.get(
+            self.actors[first].update_weights.remote(where, str(version), probe, lora)
+        )
+        ray.get([self.actors[i].set_weight_version.remote(str(version)) for i in rest])
+        return answer
 
     # -- the rows ----------------------------------------------------------------------------
     def shard_files(self, kind: str = "threads") -> list[str]:
@@ -321,7 +559,11 @@ class ProxyPool:
         files = self.shard_files(kind)
         if not files:
             raise FileNotFoundError(f"no {kind} shards under {self.read_base}")
-        return ray.data.read_parquet(files, filesystem=self.read_fs)
+        found = ray.data.read_parquet(files, filesystem=self.read_fs)
+        lost = self.lost_sessions()
+        if lost and kind != "rewards":
+            found = found.filter(lambda row: row["session_id"] not in lost)
+        return found
 
     # -- lifecycle ---------------------------------------------------------------------------
     def shutdown(self, timeout: float = 120.0) -> None:
@@ -336,8 +578,17 @@ class ProxyPool:
         self._stopped = True
         try:
             # Each instance is killed past its share, so the actors answer within ``timeout``.
-            stops = [a.shutdown.remote(max(1.0, timeout - 15)) for a in self.actors]
-            ray.get(stops, timeout=timeout)
+            stops = [
+                a.shutdown.remote(max(1.0, timeout - 15))
+                for i, a in enumerate(self.actors)
+                if i not in self._dead
+            ]
+            deadline = time.monotonic() + timeout
+            for ref in stops:  # one by one: an actor lost since does not cut the others short
+                try:
+                    ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                except ray.exceptions.RayActorError:
+                    pass
         finally:
             for actor in self.actors:
                 ray.kill(actor)

@@ -17,6 +17,7 @@ checkout).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import logging
 import subprocess
 from pathlib import Path
@@ -101,7 +102,9 @@ def copy_tree(seed: Path, dest: Path) -> None:
 
 async def copy_workdir(image: str, workdir: str, dest: Path, name: str) -> None:
     """``workdir`` as ``image`` holds it, copied to ``dest`` (from a container never started)."""
-    container = Container(f"agenttap-{name}")
+    # A token of its own: another agenttap on this host (a pool's second actor) may copy the
+    # same rollout id's seed at once.
+    container = Container(f"agenttap-{name}-{secrets.token_hex(3)}")
     dest.mkdir(parents=True, exist_ok=True)
     try:
         # Labelled as every container of this instance: a crash here leaves none behind.

@@ -129,7 +129,7 @@ class Rollouts:
                 spec.id,
             )
         runs = []
-        for i in range(spec.n):
+        for i in range(spec.first_index, spec.first_index + spec.n):
             sid = f"{spec.id}-{i}"
             metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
             sess = self.api.open_session(sid, metadata, parse_limits(spec.limits or None))

@@ -76,12 +76,16 @@ class RolloutSpec:
     # A Harbor task folder (capture/harbor/task.py): its image built from environment/ before
     # the runs (``image`` set then), its instruction the prompt, tests/test.sh the verifier.
     task: HarborTask | None = None
+    # The number of its first agent: agent i's session is ID-i and its seed agent_seed(seed, i).
+    # A Ray pool runs one group as shares on several proxies, each from its own first index.
+    first_index: int = 0
 
 
 # The fields of a body, in the order they have always been checked (and named when unknown).
 KNOWN = (
     "agent", "prompt", "workdir", "n", "limits", "metadata", "verifier", "id", "sandbox",
     "expose", "egress", "seed", "timeout_s", "wait", "rows", "image", "cwd", "task",
+    "first_index",
 )  # fmt: skip
 # An image reference: [registry/]name[:tag][@digest], as podman and docker read one.
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/:-]{0,254}(@sha256:[0-9a-f]{64})?")
@@ -154,6 +158,8 @@ WORDS: dict[str, Words] = {
     "egress": '"egress" must be "none" (the agent reaches only the policy) or "public" (public '
     "hosts too, through the proxy)",
     "seed": '"seed" must be a whole number (the same seed, the same samples)',
+    "first_index": '"first_index" must be a whole number from 0 to 1048576 (the number of the '
+    "first agent: its session is ID-first_index)",
     "wait": '"wait" must be true or false',
     "rows": '"rows" must be true (each rollout\'s rows in the answer) or false',
 }
@@ -220,6 +226,10 @@ class RolloutBody(SessionFields):
     ] = None
     id: Annotated[str, Field(pattern=ID_PATTERN, description="else one is made")] | None = None
     seed: StrictInt | None = None
+    first_index: Annotated[
+        StrictInt,
+        Field(ge=0, le=1 << 20, description="the first agent's number (a share of a group)"),
+    ] = 0
     metadata: Annotated[dict[str, Any], Field(description="written on every row")] = {}
     wait: Annotated[StrictBool, Field(description="false: answer 202 at once")] = True
     rows: Annotated[
@@ -382,6 +392,7 @@ class RolloutBody(SessionFields):
             image=self.image,
             cwd=self.cwd,
             task=self.task,
+            first_index=self.first_index,
         )
 
 

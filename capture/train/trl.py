@@ -34,6 +34,9 @@ prompt ends:
 - ``agenttap_session_id``, ``agenttap_weight_versions`` (the versions that sampled the trained
   tokens), for reward functions and logs.
 
+**On Ray.** ``tap`` may be a ``ProxyPool`` (``capture/client/ray_pool.py``): each rollout's
+agents are spread over the pool's nodes (``ProxyPool.rollout``), the workdir shipped to them.
+
 **Failures.** A rollout whose agent or verifier failed has reward None (the rollout's
 ``on_error`` "skip", the default): its row is still returned (the trainer's batch keeps its
 shape) but, unscorable, it moves nothing. A rollout that made no row at all (the agent never
@@ -66,9 +69,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from capture.client.launcher import AgentTap, AgentTapError
+from capture.client.launcher import AgentTapError
 from capture.storage.row_rules import reward_value, row_versions
 from capture.train.rows import (
     DEFAULT_FILLER_ID,
@@ -86,6 +89,20 @@ Verifier = list[str] | dict[str, Any] | VerifierFunc
 Workdir = PathLike | Callable[[str], PathLike | None]
 # A container image, or a function of the task's text giving one.
 Image = str | Callable[[str], str | None]
+
+
+class Rollouts(Protocol):
+    """What runs the rollouts: one agenttap (``AgentTap``) or a Ray pool of them
+    (``capture.client.ray_pool.ProxyPool``, the agents spread over its nodes)."""
+
+    @property
+    def rollout(self) -> Callable[..., dict[str, Any]]: ...
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]: ...
+
+    def reward(self, session_id: str, reward: float | dict[str, float]) -> None: ...
+
+
 AgentSpec = str | dict[str, list[str]]
 Agent = AgentSpec | Callable[[str], AgentSpec]
 
@@ -145,7 +162,7 @@ class AgentTapRolloutFunc:
 
     def __init__(
         self,
-        tap: AgentTap,
+        tap: Rollouts,
         *,
         agent: Agent,
         workdir: Workdir | None = None,
@@ -292,7 +309,7 @@ class AgentTapRolloutFunc:
         reward = reward_value(self.verifier(task, run))
         if reward is not None and run.get("rows"):
             # The shards hold the reward that was trained (a late reward on the session).
-            self.tap.client.post(f"/sessions/{run['session_id']}/reward", {"reward": reward})
+            self.tap.reward(run["session_id"], reward)
         return reward
 
     def _filler_id(self, trainer: Any) -> int:
@@ -314,7 +331,7 @@ def rollout_seed(seed: int, step: int, index: int) -> int:
 
 
 def make_rollout_func(
-    tap: AgentTap,
+    tap: Rollouts,
     *,
     agent: Agent,
     workdir: Workdir | None = None,

@@ -214,3 +214,40 @@ def test_stream_aborted_by_pause_is_resumed_and_stitched(
     diff = np.abs(stored - np.asarray(rescored, dtype=np.float32))
     print(f"max |stored - rescored| over {len(ids)} tokens = {float(diff.max())}")
     assert float(diff.max()) == 0.0, np.nonzero(diff)[0][:20]
+
+
+def test_a_rescore_the_server_aborts_is_asked_again(vllm_url: str) -> None:
+    """A prompt_logprobs request (the re-score of a schema-constrained completion, a rewritten
+    turn) in flight when a trainer pauses vLLM with ``mode=abort``: vLLM ends it with
+    finish_reason "abort" and no logprobs; the client asks again (the new request waits for the
+    resume) and gets the same logprobs as an uninterrupted re-score, where before it failed and
+    the completion's tokens were masked."""
+    import asyncio
+
+    import aiohttp
+
+    from rewriter.vllm_client import VLLMClient
+
+    async def scored_through_a_pause(ids: list[int]) -> tuple[list[float | None], float]:
+        async with aiohttp.ClientSession() as http:
+            client = VLLMClient(vllm_url, http)
+            await client.served()
+            before = _abort_counts(vllm_url).get("abort", 0.0)
+            task = asyncio.create_task(client.prompt_logprobs(ids))
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(_post, f"{vllm_url}/pause?mode=abort")
+            try:
+                await asyncio.sleep(1.0)
+            finally:
+                await asyncio.to_thread(_post, f"{vllm_url}/resume")
+            got = await task
+            return got, _abort_counts(vllm_url).get("abort", 0.0) - before
+
+    for length in (6000, 9000):
+        ids = [(i * 7919) % 150000 for i in range(length)]
+        got, aborted = asyncio.run(scored_through_a_pause(ids))
+        if aborted:
+            break
+        print(f"{length} ids were scored before the pause reached vLLM; longer")
+    assert aborted >= 1, "the pause never reached vLLM while the re-score ran"
+    assert got == _rescore(vllm_url, ids)

@@ -157,6 +157,10 @@ class FakeTap:
     def get_rollout(self, rollout_id: str) -> dict[str, Any]:
         return self.answers[rollout_id]
 
+    def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
+        # As AgentTap.reward: POST /sessions/ID/reward.
+        self.post(f"/sessions/{session_id}/reward", {"reward": reward})
+
     def post(self, path: str, body: Any = None) -> dict[str, Any]:
         self.posted.append((path, body))
         return {}
