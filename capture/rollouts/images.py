@@ -17,8 +17,8 @@ checkout).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import logging
+import secrets
 import subprocess
 from pathlib import Path
 
