@@ -75,6 +75,9 @@ def cluster(nodes: int, system: dict[str, Any] | None) -> Any:
         },
     )  # fmt: skip
     extra = [made.add_node(num_cpus=2) for _ in range(nodes - 1)]
+    # Cluster writes its address where a plain ray.init() looks first (/tmp/ray): any other
+    # Ray user on this machine (another test's local cluster) would join this one. Forgotten.
+    ray._common.utils.reset_ray_address()
     made.wait_for_nodes()
     ray.init(address=made.address, log_to_driver=False, logging_level="error")
     return made, extra

@@ -62,7 +62,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
     """After each optimizer step: save the model, push it to the policy, print one line."""
 
     def __init__(
-        self, tap: AgentTap, rollouts: AgentTapRolloutFunc, weights: Path, keep: bool, bar: Any
+        self, tap: Any, rollouts: AgentTapRolloutFunc, weights: Path, keep: bool, bar: Any
     ) -> None:
         self.tap = tap
         self.rollouts = rollouts
@@ -258,6 +259,14 @@ def main() -> None:
     parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
     parser.add_argument("--model", default=None, help="model folder (default: the tiny Qwen3)")
     parser.add_argument("--keep-weights", action="store_true", help="keep every step's folder")
+    parser.add_argument(
+        "--ray-actors", type=int, default=0,
+        help="run the rollouts through a Ray pool of this many proxy actors (capture/client/"
+        "ray_pool.py), each group's agents spread over them; 0: one agenttap here",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray-address", default=None, help="with --ray-actors: your cluster (else a local one)"
+    )
     args = parser.parse_args()
 
     from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
@@ -282,7 +291,7 @@ def main() -> None:
     if policy_url is None:
         policy, policy_url = start_policy(model_dir, out / "policy.log")
     try:
-        with AgentTap.start(policy_url, model_dir, out / "shards") as tap:
+        with rollouts_on(args, policy_url, model_dir, out / "shards") as tap:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             answers = Answers(tokenizer)
             rollouts = make_rollout_func(
@@ -339,6 +348,31 @@ def main() -> None:
         if policy is not None:
             policy.terminate()
             policy.wait(60)
+
+
+@contextmanager
+def rollouts_on(
+    args: argparse.Namespace, policy_url: str, model_dir: Path, shards: Path
+) -> Iterator[Any]:
+    """Where the rollouts run: one agenttap here, or (``--ray-actors N``) a Ray pool of N
+    proxy actors, each group's agents spread over them (their shards under OUT/shards/proxy-K/,
+    weights pushed through one actor and announced to the others)."""
+    if not args.ray_actors:
+        with AgentTap.start(policy_url, model_dir, shards) as tap:
+            yield tap
+        return
+    import ray
+
+    from capture.client.ray_pool import ProxyPool
+
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        with ProxyPool.start(
+            policy_url, model_dir, shards, num_proxies=args.ray_actors, num_cpus=0.25
+        ) as pool:
+            yield pool
+    finally:
+        ray.shutdown()
 
 
 def stop_on_term(*_: object) -> None:

@@ -114,6 +114,7 @@ _GROUPS = {
     # Each starts a local Ray cluster: two at once on one machine may find each other's.
     "tests/e2e/rollouts/test_ray_pool.py": "ray",
     "tests/e2e/rollouts/test_ray_rollouts.py": "ray",
+    "tests/e2e/ops/test_snippets.py": "ray",  # its Ray snippets start local clusters
     "tests/e2e/ops/test_shards_and_recovery.py": "ray",
 }
 

@@ -53,6 +53,7 @@ class ProxyActor:
         start_timeout: float = 120.0,
     ) -> None:
         self.index = index
+        self.urls = list(policy_urls)
         self.name = f"proxy-{index}"
         self.out = Path(out_root) / self.name
         if host == "node":
@@ -96,6 +97,9 @@ class ProxyActor:
             "proxy_url": self.tap.proxy_url,
             "api_url": self.tap.api_url,
         }
+
+    def policy_urls(self) -> list[str]:
+        return self.urls
 
     def open_session(
         self,

@@ -86,6 +86,11 @@ def replica_for(session_id: str, replicas: list[str]) -> str:
     return replicas[zlib.crc32(session_id.encode()) % len(replicas)]
 
 
+def actor_name(pool: str, index: int) -> str:
+    """The Ray name of a named pool's actor ``index``."""
+    return f"agenttap-{pool}-{index}"
+
+
 def least_loaded(loads: list[dict[str, int]], placed: list[int]) -> int:
     """The index of the proxy a new session goes to: fewest sessions (the larger of what it
     reports live and what the pool placed there and has not closed), then fewest calls in
@@ -149,6 +154,7 @@ class ProxyPool:
         self._group_of: dict[str, tuple[str, int]] = {}  # rollout session id -> (group, actor)
         self._dead: set[int] = set()  # actors found dead (their node lost): never placed on
         self._lost: list[dict[str, Any]] = load_lost(read_fs, read_base)
+        self._attached = False  # reached by name: its actors are the starting process's to end
 
     @classmethod
     def start(
@@ -168,6 +174,7 @@ class ProxyPool:
         upload_filesystem: pafs.FileSystem | None = None,
         load_refresh_s: float = 0.0,
         start_timeout: float = 120.0,
+        name: str | None = None,
     ) -> ProxyPool:
         """Start the actors (Ray must be initialised) and wait until every instance answers.
 
@@ -178,7 +185,9 @@ class ProxyPool:
         address, for agents on other hosts; no authentication on the proxy port: see
         docs/SECURITY.md); ``out_root``: local or shared path, ``OUT_ROOT/proxy-<n>/`` per actor;
         ``upload_to`` (+ ``upload_filesystem``): copy shards there too (module docstring);
-        ``load_refresh_s``: how long a poll of the actors' loads is reused for placing."""
+        ``load_refresh_s``: how long a poll of the actors' loads is reused for placing;
+        ``name``: the actors are named Ray actors (``agenttap-NAME-<n>``), so that other
+        processes of the job (verl's agent loop workers) reach the pool (``attach``)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -206,14 +215,15 @@ class ProxyPool:
             "upload_filesystem": upload_filesystem,
             "start_timeout": start_timeout,
         }
+        named = (lambda i: {"name": actor_name(name, i)}) if name else (lambda i: {})
         actors = [
-            actor_cls.options(scheduling_strategy=strategy).remote(
+            actor_cls.options(scheduling_strategy=strategy, **named(i)).remote(
                 i, urls, str(Path(tokenizer).resolve()), str(root), **kwargs
             )
             for i, strategy in enumerate(strategies)
         ]
         try:
-            infos = ray.get([a.info.remote() for a in actors])
+            infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -223,6 +233,34 @@ class ProxyPool:
         else:
             read_fs, read_base = pafs.LocalFileSystem(), str(root)
         return cls(actors, infos, urls, root, read_fs, read_base, load_refresh_s)
+
+    @classmethod
+    def attach(cls, name: str, load_refresh_s: float = 0.0) -> ProxyPool:
+        """The pool another process of this Ray job started with ``name`` (its named actors),
+        to run rollouts and sessions on from here (verl's agent loop workers); its shards are
+        read from its ``out_root`` (a shared path), not from an upload. Shut it down where it
+        was started."""
+        import ray
+
+        prefix = actor_name(name, 0)[:-1]
+        found = []
+        for entry in ray.util.list_named_actors(all_namespaces=False):
+            actor = str(entry.get("name", "") if isinstance(entry, dict) else entry)
+            if actor.startswith(prefix) and actor[len(prefix) :].isdigit():
+                found.append(int(actor[len(prefix) :]))
+        found.sort()
+        if not found:
+            raise ValueError(
+                f"no proxy pool named {name!r} in this Ray job: start it with "
+                f"ProxyPool.start(..., name={name!r}) first"
+            )
+        actors = [ray.get_actor(actor_name(name, i)) for i in found]
+        infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
+        root = Path(infos[0]["out"]).parent
+        urls: list[str] = ray.get(actors[0].policy_urls.remote())
+        pool = cls(actors, infos, urls, root, pafs.LocalFileSystem(), str(root), load_refresh_s)
+        pool._attached = True
+        return pool
 
     # -- sessions ----------------------------------------------------------------------------
     def loads(self) -> list[dict[str, int]]:
@@ -573,7 +611,7 @@ class ProxyPool:
         the same folder (crash recovery)."""
         import ray
 
-        if self._stopped:
+        if self._stopped or self._attached:
             return
         self._stopped = True
         try:

@@ -162,6 +162,8 @@ def verl_fields(
     split = split_row(row) if row is not None else filler(filler_id)
     split, cut = truncate_for_verl(split, prompt_length, response_length)
     extra: dict[str, Any] = {"agenttap_session_id": run.get("session_id"), **cut}
+    if run.get("node") is not None:  # run by a Ray pool's actor (capture/client/ray_pool.py)
+        extra["agenttap_node"], extra["agenttap_proxy"] = run["node"], run.get("proxy")
     if row is not None:
         low, high = weight_steps(row)
         if low is not None:

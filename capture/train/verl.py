@@ -29,7 +29,10 @@ trainer's driver, its policy URL pointing at the rollout servers verl started, o
 ``AGENTTAP_API`` and ``AGENTTAP_TOKEN`` (set them before Ray starts its workers). Per sample,
 ``extra_info["agenttap"]`` may set ``agent``, ``workdir``, ``image``, ``task`` (a Harbor task
 folder), ``verifier``, ``limits``, ``timeout_s`` (a task's own folder, image and verifier); the
-YAML entry sets the defaults.
+YAML entry sets the defaults. Or ``pool: NAME``: a Ray pool of proxies the driver started with
+``ProxyPool.start(..., name=NAME)`` in the same Ray job (``capture/client/ray_pool.py``): each
+sample's agent runs on the node the pool places it on, its folders shipped there, and
+``extra_fields`` name its ``agenttap_node`` and ``agenttap_proxy``.
 
 verl's ``sampling_params`` are not applied: the agent's own requests set temperature and length.
 A rollout that made no row returns a one-token stand-in, masked (``response_mask`` 0), reward
@@ -89,6 +92,19 @@ def control_client(
     return ControlClient(url, secret)
 
 
+# Pools reached by name in this worker process, one handle each (ProxyPool.attach).
+_POOLS: dict[str, Any] = {}
+
+
+def attached_pool(name: str) -> Any:
+    """The Ray proxy pool named ``name`` (``ProxyPool.attach``), once per process."""
+    if name not in _POOLS:
+        from capture.client.ray_pool import ProxyPool
+
+        _POOLS[name] = ProxyPool.attach(str(name))
+    return _POOLS[name]
+
+
 @register("agenttap")
 class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
     """One agenttap rollout per sample; see the module's docstring."""
@@ -106,10 +122,12 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
         timeout_s: float | None = None,
         image: str | None = None,
         task: str | None = None,
+        pool: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.client = control_client(api_url, token, token_file)
+        self.pool = attached_pool(pool) if pool else None
+        self.client = None if self.pool is not None else control_client(api_url, token, token_file)
         self.defaults = {
             "agent": _plain(agent),
             "workdir": workdir,
@@ -150,6 +168,10 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
         body = self.rollout_body(**kwargs)
         while True:
             try:
+                if self.pool is not None:
+                    answer = await self.pool.rollout_async(**body)
+                    break
+                assert self.client is not None
                 answer, _ = await asyncio.to_thread(
                     self.client.request, "POST", "/rollouts", body, False, None
                 )

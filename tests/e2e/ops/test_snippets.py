@@ -30,6 +30,8 @@ def python_blocks(path: Path) -> list[str]:
 
 def kind(code: str) -> str:
     """Which test runs a snippet, by what it starts."""
+    if "pool.rollout(" in code:
+        return "ray-rollouts"
     if "ProxyPool.start(" in code:
         return "ray"
     if "task=" in code or "image=" in code:
@@ -82,6 +84,7 @@ def test_every_snippet_is_one_a_test_here_runs() -> None:
     kinds = [kind(code) for _, code in SNIPPETS]
     assert "unknown" not in kinds, [n for n, c in SNIPPETS if kind(c) == "unknown"]
     assert kinds.count("trainer") == 1 and kinds.count("ray") == 1
+    assert kinds.count("ray-rollouts") == 1
     assert kinds.count("reader") >= 2  # README's Output section and docs/SHARDS.md
     # Where their output goes: the one folder the trainer writes and the readers read.
     (trainer,) = [code for _, code in only("trainer")]
@@ -134,6 +137,27 @@ def test_the_ray_snippet(stub: StubPolicy, second_stub: StubPolicy, tmp_path: Pa
     assert rows == through_ray == 1  # one session, one call: one thread row
     shards = sorted((tmp_path / "rollouts-pool").glob("proxy-*/threads/*.parquet"))
     assert len(shards) == 1, shards
+
+
+def test_the_ray_rollouts_snippet(stub: StubPolicy, tmp_path: Path) -> None:
+    """docs/API.md "Rollouts on Ray": real Claude Code agents run by the pool's actors, the
+    seed folder shipped to them, scored by the verifier, read back as one dataset."""
+    pytest.importorskip("ray")
+    ((name, code),) = only("ray-rollouts")
+    rule = agent_rule(stub, FIRST_CALL["claude-code"])
+    stub.rules.insert(0, rule)
+    try:
+        done = run_snippet(code, tmp_path, 300, POLICY_URLS=stub.url)
+    finally:
+        stub.rules.remove(rule)
+    assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr[-5000:]}"
+    runs = re.findall(r"^(\S+-\d) (\w+) (\d+) (\w+) ([\d.]+|None)$", done.stdout, re.M)
+    assert len(runs) == 2, done.stdout
+    assert {(finish, reward) for _, _, _, finish, reward in runs} == {("stop", "1.0")}, runs
+    assert count(r"^(\d+) rows$", done) >= 2
+    assert count(r"^(\d+) folders of logs$", done) >= 1
+    logs = list((tmp_path / "files").glob("proxy-*/*/*/agent.log"))
+    assert len(logs) == 2, logs
 
 
 def test_the_image_snippets_and_the_task_snippet(stub: StubPolicy, tmp_path: Path) -> None:

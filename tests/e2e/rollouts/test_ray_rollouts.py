@@ -80,6 +80,9 @@ def cluster() -> Iterator[dict[str, Any]]:
     worker = made.add_node(num_cpus=2)
     # A node whose container engine is not to be used (as a node without podman).
     plain = made.add_node(num_cpus=2, env_vars={"AGENTTAP_CONTAINER_ENGINE": "none"})
+    # Cluster writes its address where a plain ray.init() looks first (/tmp/ray): any other
+    # Ray user on this machine (another test's local cluster) would join this one. Forgotten.
+    ray._common.utils.reset_ray_address()
     made.wait_for_nodes()
     ray.init(address=made.address, log_to_driver=False)
     try:

@@ -34,14 +34,17 @@ STEPS = 2  # the second step's rollouts are sampled by the first step's trained 
 TOLERANCE = 1e-3
 
 
-def run_example(policy_url: str, out: Path, confdir: Path, seed: int = SEED) -> str:
+def run_example(
+    policy_url: str, out: Path, confdir: Path, seed: int = SEED, steps: int = STEPS,
+    extra: tuple[str, ...] = (),
+) -> str:  # fmt: skip
     """One run of the example on ``policy_url``; its output. The policy gets its original
     weights back afterwards, so the next run starts where this one did."""
     try:
         done = subprocess.run(
             [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url",
-             policy_url, "--steps", str(STEPS), "--n", "2", "--seed", str(seed),
-             "--out", str(out)],
+             policy_url, "--steps", str(steps), "--n", "2", "--seed", str(seed),
+             "--out", str(out), *extra],
             cwd=out.parent, env={**os.environ}, capture_output=True, text=True, timeout=1200,
         )  # fmt: skip
     finally:
@@ -98,3 +101,21 @@ def test_the_same_seed_gives_the_same_rewards(
     assert len(expected) == 2 * STEPS + 1, stdout[-3000:]
     print("\n".join(expected))
     assert what_repeats(again) == expected, again[-3000:]
+
+
+def test_the_example_trains_through_a_ray_pool_of_two_actors(
+    vllm_url: str, confdir: Path, tmp_path: Path
+) -> None:
+    """``--ray-actors 2``: TRL's rollout function takes a ``ProxyPool`` where it takes a tap;
+    each task's agents spread over the two proxy actors, the step's weights pushed through
+    one actor (checked) and announced to the other."""
+    out = tmp_path / "run"
+    stdout = run_example(vllm_url, out, confdir, steps=1, extra=("--ray-actors", "2"))
+    print(stdout[-3000:])
+    line = re.search(r"step  1  reward (\S+) \((\d)/4 scored\)", stdout)
+    assert line and line.group(2) == "4", stdout[-3000:]
+    pushes = re.findall(r"\(checked, max \|diff\| (\S+)\)$", stdout, flags=re.M)
+    assert len(pushes) == 1 and float(pushes[0]) < TOLERANCE, stdout[-3000:]
+    # Both actors ran agents: each proxy folder holds thread shards of its sessions.
+    for proxy in ("proxy-0", "proxy-1"):
+        assert any((out / "shards" / proxy / "threads").glob("*.parquet")), proxy

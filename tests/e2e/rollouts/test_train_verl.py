@@ -24,6 +24,7 @@ import pytest
 from capture.client.launcher import AgentTap
 from tests.e2e.rollouts.test_train_trl_loop import SDK_AGENT, TRAIN_PYTHON
 from tests.support.paths import QWEN3, REPO
+from tests.support.stub_vllm import StubPolicy
 
 UNAVAILABLE = REPO / ".venv-train" / ".verl-unavailable"
 
@@ -41,6 +42,15 @@ from verl.experimental.agent_loop.agent_loop import (
 
 cfg = json.loads(sys.argv[1])
 entry = OmegaConf.load(cfg["yaml"])[0]
+pool = None
+if cfg.get("pool_policy"):  # the driver's named Ray pool of proxies; the loop reaches it by name
+    import ray
+    from capture.client.ray_pool import ProxyPool
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pool = ProxyPool.start(cfg["pool_policy"], cfg["tokenizer"], cfg["pool_out"], num_proxies=2,
+                           num_cpus=0.25, name="verl-pool")
+    entry = OmegaConf.merge(entry, {"pool": "verl-pool"})
 tokenizer = AutoTokenizer.from_pretrained(cfg["tokenizer"])
 rollout = OmegaConf.create({"prompt_length": cfg["prompt_length"], "response_length": 64})
 config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
@@ -79,6 +89,8 @@ async def main():
 
 
 output, padded, batch = asyncio.run(main())
+if pool is not None:
+    pool.shutdown(timeout=60)
 print(json.dumps({
     "output": output.model_dump(exclude={"metrics"}),
     "prompts": padded.prompt_ids[0].tolist(),
@@ -101,6 +113,33 @@ def verl_unavailable() -> str | None:
     if UNAVAILABLE.exists():
         return f"verl is not installed in .venv-train: {UNAVAILABLE.read_text().strip()}"
     return None
+
+
+@pytest.mark.skipif(verl_unavailable() is not None, reason=verl_unavailable() or "")
+def test_the_agent_loop_runs_its_sample_on_a_named_ray_pool(
+    stub: StubPolicy, tmp_path: Path
+) -> None:
+    """``pool: NAME`` in the loop's entry: the sample's rollout runs through the Ray pool the
+    driver started under that name (``ProxyPool.attach``), on one of its two actors."""
+    config = {
+        "yaml": str(REPO / "capture" / "train" / "verl_agent_loop.yaml"),
+        "tokenizer": str(QWEN3), "prompt_length": 64, "sdk_python": sys.executable,
+        "sdk_agent": SDK_AGENT, "task": "Say OK twice.", "pool_policy": stub.url,
+        "pool_out": str(tmp_path / "pool"),
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTTAP_", "RAY_"))}
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), "-c", VERL_SIDE, json.dumps(config)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])["output"]
+    extra = out["extra_fields"]
+    assert extra["agenttap_proxy"] in (0, 1) and extra["agenttap_node"]
+    assert out["num_turns"] == 4 and out["reward_score"] == 0.5
+    session = extra["agenttap_session_id"]
+    shards = list((tmp_path / "pool" / f"proxy-{extra['agenttap_proxy']}" / "threads").glob("*"))
+    assert shards, f"no thread shard of {session} in its actor's folder"
 
 
 @pytest.mark.skipif(verl_unavailable() is not None, reason=verl_unavailable() or "")
