@@ -121,13 +121,25 @@ def open_dataset(fs: pafs.FileSystem | str, base: str = "", kind: str = "threads
 
 
 def load_lost(fs: pafs.FileSystem, base: str) -> list[dict[str, Any]]:
-    """The lost attempts recorded under a pool's root (``LOST_FILE``); [] when none."""
+    """The lost attempts recorded under a pool's root (``LOST_FILE``); [] when there is none.
+    A file that cannot be read as that list is an error (ValueError): reading on without it
+    would train the lost attempts' rows."""
+    path = f"{base}/{LOST_FILE}"
     try:
-        with fs.open_input_stream(f"{base}/{LOST_FILE}") as fh:
-            entries = json.loads(fh.read().decode())
-    except (FileNotFoundError, OSError, ValueError):
+        with fs.open_input_stream(path) as fh:
+            text = fh.read().decode()
+    except FileNotFoundError:
         return []
-    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    try:
+        entries = json.loads(text)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("not a list of objects")
+    except ValueError as exc:
+        raise ValueError(
+            f"{path} (the sessions of rollout attempts lost with their node) cannot be read "
+            f"({exc}); restore it or delete it knowingly: its sessions' rows would be read back"
+        ) from None
+    return entries
 
 
 def save_lost(fs: pafs.FileSystem, base: str, entries: list[dict[str, Any]]) -> None:

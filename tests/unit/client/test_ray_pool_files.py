@@ -11,7 +11,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from capture.client.pool_shards import Uploader, open_dataset, resolve_filesystem
+from capture.client.pool_shards import (
+    Uploader,
+    load_lost,
+    open_dataset,
+    resolve_filesystem,
+    save_lost,
+)
 from capture.client.ray_pool import least_loaded, replica_for
 from capture.policy.pools import PolicyPools
 from capture.storage.shards import write_table
@@ -84,3 +90,23 @@ def test_dataset_of_every_proxy_folder_through_a_subtree_filesystem(tmp_path: Pa
     assert open_dataset(str(tmp_path / "root")).count_rows() == 3  # a plain local path
     with pytest.raises(FileNotFoundError):
         open_dataset(fs, "root", kind="turns")
+
+
+def test_a_lost_attempts_rows_are_never_read_back(tmp_path: Path) -> None:
+    """A rollout attempt lost with its node: its sessions are listed in the pool's
+    lost-sessions.json, and the dataset leaves their rows out, whichever proxy folder holds
+    them (a journal recovered after the loss writes them later)."""
+    root = tmp_path / "root"
+    for n, session in enumerate(["g-0", "g-1", "g-retry1-1"]):
+        _shard(root / f"proxy-{n}" / "threads", session, 1.0)
+    fs, base = resolve_filesystem(str(root))
+    assert open_dataset(fs, base).count_rows() == 3
+    save_lost(fs, base, [{"proxy": 1, "session_ids": ["g-1"], "why": "node lost"}])
+    assert load_lost(fs, base)[0]["session_ids"] == ["g-1"]
+    rows = open_dataset(fs, base).to_table().to_pylist()
+    assert sorted(r["session_id"] for r in rows) == ["g-0", "g-retry1-1"]
+    assert not list(root.glob(".lost-sessions*"))  # written whole, then moved in place
+    # A file that cannot be read stops the reading (its rows would be trained otherwise).
+    (root / "lost-sessions.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        open_dataset(fs, base)
