@@ -39,10 +39,23 @@ def pack_folder(folder: str | os.PathLike[str]) -> Packed:
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder: a rollout ships folders to its node")
+    real = Path(os.path.realpath(root))
+    members = sorted(root.rglob("*"))
+    for path in members:  # what the node's unpacking (and agenttap's seed copy) would refuse
+        shown = path.relative_to(root)
+        if path.is_symlink():
+            target = Path(os.path.realpath(path))
+            if not target.is_relative_to(real) or not target.exists():
+                raise ValueError(
+                    f"{str(folder)!r}: the link {str(shown)!r} points outside the folder or to "
+                    "nothing; a folder shipped to a node holds only what is in it"
+                )
+        elif not (path.is_file() or path.is_dir()):
+            raise ValueError(f"{str(folder)!r}: {str(shown)!r} is not a file, folder or link")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         # Sorted, so the same folder gives the same bytes (and the same hash) every time.
-        for path in sorted(root.rglob("*")):
+        for path in members:
             tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
     data = buf.getvalue()
     return Packed(root.resolve().name, hashlib.sha256(data).hexdigest()[:24], data)

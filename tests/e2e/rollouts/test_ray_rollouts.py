@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from capture.client.ray_pool import ProxyPool
+from capture.control.sessions import agent_seed, call_seed
 from tests.support.paths import QWEN3
 from tests.support.proxies import processes_with
 from tests.support.stub_vllm import StubPolicy
@@ -132,7 +133,7 @@ def rows_by_session(pool: ProxyPool) -> dict[str, int]:
 
 
 def test_a_group_of_8_is_spread_over_the_nodes_scored_and_read_as_one_dataset(
-    pool: ProxyPool, seed: Path
+    pool: ProxyPool, seed: Path, policy: StubPolicy
 ) -> None:
     nodes = node_of(pool)
     assert len(set(nodes.values())) == 3
@@ -152,6 +153,15 @@ def test_a_group_of_8_is_spread_over_the_nodes_scored_and_read_as_one_dataset(
         assert run["rows"], run
     assert set(answer["nodes"]) == set(nodes.values())
     assert sum(answer["nodes"].values()) == 8
+    # Seeded as one group on one proxy would be: agent i's calls carry agent_seed(5, i)'s seeds,
+    # whichever actor ran it (each share is numbered from its first_index).
+    bodies = [b for b in policy.requests if "spread-group" in policy.tok.decode(b["prompt"])]
+    assert len(bodies) == 8
+    prompt = bodies[0]["prompt"]
+    assert all(b["prompt"] == prompt for b in bodies)
+    assert sorted(b["seed"] for b in bodies) == sorted(
+        call_seed(agent_seed(5, i), prompt) for i in range(8)
+    )
     # One dataset: each agent's rows once, from the proxy folder of the actor that ran it.
     table = pool.dataset().to_table(columns=["session_id", "proxy", "reward"]).to_pylist()
     got = {r["session_id"]: r for r in table if r["session_id"].startswith("spread-")}

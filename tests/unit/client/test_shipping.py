@@ -48,3 +48,19 @@ def test_a_member_that_leaves_its_folder_is_refused(tmp_path: Path) -> None:
 def test_a_path_that_is_no_folder_is_refused_in_words(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a folder"):
         pack_folder(tmp_path / "missing")
+
+
+def test_a_link_out_of_the_folder_is_refused_on_the_driver(tmp_path: Path) -> None:
+    src = tmp_path / "task"
+    src.mkdir()
+    os.symlink("/etc/passwd", src / "out")
+    with pytest.raises(ValueError, match="'out' points outside the folder"):
+        pack_folder(src)
+    (src / "out").unlink()
+    os.symlink("missing", src / "dangling")
+    with pytest.raises(ValueError, match="'dangling' points outside the folder or to nothing"):
+        pack_folder(src)
+    (src / "dangling").unlink()
+    os.mkfifo(src / "pipe")
+    with pytest.raises(ValueError, match="'pipe' is not a file, folder or link"):
+        pack_folder(src)

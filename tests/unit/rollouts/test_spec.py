@@ -45,6 +45,8 @@ BASE = {"agent": "codex", "prompt": "x"}
         ({"agent": "aider", "prompt": "x", "n": 0}, "unknown agent 'aider'"),
         ({**BASE, "n": 0, "seed": "s"}, '"n"'),
         ({**BASE, "seed": "s", "wait": 1}, '"seed" must be a whole number'),
+        ({**BASE, "first_index": -1}, '"first_index" must be a whole number from 0'),
+        ({**BASE, "first_index": 1.5}, '"first_index" must be a whole number from 0'),
     ],
 )  # fmt: skip
 def test_a_bad_body_is_told_its_first_mistake(body: object, words: str) -> None:
@@ -67,6 +69,9 @@ def test_a_body_is_read_into_the_runners_spec(tmp_path: Path) -> None:
     plain = read_rollout(dict(BASE)).spec()
     assert plain.sandbox_limits.memory_mb == 4096 and plain.timeout_s == 3600.0
     assert read_rollout({**BASE, "timeout_s": 5}).spec().timeout_s == 5.0
+    # A Ray pool's share of a group: its agents numbered from first_index (0 when left out).
+    assert plain.first_index == 0
+    assert read_rollout({**BASE, "n": 3, "first_index": 5}).spec().first_index == 5
 
 
 def test_the_schema_follows_the_catalogue() -> None:
