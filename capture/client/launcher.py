@@ -26,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,6 +249,8 @@ class AgentTap:
         except BaseException:
             proc.kill()
             proc.wait()
+            # The token and the log go with it: the error carries the log's end.
+            shutil.rmtree(private, ignore_errors=True)
             raise
         return cls(proc, log, out_dir, found["PROXY"], found["API"], found["TOKEN"], found["CA"])
 
@@ -473,9 +476,12 @@ def _wait_banner(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> di
         if len(found) == 4:
             return found
         if proc.poll() is not None:
-            raise AgentTapError(f"agenttap exited during startup; its log ({log}):\n{text[-4000:]}")
+            raise AgentTapError(
+                f"agenttap exited during startup (exit status {proc.returncode}); the end of its "
+                f"log:\n{text[-4000:]}"
+            )
         time.sleep(0.1)
     raise AgentTapError(
-        f"agenttap did not start within {timeout:.0f} s; its log ({log}):\n"
-        f"{log.read_text(errors='replace')[-4000:]}"
+        f"agenttap did not start within {timeout:.0f} s (AgentTap.start's timeout=); the end "
+        f"of its log:\n{log.read_text(errors='replace')[-4000:]}"
     )

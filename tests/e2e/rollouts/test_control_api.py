@@ -515,3 +515,27 @@ def test_a_status_line_is_logged_while_calls_come(tap: AgentTap) -> None:
     line = tap.log.read_text(errors="replace").rsplit("agenttap status:", 1)[1].splitlines()[0]
     assert "session(s) live" in line and "calls (+" in line and "tokens sampled" in line
     sess.close()
+
+
+def test_a_failed_start_leaves_no_private_folder(
+    stub: StubPolicy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance that cannot start (here a bad option value: mitmdump exits) raises with the
+    end of its log, and its private folder (the token file and the log) is gone."""
+    import tempfile
+
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def recording(*args: Any, **kwargs: Any) -> str:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording)
+    with pytest.raises(AgentTapError) as err:
+        AgentTap.start(
+            stub.url, QWEN3, tmp_path / "out", options={"agenttap_policy_timeout": "soon"}
+        )
+    assert "exited during startup" in str(err.value) and "agenttap_policy_timeout" in str(err.value)
+    (private,) = [p for p in made if Path(p).name.startswith("agenttap-")]
+    assert not Path(private).exists()
