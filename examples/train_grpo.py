@@ -139,12 +139,17 @@ def claude_code(max_tokens: int) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def start_policy(model: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
+def start_policy(
+    model: Path, log: Path, start_timeout: float = 300.0
+) -> tuple[subprocess.Popen[str], str]:
     """The embedded policy, as scripts/run_proxy.sh starts it: its URL once it serves."""
     proxy_python = REPO / ".venv" / "bin" / "python"
     if not proxy_python.exists():
         sys.exit(f"{proxy_python} not found: run scripts/setup.sh first")
-    cmd = [str(proxy_python), "-m", "policy_server", "--model", str(model)]
+    cmd = [
+        str(proxy_python), "-m", "policy_server", "--model", str(model),
+        "--start-timeout", str(start_timeout),
+    ]  # fmt: skip
     proc = subprocess.Popen(
         [*cmd, "--log", str(log)], cwd=REPO, stdout=subprocess.PIPE, text=True, bufsize=1
     )
@@ -257,6 +262,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default="train-grpo", help="shards, weights and logs go here")
     parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
+    parser.add_argument(
+        "--start-timeout", type=float, default=300.0,
+        help="seconds the embedded policy may take to start (a loaded machine needs more)",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="model folder (default: the tiny Qwen3)")
     parser.add_argument("--keep-weights", action="store_true", help="keep every step's folder")
     parser.add_argument(
@@ -289,7 +298,7 @@ def main() -> None:
     policy = None
     policy_url = args.policy_url
     if policy_url is None:
-        policy, policy_url = start_policy(model_dir, out / "policy.log")
+        policy, policy_url = start_policy(model_dir, out / "policy.log", args.start_timeout)
     try:
         with rollouts_on(args, policy_url, model_dir, out / "shards") as tap:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)

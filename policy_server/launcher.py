@@ -231,6 +231,13 @@ def last_log_step(log_path: Path | None) -> str:
     return ""
 
 
+# Where the start limit is set, named in the error when a start runs past it.
+START_TIMEOUT_FIX = (
+    "python -m policy_server --start-timeout SECONDS (scripts/run_proxy.sh: "
+    "AGENTTAP_POLICY_START_S; examples/train_grpo.py: --start-timeout)"
+)
+
+
 def wait_ready(
     url: str,
     proc: subprocess.Popen[bytes],
@@ -239,10 +246,11 @@ def wait_ready(
     log_path: Path | None = None,
     report: Callable[[str], None] | None = None,
     report_every_s: float = 5.0,
+    fix: str = START_TIMEOUT_FIX,
 ) -> None:
     """Wait until vLLM at ``url`` serves its model. With ``report``, every ``report_every_s``
     seconds a line says how long it has been starting and what its log (``log_path``) says it
-    is doing."""
+    is doing. ``fix``: what the error past ``timeout_s`` tells the user to change."""
     started = time.monotonic()
     deadline = started + timeout_s
     next_report = started + report_every_s
@@ -266,7 +274,12 @@ def wait_ready(
         except OSError:
             pass
         time.sleep(1.0)
-    raise PolicyServerError(f"vLLM at {url} not ready after {timeout_s:.0f} s")
+    step = last_log_step(log_path)
+    raise PolicyServerError(
+        f"vLLM at {url} not ready after {timeout_s:.0f} s"
+        + (f" (last: {step})" if step else "")
+        + f"; give it longer: {fix}"
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -311,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         help="context served, in tokens (Claude Code's first call alone is about 11.5k)",
     )
     parser.add_argument(
-        "--ready-timeout",
+        "--start-timeout",
+        "--ready-timeout",  # its earlier name, kept
+        dest="start_timeout",
         type=float,
         default=300.0,
         help="seconds vLLM may take to answer before the start counts as failed (a cold start "
@@ -403,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         if stop_asked:
             raise KeyboardInterrupt
         wait_ready(
-            url, proc, timeout_s=args.ready_timeout, log_path=log,
+            url, proc, timeout_s=args.start_timeout, log_path=log,
             report=lambda line: print(line, flush=True),
         )  # fmt: skip
         print(f"agenttap: policy ready at {url}", flush=True)

@@ -77,7 +77,7 @@ if [ -z "$POLICY_URL" ]; then
   LOG="$PRIVATE/policy.log"
   FIFO="$PRIVATE/policy.out"; mkfifo "$FIFO"
   PYTHONPATH="$SIDE_PATH" "$PY" -m policy_server --socket "$PRIVATE/vllm.sock" --log "$LOG" \
-    --max-model-len "$MAX_MODEL_LEN" --ready-timeout "${AGENTTAP_POLICY_START_S:-300}" > "$FIFO" &
+    --max-model-len "$MAX_MODEL_LEN" --start-timeout "${AGENTTAP_POLICY_START_S:-300}" > "$FIFO" &
   POLICY_PID=$!
   while read -r line; do
     echo "$line"

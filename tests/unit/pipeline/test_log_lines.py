@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from capture.control.banner import ready_line, start_lines
 from capture.control.endpoints import Endpoints
 from capture.pipeline.recording import call_line, failed_line, log_field
@@ -157,3 +159,25 @@ def test_ready_line() -> None:
         "agenttap ready: proxy http://127.0.0.1:8080 answering api.anthropic.com, "
         "api.openai.com from http://p:8000"
     )
+
+
+def test_a_policy_start_past_its_limit_names_the_option(tmp_path: Path) -> None:
+    """vLLM still starting when the limit passes: the error says where it was and which option
+    gives it longer (issue 51: a loaded machine ran past a fixed 300 s)."""
+    import subprocess
+    import sys
+
+    from policy_server.launcher import PolicyServerError, wait_ready
+
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO 11-29 10:00:00 [loader.py:1] Loading weights took 0.33 seconds\n")
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(PolicyServerError) as err:
+            wait_ready("http://127.0.0.1:9", waiting, timeout_s=0.5, log_path=log)
+    finally:
+        waiting.kill()
+        waiting.wait()
+    words = str(err.value)
+    assert "not ready after 0 s (last: Loading weights took 0.33 seconds)" in words, words
+    assert "--start-timeout SECONDS" in words and "AGENTTAP_POLICY_START_S" in words
