@@ -261,6 +261,9 @@ def main() -> None:
         "machine, same --out)",
     )  # fmt: skip
     parser.add_argument("--out", default="train-grpo", help="shards, weights and logs go here")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the run an existing --out holds"
+    )
     parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
     parser.add_argument(
         "--start-timeout", type=float, default=300.0,
@@ -280,10 +283,15 @@ def main() -> None:
 
     from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
 
-    model_dir = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR)
     out = Path(args.out).resolve()
-    if out.exists():
+    if out.exists() and any(out.iterdir()):
+        if not args.overwrite:  # an earlier run is replaced only when asked, before anything
+            sys.exit(
+                f"{out} holds an earlier run (its shards, weights and logs): give --overwrite to "
+                "replace it, or another --out"
+            )
         shutil.rmtree(out)  # a fresh run: its shards hold only this run's rows
+    model_dir = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR)
     (out / "task").mkdir(parents=True)
     (out / "task" / "README.md").write_text("Answer the question you are given.\n")
     weights = out / "weights"

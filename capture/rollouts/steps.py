@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
+from capture.control.sessions import EndReason
 from capture.isolation.box import Box, BoxSpec, Ended
 from capture.isolation.containers import ContainerPlan
 from capture.isolation.limits import limit_words
@@ -26,6 +28,8 @@ from capture.rollouts.scoring import HARBOR_LOGS, graded_folder, score, verifier
 logger = logging.getLogger(__name__)
 
 VERIFIER_TIMEOUT_S = 300.0
+# How often a running agent's session is checked for a limit it went past.
+LIMIT_POLL_S = 0.2
 # The verifier's output read back for its last line.
 VERIFIER_TAIL = 65536
 
@@ -74,6 +78,7 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
         return
     run.status = RunStatus.RUNNING
     plan = agent_plan(rollout, work) if spec.image is not None else None
+    watcher = asyncio.create_task(stop_past_limits(host, run))
     try:
         ended = await supervised(
             box, rollout, run, "agent", spec.command, env, (work, home, tmp), log, spec.timeout_s,
@@ -83,6 +88,7 @@ async def run_agent(host: RolloutHost, box: Box, rollout: Rollout, run: Run) -> 
         run.error = f"the agent could not start: {exc}"
         return
     finally:
+        watcher.cancel()
         if plan is not None:  # its state kept for the verifier
             await after_agent(rollout, run)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -136,6 +142,29 @@ async def supervised(
     if ended.bridge is not None:
         run.usage["bridge"] = ended.bridge
     return ended
+
+
+async def stop_past_limits(host: RolloutHost, run: Run, poll_s: float = LIMIT_POLL_S) -> None:
+    """Stop the agent as soon as its session is past a limit: a call refused past
+    ``max_calls`` or ``max_tokens`` (the agent has acted on every answer it was given), or
+    ``deadline_s`` passed. An agent left running would retry refused calls until its timeout.
+    The run then ends as the limit says (``finish_reason`` ``max_calls`` ...), scored as its
+    verifier's ``on_error`` says."""
+    while True:
+        await asyncio.sleep(poll_s)
+        sess = host.session(run.session_id)
+        if sess is None or run.handle is None:
+            continue
+        deadline = sess.limits.deadline_s
+        if deadline is not None and time.monotonic() - sess.opened_mono >= deadline:
+            sess.limit_reached = sess.limit_reached or EndReason.DEADLINE
+        if sess.limit_reached is not None:
+            logger.info(
+                "agenttap: rollout session %s reached its %s: its agent is stopped",
+                run.session_id, sess.limit_reached,
+            )  # fmt: skip
+            await run.handle.stop(graceful=True)
+            return
 
 
 def session_env(host: RolloutHost, rollout: Rollout, run: Run) -> dict[str, str]:

@@ -481,3 +481,33 @@ def test_without_bwrap_a_rollout_is_refused_with_the_install_command(
         body = {"agent": {"command": ["sh", "-c", "echo ran"]}, "prompt": "x", "sandbox": "none"}
         (run,) = tap.client.request("POST", "/rollouts", body, timeout=None)[0]["rollouts"]
         assert "ran" in run["agent_output"] and "no model call" in run["error"], run
+
+
+# An agent that keeps calling (the prompt: a chat body), as a scaffold retrying refused calls
+# does, and one that makes a call and then idles.
+CALL = (
+    "curl -sS https://api.openai.com/v1/chat/completions "
+    '-H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" '
+    '-d "$1" >> calls.log; echo >> calls.log'
+)
+RETRIES = {"command": ["sh", "-c", f"for i in $(seq 40); do {CALL}; sleep 0.2; done", "agent"]}
+IDLES = {"command": ["sh", "-c", f"{CALL}; sleep 60", "agent"]}
+
+
+def test_an_agent_past_its_sessions_limit_is_stopped_at_once(stub_tap: AgentTap) -> None:
+    """Past ``max_calls`` (its first refused call) or ``deadline_s``, the rollout's agent is
+    stopped within a poll (0.2 s), not left to retry refused calls or idle until its timeout:
+    40 calls 0.2 s apart would take 8 s and 38 refusals; the idle agent a minute."""
+    body = json.dumps(
+        {"model": "gpt-4o", "max_tokens": 4, "messages": [{"role": "user", "content": "go"}]}
+    )
+    result = stub_tap.rollout(RETRIES, body, limits={"max_calls": 2})
+    (run,) = result["rollouts"]
+    assert run["status"] == "ok" and run["finish_reason"] == "max_calls", run
+    assert run["metrics"]["calls"] == 2 and 1 <= run["metrics"]["refused"] <= 2, run["metrics"]
+    assert run["metrics"]["rollout_wall_time_s"] < 5, run["metrics"]
+    result = stub_tap.rollout(IDLES, body, limits={"deadline_s": 2})
+    (run,) = result["rollouts"]
+    assert run["status"] == "ok" and run["finish_reason"] == "deadline", run
+    assert run["metrics"]["calls"] == 1
+    assert 2 <= run["metrics"]["rollout_wall_time_s"] < 8, run["metrics"]

@@ -96,7 +96,15 @@ def test_the_same_seed_gives_the_same_rewards(
     first_run: tuple[Path, str], vllm_url: str, confdir: Path
 ) -> None:
     out, stdout = first_run
-    again = run_example(vllm_url, out, confdir)  # the same --out: the agents' prompts hold it
+    # The same --out (the agents' prompts hold it): replaced only when asked.
+    refused = subprocess.run(
+        [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url", vllm_url,
+         "--out", str(out)],
+        cwd=out.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "give --overwrite to replace it" in refused.stderr
+    assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()  # untouched
+    again = run_example(vllm_url, out, confdir, extra=("--overwrite",))
     expected = what_repeats(stdout)
     assert len(expected) == 2 * STEPS + 1, stdout[-3000:]
     print("\n".join(expected))
