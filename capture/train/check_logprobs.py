@@ -163,6 +163,12 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+def looks_local(name: str) -> bool:
+    """Whether ``name`` can only mean a path here (absolute, relative with ``.``, ``~``, or
+    more parts than a hub id's ``namespace/name``), not a model id from_pretrained fetches."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith("/")
+
+
 def parse_models(spec: str) -> dict[str, Path]:
     """``--models VERSION=DIR,VERSION=DIR`` as {version: folder}."""
     mapping: dict[str, Path] = {}
@@ -194,6 +200,11 @@ def weights_plan(
         raise WeightsError(
             "give the weights that sampled the rows: --model DIR (one model, or a folder of one "
             "folder per weight version) or --models VERSION=DIR,..."
+        )
+    if model is not None and not Path(model).exists() and looks_local(model):
+        raise WeightsError(
+            f"--model {model}: no such folder; give the folder save_pretrained wrote (it holds "
+            f"config.json), or a folder holding one such folder per weight version"
         )
     if model is not None and (is_model_dir(Path(model)) or not Path(model).is_dir()):
         # One model (or what from_pretrained takes that is no folder here: a hub id).

@@ -159,3 +159,14 @@ def test_rows_naming_no_version_need_the_one_model(
     assert check_logprobs.main([str(tmp_path / "out"), "--model", str(root)]) == 0
     trained = sum(rows[1]["loss_mask"])
     assert f"note: {trained} trained tokens name no weight version" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing", ["/no/such/weights", "./weights/step-9", "a/b/c"])
+def test_a_model_folder_that_does_not_exist_is_named_not_fetched(
+    out: Path, missing: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A path that does not exist is an error naming it, not a transformers traceback about a
+    hub id (issue 51); ``namespace/name`` stays a model id from_pretrained may fetch."""
+    assert check_logprobs.main([str(out), "--model", missing]) == 2
+    assert f"--model {missing}: no such folder" in capsys.readouterr().err
+    assert not check_logprobs.looks_local("Qwen/Qwen3-0.6B")
