@@ -26,7 +26,8 @@ Access = Literal["token", "open", "detail"]
 
 NO_TOKEN = (
     "agenttap: this route wants 'Authorization: Bearer TOKEN'; the token is printed "
-    "at start as AGENTTAP_TOKEN=... (or set with --set agenttap_token=...)"
+    "at start as AGENTTAP_TOKEN=... (or give your own: --set agenttap_token_file=FILE, a "
+    "file only you can read)"
 )
 WRONG_TOKEN = "agenttap: wrong token (see AGENTTAP_TOKEN= in the proxy's log)"
 

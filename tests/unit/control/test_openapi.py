@@ -90,6 +90,8 @@ def test_the_token_is_asked_before_the_route_is_looked_up(api: ControlAPI) -> No
     for path in ["/sessions", "/nowhere", "/sessions/x/close", "/openapi.json"]:
         status, body = call(api, "GET", path, token=None)
         assert status == 401 and "Authorization: Bearer TOKEN" in body["error"]["message"]
+        # The way the docs give to set one's own token (a file, never the command line).
+        assert "--set agenttap_token_file=FILE" in body["error"]["message"]
         assert call(api, "GET", path, token="wrong")[0] == 403
     # Through the proxy the addon has checked the header already.
     assert call(api, "GET", "/sessions", token=None, bearer="")[0] == 401
