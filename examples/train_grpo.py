@@ -162,6 +162,21 @@ def start_policy(
     sys.exit(f"the embedded policy did not start; its log: {log}")
 
 
+def check_policy(url: str) -> None:
+    """Exit, saying which flag to fix, unless a server answers vLLM's model list at ``url``."""
+    from rewriter.policy_url import parse_policy_url, urlopen
+
+    try:
+        parse_policy_url(url)
+        with urlopen(url, "/v1/models", timeout=10) as resp:
+            resp.read()
+    except (ValueError, OSError) as exc:
+        sys.exit(
+            f"--policy-url {url}: no vLLM answers there ({exc}); give the URL of a running vLLM "
+            "serving --model, or leave --policy-url out to start the embedded policy"
+        )
+
+
 class StepReport(TrainerCallback):  # type: ignore[misc]
     """After each optimizer step: save the model, push it to the policy, print one line."""
 
@@ -280,6 +295,8 @@ def main() -> None:
         "--ray-address", default=None, help="with --ray-actors: your cluster (else a local one)"
     )
     args = parser.parse_args()
+    if args.policy_url is not None:
+        check_policy(args.policy_url)  # before anything is written
 
     from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
 

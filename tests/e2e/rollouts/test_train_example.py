@@ -127,3 +127,16 @@ def test_the_example_trains_through_a_ray_pool_of_two_actors(
     # Both actors ran agents: each proxy folder holds thread shards of its sessions.
     for proxy in ("proxy-0", "proxy-1"):
         assert any((out / "shards" / proxy / "threads").glob("*.parquet")), proxy
+
+
+def test_a_dead_policy_url_is_named_before_anything_is_written(tmp_path: Path) -> None:
+    """``--policy-url`` where nothing answers: the flag to fix is named (not the proxy's
+    ``--set agenttap_policy_url``), and ``--out`` is not touched."""
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url",
+         "http://127.0.0.1:9", "--out", str(tmp_path / "run")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--policy-url http://127.0.0.1:9: no vLLM answers there" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
