@@ -58,7 +58,7 @@ def _outs_under(root: Path, depth: int = 3) -> list[tuple[Path, int]]:
     return found
 
 
-def _nearby(path: Path) -> str:
+def nearby_outs(path: Path) -> str:
     """' Did you mean X?' naming OUT folders near ``path`` (inside it, or beside it with a
     name like it), or ''."""
     import difflib
@@ -92,7 +92,7 @@ def check_shards(path: str | os.PathLike[str], threads: Path) -> None:
     if not threads.exists():
         raise FileNotFoundError(
             f"agenttap: no thread shards at {os.fspath(path)!r}: it does not exist; {wants}."
-            + _nearby(Path(path))
+            + nearby_outs(Path(path))
         )
     if not threads.is_dir():
         return
@@ -102,5 +102,5 @@ def check_shards(path: str | os.PathLike[str], threads: Path) -> None:
     raise FileNotFoundError(
         f"agenttap: no thread shards in {os.fspath(path)!r}: it holds no .parquet file and no "
         f"threads/ folder (it holds {', '.join(sorted(e.name for e in entries)[:5])}"
-        f"{'...' if len(entries) > 5 else ''}); {wants}." + _nearby(threads)
+        f"{'...' if len(entries) > 5 else ''}); {wants}." + nearby_outs(threads)
     )

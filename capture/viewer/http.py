@@ -38,6 +38,7 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import MatchInfoError
 
 from capture.ports import GatewayCore
+from capture.storage.out_folder import nearby_outs
 from capture.viewer import data as viewer
 from capture.viewer.data import Decode, RowSource, ShardSource
 
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.out / "threads").is_dir() and not (args.out / "turns").is_dir():
         print(
             f"agenttap viewer: {args.out} holds no threads/ or turns/ folder: give the folder "
-            f"the proxy wrote (agenttap_out, e.g. agenttap-out)",
+            f"the proxy wrote (agenttap_out, e.g. agenttap-out).{nearby_outs(args.out)}",
             file=sys.stderr,
         )
         return 2

@@ -380,3 +380,18 @@ def test_the_run_routes(run: tuple[Path, list[dict[str, Any]]]) -> None:
             )
 
     asyncio.run(go())
+
+
+def test_the_viewer_on_an_examples_folder_names_its_shards_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m capture.viewer train-grpo`` (the example's --out, its rows one folder down in
+    shards/): the error names the folder meant (issue 51)."""
+    from capture.viewer.http import main
+
+    write_run(tmp_path / "train-grpo" / "shards")
+    (tmp_path / "train-grpo" / "weights").mkdir()
+    assert main([str(tmp_path / "train-grpo")]) == 2
+    said = capsys.readouterr().err
+    assert "holds no threads/ or turns/ folder" in said
+    assert f"Did you mean {tmp_path / 'train-grpo' / 'shards'}" in said, said
