@@ -23,7 +23,7 @@ from rewriter.vllm_answers import (
 )
 from rewriter.vllm_request import GENERATE_PATH, SERVER_DEFAULTS, PolicyInfo, generation_body
 from rewriter.vllm_rotation import Rotation
-from rewriter.vllm_transport import Transport
+from rewriter.vllm_transport import Transport, status_hint
 
 # Logged under the client's name, as before the client was split in modules.
 logger = logging.getLogger("rewriter.vllm_client")
@@ -65,7 +65,9 @@ class Probing(Transport):
                 async with self._session.get(self.url("/v1/models")) as resp:
                     if resp.status != 200:
                         raise PolicyError(
-                            f"{self.base_url}/v1/models answered {resp.status}", resp.status
+                            f"{self.base_url}/v1/models answered {resp.status}"
+                            f"{status_hint(resp.status)}",
+                            resp.status,
                         )
                     raw = await resp.read()
         except TimeoutError as exc:

@@ -139,5 +139,24 @@ class Transport:
                 message = json.loads(text).get("error", {}).get("message") or text
             except (json.JSONDecodeError, AttributeError):
                 message = text
-            raise PolicyError(f"policy server answered {resp.status}: {message}", resp.status)
+            raise PolicyError(
+                f"policy server answered {resp.status}: {message}{status_hint(resp.status)}",
+                resp.status,
+            )
         return resp
+
+
+def status_hint(status: int) -> str:
+    """What a refusal by the policy server most likely means, for its error ('' for none)."""
+    if status in (401, 403):
+        return (
+            "; the server wants a key, and agenttap sends none: serve vLLM without --api-key "
+            "where only agenttap reaches it (a private socket: docs/SECURITY.md), or check that "
+            "agenttap_policy_url names a vLLM server"
+        )
+    if status == 404:
+        return (
+            "; is it a vLLM server? agenttap_policy_url names the server itself "
+            "(http://HOST:PORT or unix:/PATH), agenttap adds vLLM's routes"
+        )
+    return ""
