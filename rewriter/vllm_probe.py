@@ -66,7 +66,7 @@ class Probing(Transport):
                     if resp.status != 200:
                         raise PolicyError(
                             f"{self.base_url}/v1/models answered {resp.status}"
-                            f"{status_hint(resp.status)}",
+                            f"{status_hint(resp.status, listing=True)}",
                             resp.status,
                         )
                     raw = await resp.read()

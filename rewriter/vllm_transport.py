@@ -146,15 +146,17 @@ class Transport:
         return resp
 
 
-def status_hint(status: int) -> str:
-    """What a refusal by the policy server most likely means, for its error ('' for none)."""
+def status_hint(status: int, listing: bool = False) -> str:
+    """What a refusal by the policy server most likely means, for its error ('' for none).
+    ``listing``: of ``GET /v1/models``, which every vLLM serves (elsewhere a 404 is vLLM's own
+    "no such model")."""
     if status in (401, 403):
         return (
             "; the server wants a key, and agenttap sends none: serve vLLM without --api-key "
             "where only agenttap reaches it (a private socket: docs/SECURITY.md), or check that "
             "agenttap_policy_url names a vLLM server"
         )
-    if status == 404:
+    if status == 404 and listing:
         return (
             "; is it a vLLM server? agenttap_policy_url names the server itself "
             "(http://HOST:PORT or unix:/PATH), agenttap adds vLLM's routes"

@@ -39,7 +39,10 @@ async def test_a_refusing_server_is_named_with_the_likely_fix(status: int, said:
             client._info = PolicyInfo(model="m", max_model_len=64)
             with pytest.raises(PolicyError) as err:
                 await client.prompt_logprobs([1, 2, 3])
-            assert f"policy server answered {status}: Unauthorized; " in str(err.value)
-            assert said in str(err.value)
+            if status == 404:  # there: vLLM's own "no such model", its message as it is
+                assert str(err.value).endswith("policy server answered 404: Unauthorized")
+            else:
+                assert f"policy server answered {status}: Unauthorized; " in str(err.value)
+                assert said in str(err.value)
     finally:
         await server.close()
