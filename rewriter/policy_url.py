@@ -13,7 +13,6 @@ logs, replicas, metrics); the HTTP requests to it go to ``http://localhost/...``
 from __future__ import annotations
 
 import http.client
-import re
 import socket
 import urllib.parse
 import urllib.request
@@ -57,13 +56,6 @@ def unix_url(path: str) -> str:
 def parse_policy_url(text: str) -> PolicyAddress:
     """``http(s)://HOST[:PORT]`` or ``unix:/ABSOLUTE/PATH``; ValueError says what is wrong."""
     url = text.strip()
-    if re.search(r"/v1/?$", url):
-        # An OpenAI base URL (what an SDK is given) where the server itself is meant.
-        root = re.sub(r"/v1/?$", "", url)
-        raise ValueError(
-            f"{text!r} ends in /v1: give the server itself, {root!r}; agenttap adds vLLM's "
-            "routes (/v1/completions, ...) to it"
-        )
     if is_unix(url):
         path = url[len(UNIX_SCHEME) :]
         if not path.startswith("/") or path.startswith("//"):

@@ -54,6 +54,12 @@ RUN_PROXY_FLAGS = Flags(
 def _suffix_hint(url: str) -> str:
     """A hint where the URL names an API path: agenttap wants the server's root."""
     if is_unix(url):
+        # unix:/PATH/vllm.sock/v1: the socket is a file, so the path past it is "Not a directory".
+        socket_path = url[len("unix:") :].rstrip("/")
+        for api in ("/v1/chat/completions", "/v1/models", "/v1"):
+            if socket_path.endswith(api):
+                root = "unix:" + socket_path[: -len(api)]
+                return f" Give the socket without {api}, e.g. {root}: agenttap adds /v1 itself."
         return ""
     path = urllib.parse.urlsplit(url).path.rstrip("/")
     if path.endswith(("/v1", "/v1/models", "/v1/chat/completions")) or path == "/v1":

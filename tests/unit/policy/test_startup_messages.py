@@ -46,3 +46,10 @@ def test_the_entry_point_run_proxy_calls_speaks_its_flags(
     )
     err = capsys.readouterr().err
     assert code == 1 and "--policy-url" in err and "without /v1" in err
+
+
+def test_a_unix_url_past_its_socket_is_told_the_sockets_own(template: ChatTemplate) -> None:
+    """``unix:/PATH/vllm.sock/v1`` said only "Not a directory" (issue 51)."""
+    said = check_policy("unix:/tmp/agenttap-x/vllm.sock/v1", template, timeout=2)
+    assert said is not None
+    assert "Give the socket without /v1, e.g. unix:/tmp/agenttap-x/vllm.sock" in said, said
