@@ -22,10 +22,18 @@ function svgEl(tag, attrs, ...children) {
 function fmtNum(x) {
   if (x === null || x === undefined || Number.isNaN(x)) return "–";
   const a = Math.abs(x);
-  if (a >= 1e6) return (x / 1e6).toPrecision(3).replace(/\.?0+$/, "") + "M";
-  if (a >= 1e4) return (x / 1e3).toPrecision(3).replace(/\.?0+$/, "") + "k";
+  if (a >= 1e6) return scaled(x / 1e6) + "M";
+  if (a >= 1e4) return scaled(x / 1e3) + "k";
   if (a >= 100 || Number.isInteger(x)) return String(Math.round(x));
   return x.toPrecision(3).replace(/(\.\d*?)0+$/, "$1").replace(/\.$/, "");
+}
+
+// A count of thousands or millions: whole from 100 up, else 3 significant digits. Zeros go only
+// after a decimal point: 100k stays "100k" (stripping every trailing zero made it "1k").
+function scaled(v) {
+  if (Math.abs(v) >= 100) return String(Math.round(v));
+  const text = v.toPrecision(3);
+  return text.includes(".") ? text.replace(/0+$/, "").replace(/\.$/, "") : text;
 }
 
 function niceTicks(lo, hi, count) {

@@ -672,3 +672,13 @@ def test_a_row_shows_its_weight_versions_and_keeps_its_header_in_view(
     screenshot(page, shots, "long-row")
     watch.assert_clean()
     page.close()
+
+
+def test_the_axis_labels_keep_their_zeros(browser: Any, offline: tuple[str, Path]) -> None:
+    """The plots' number format in the page (issue 51: 100k read "1k" and 150k "15k", the
+    formatter stripping every trailing zero)."""
+    url, _ = offline
+    page = browser.new_page()
+    page.goto(url)
+    got = page.evaluate("[1000, 10000, 100000, 150000, 12345, 1.5e6, 2e6, 0.123, 250].map(fmtNum)")
+    assert got == ["1000", "10k", "100k", "150k", "12.3k", "1.5M", "2M", "0.123", "250"]
