@@ -8,6 +8,14 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const STATUS_COLOURS = { stop: "#2e7d32", live: "#1565c0", open: "#90a4ae", max_calls: "#f9a825",
   max_tokens: "#ef6c00", deadline: "#6d4c41", limit: "#c62828", error: "#b71c1c", cancelled: "#757575" };
 const SPARE = ["#7b1fa2", "#00838f", "#5d4037", "#ad1457", "#558b2f", "#283593"];
+// One colour per weight version on the whole page, given in the order versions are first drawn:
+// a version keeps its colour from row to row and span to span (the band's colour was its
+// span's place in the row).
+const VERSION_COLOURS = new Map();
+function versionColour(version) {
+  if (!VERSION_COLOURS.has(version)) VERSION_COLOURS.set(version, SPARE[VERSION_COLOURS.size % SPARE.length]);
+  return VERSION_COLOURS.get(version);
+}
 
 function statusColour(name, i) { return STATUS_COLOURS[name] || SPARE[i % SPARE.length]; }
 
@@ -174,10 +182,10 @@ function strip(data, spans, turns, onpick) {
   }
   // Where each point sits, by position: versions and calls are spans of positions.
   const at = (pos) => { let k = 0; while (k < n - 1 && data.end[k] <= pos) k++; return k; };
-  (spans || []).forEach((s, j) => {
+  (spans || []).forEach((s) => {
     const a = at(s.start), b = at(Math.max(s.start, s.end - 1));
     if (data.end[b] <= s.start || data.pos[a] >= s.end) return;
-    const rect = svgEl("rect", { class: "vband", x: a * w, width: Math.max(1, (b - a + 1) * w), y: band, height: 14, fill: SPARE[j % SPARE.length], "data-version": s.version },
+    const rect = svgEl("rect", { class: "vband", x: a * w, width: Math.max(1, (b - a + 1) * w), y: band, height: 14, fill: versionColour(s.version), "data-version": s.version },
       svgEl("title", {}, "weights " + s.version + ": tokens " + s.start + ".." + s.end));
     svg.append(rect, svgEl("text", { x: a * w + 3, y: band + 11, class: "vlabel" }, s.version));
   });

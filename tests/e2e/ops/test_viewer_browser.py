@@ -682,3 +682,24 @@ def test_the_axis_labels_keep_their_zeros(browser: Any, offline: tuple[str, Path
     page.goto(url)
     got = page.evaluate("[1000, 10000, 100000, 150000, 12345, 1.5e6, 2e6, 0.123, 250].map(fmtNum)")
     assert got == ["1000", "10k", "100k", "150k", "12.3k", "1.5M", "2M", "0.123", "250"]
+
+
+def test_a_weight_version_keeps_one_colour(browser: Any, offline: tuple[str, Path]) -> None:
+    """The strip's version bands: one colour per version (issue 51: the colour was the span's
+    place in its row, so v1 after v2 took v2's colour elsewhere)."""
+    url, _ = offline
+    page = browser.new_page()
+    page.goto(url)
+    fills = page.evaluate(
+        """() => {
+            const data = {pos: [0, 1, 2, 3, 4, 5], end: [1, 2, 3, 4, 5, 6],
+                          lp: [-1, -1, -1, -1, -1, -1], min: [-1, -1, -1, -1, -1, -1]};
+            const bands = (spans) => [...strip(data, spans, [], () => {})
+                .querySelectorAll("rect.vband")].map((r) => r.getAttribute("fill"));
+            return [bands([{version: "v2", start: 0, end: 3}, {version: "v1", start: 3, end: 6}]),
+                    bands([{version: "v1", start: 0, end: 2}, {version: "v3", start: 2, end: 4},
+                           {version: "v1", start: 4, end: 6}])];
+        }"""
+    )
+    (v2, v1), (v1_again, v3, v1_last) = fills
+    assert v1 == v1_again == v1_last and len({v1, v2, v3}) == 3, fills
