@@ -131,7 +131,10 @@ class Rollouts:
         runs = []
         for i in range(spec.first_index, spec.first_index + spec.n):
             sid = f"{spec.id}-{i}"
-            metadata = {**spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i}
+            metadata = {
+                **spec.metadata, "group_id": spec.id, "rollout_id": spec.id, "index": i,
+                "agent": agent_label(spec.agent),
+            }  # fmt: skip
             sess = self.api.open_session(sid, metadata, parse_limits(spec.limits or None))
             if spec.seed is not None:  # each agent samples its own way, the same in every run
                 sess.seed = agent_seed(spec.seed, i)
@@ -272,3 +275,14 @@ class Rollouts:
         config = self.api.settings
         confdir = (Path(config.confdir),) if config.confdir else ()
         return (Path(self.api.out_dir), *confdir, *config.sandbox_hide)
+
+
+def agent_label(agent: object) -> str:
+    """What made a rollout's rows, as its rows' metadata ``agent`` says: the agent kind
+    (``claude-code``, ...), or ``command:`` and the program's name (never its arguments: the
+    prompt is one)."""
+    if isinstance(agent, str):
+        return agent
+    command = agent.get("command") if isinstance(agent, dict) else None
+    program = command[0] if isinstance(command, list) and command else "?"
+    return "command:" + os.path.basename(str(program))

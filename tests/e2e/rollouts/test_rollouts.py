@@ -107,6 +107,7 @@ def test_a_rollout_of_each_cli_is_scored_into_its_rows(
         assert main["reward"] == 1.0 and main["end_reason"] == "stop"
         meta = json.loads(main["metadata"])
         assert meta["group_id"] == result["id"] and meta["task_id"] == "hello"
+        assert meta["agent"] == agent  # which scaffold made the row (issue 51)
     # The task's own folder is untouched: each agent worked in its own copy.
     assert not (task / "hello.txt").exists()
     assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
@@ -503,6 +504,7 @@ def test_an_agent_past_its_sessions_limit_is_stopped_at_once(stub_tap: AgentTap)
     )
     result = stub_tap.rollout(RETRIES, body, limits={"max_calls": 2})
     (run,) = result["rollouts"]
+    assert {json.loads(r["metadata"])["agent"] for r in run["rows"]} == {"command:sh"}
     assert run["status"] == "ok" and run["finish_reason"] == "max_calls", run
     assert run["metrics"]["calls"] == 2 and 1 <= run["metrics"]["refused"] <= 2, run["metrics"]
     assert run["metrics"]["rollout_wall_time_s"] < 5, run["metrics"]
