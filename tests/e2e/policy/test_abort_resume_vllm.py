@@ -250,4 +250,10 @@ def test_a_rescore_the_server_aborts_is_asked_again(vllm_url: str) -> None:
             break
         print(f"{length} ids were scored before the pause reached vLLM; longer")
     assert aborted >= 1, "the pause never reached vLLM while the re-score ran"
-    assert got == _rescore(vllm_url, ids)
+    # The same logprobs as an uninterrupted re-score, to fp32 at long context (the asked-again
+    # request may reuse the aborted one's cached prefix, prefilled in other chunks: 2e-6 seen
+    # at 6,000 ids; see _assert_exact).
+    want = _rescore(vllm_url, ids)
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    worst = max(abs(float(g) - float(w)) for g, w in zip(got[1:], want[1:], strict=True))  # type: ignore[arg-type]
+    assert worst <= 1e-5, worst
