@@ -371,13 +371,10 @@ class AgentTap:
         A PEFT ``model`` (or ``lora=True``): ``path`` is its adapter alone (what
         ``save_pretrained`` writes for a PeftModel), loaded beside the base weights with
         vLLM's runtime LoRA loading; calls from then on are sampled with it."""
-        lora = lora or (model is not None and hasattr(model, "peft_config"))
+        lora = lora or is_peft(model)
         where = "lora" if lora else "path"
         body: dict[str, Any] = {where: str(Path(path).resolve()), "version": str(version)}
-        if probe is None and model is not None:
-            from capture.train.probe import weights_probe
-
-            probe = weights_probe(model, tokenizer)
+        probe = trainer_probe(probe, model, tokenizer)
         if probe is not None:
             body["probe"] = probe
         return self.client.request("POST", "/policy/weights", body, timeout=None)[0]
@@ -394,10 +391,7 @@ class AgentTap:
         With ``model`` (or a ``probe``), each server's logprobs are checked against the
         trainer's, as in ``update_weights``."""
         body: dict[str, Any] = {"version": str(version)}
-        if probe is None and model is not None:
-            from capture.train.probe import weights_probe
-
-            probe = weights_probe(model, tokenizer)
+        probe = trainer_probe(probe, model, tokenizer)
         if probe is not None:
             body["probe"] = probe
         return self.client.request("POST", "/policy/version", body, timeout=None)[0]
@@ -461,6 +455,23 @@ class AsyncAgentTap:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def trainer_probe(
+    probe: dict[str, Any] | None, model: Any, tokenizer: Any
+) -> dict[str, Any] | None:
+    """The probe a weight push is checked with: ``probe`` as given, else one computed from the
+    trainer's ``model`` in memory (capture.train.probe, torch), else None (not checked)."""
+    if probe is None and model is not None:
+        from capture.train.probe import weights_probe
+
+        probe = weights_probe(model, tokenizer)
+    return probe
+
+
+def is_peft(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model: its folder is an adapter, loaded as a LoRA."""
+    return model is not None and hasattr(model, "peft_config")
 
 
 def parse_banner(text: str) -> dict[str, str]:

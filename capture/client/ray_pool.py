@@ -61,6 +61,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from capture.client.launcher import is_peft, trainer_probe
 from capture.client.pool_rollouts import Capacity, GroupRun, GroupRunner
 from capture.client.pool_shards import (
     PROXY_COLUMN,
@@ -562,11 +563,8 @@ class ProxyPool:
         training steps, with no rollout running (as TRL's loop does)."""
         import ray
 
-        lora = lora or (model is not None and hasattr(model, "peft_config"))
-        if probe is None and model is not None:
-            from capture.train.probe import weights_probe
-
-            probe = weights_probe(model, tokenizer)
+        lora = lora or is_peft(model)
+        probe = trainer_probe(probe, model, tokenizer)
         alive = [i for i in range(len(self.actors)) if i not in self._dead]
         if not alive:
             raise RuntimeError("no actor of the pool is alive: start a new pool")
