@@ -15,13 +15,15 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Where a node keeps the folders it was sent (one per content hash).
-SHIPPED_ROOT = Path(tempfile.gettempdir()) / "agenttap-shipped"
+# Where a node keeps the folders it was sent (one per content hash), per user: a folder found
+# there is used as it is, so nobody else may write in it (checked by ``private_root``).
+SHIPPED_ROOT = Path(tempfile.gettempdir()) / f"agenttap-shipped-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,10 @@ def unpack_folder(packed: Packed, root: Path = SHIPPED_ROOT) -> Path:
     """``packed`` written under ``root/DIGEST/NAME`` (once: a folder already there is reused);
     its path. Written to a temporary folder first and moved into place, so two rollouts
     unpacking the same folder at once never see half of it."""
+    private_root(root)
     final = root / packed.digest / packed.name
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=root))
     try:
         inner = staging / packed.name
@@ -84,3 +86,16 @@ def unpack_folder(packed: Packed, root: Path = SHIPPED_ROOT) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def private_root(root: Path) -> None:
+    """Make ``root`` (mode 0700) or check that it is this user's alone: a folder another user
+    could write in (in a shared /tmp) could hold a planted copy under a content hash it can
+    compute, which would be used as the group's seed. OSError, saying so, otherwise."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OSError(
+            f"{root} (where shipped folders are unpacked) is not a folder only this user may "
+            "open: remove it, and agenttap makes it anew"
+        )

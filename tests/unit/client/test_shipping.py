@@ -64,3 +64,18 @@ def test_a_link_out_of_the_folder_is_refused_on_the_driver(tmp_path: Path) -> No
     os.mkfifo(src / "pipe")
     with pytest.raises(ValueError, match="'pipe' is not a file, folder or link"):
         pack_folder(src)
+
+
+def test_an_unpack_folder_others_may_write_in_is_refused(tmp_path: Path) -> None:
+    """A copy planted under a content hash another user can compute would be used as the
+    group's seed: the unpack folder must be this user's alone."""
+    packed = Packed("task", "e" * 24, b"")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / ("e" * 24) / "task").mkdir(parents=True)  # "planted"
+    with pytest.raises(OSError, match="not a folder only this user may open"):
+        unpack_folder(packed, shared)
+    fresh = tmp_path / "fresh"
+    unpack_folder(pack_folder(tmp_path / "shared"), fresh)
+    assert (fresh.stat().st_mode & 0o777) == 0o700
