@@ -131,6 +131,7 @@ async def start_gateway(settings: Settings, template: ChatTemplate | None) -> Ga
         sandbox_hide=settings.sandbox_hide
         + ((settings.token_file,) if settings.token_file is not None else ()),
         sandbox_expose=settings.sandbox_expose,
+        sandbox_paths=settings.sandbox_paths,
         rollout_max_connections=settings.rollout_max_connections,
     )
     gateway = Gateway(config, template, control_plane=build_control_api)

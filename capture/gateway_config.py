@@ -82,6 +82,8 @@ class GatewayConfig:
     sandbox_hide: tuple[Path, ...] = ()
     # Shown read-only in every sandbox (agenttap_sandbox_expose).
     sandbox_expose: tuple[Path, ...] = ()
+    # Where a sandboxed run sees its folders: "fixed" or "host" (agenttap_sandbox_paths).
+    sandbox_paths: str = "fixed"
     # Connections a sandbox may hold to the proxy and the API at once
     # (agenttap_rollout_max_connections).
     rollout_max_connections: int = 64

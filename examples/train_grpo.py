@@ -20,8 +20,9 @@ runs in fp32, as the policy serves the model (TRL's default on a CPU is bf16 aut
 
 ``--seed N`` repeats a run on the same machine: torch is seeded, and so is the policy's
 sampling (``make_rollout_func(..., seed=N)``: each call gets a seed from N, the step, the task
-and the agent, and its prompt). The agents' prompts hold their folder's path, under ``--out``:
-give the same ``--out`` (the default is the same folder each time). Another seed, another run.
+and the agent, and its prompt). The agents' prompts name their working folder, which the
+sandbox shows at ``/workdir`` whatever ``--out`` is, so any folder repeats the run. Another
+seed, another run.
 
 The reward: a random tiny model cannot do a task, but it can learn a style. Every task here
 asks for an answer in capital letters and its verifier scores the share of the letters of the
@@ -72,7 +73,12 @@ sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap  # noqa: E402
 from capture.train.rows import main_row, sampled_ids  # noqa: E402
-from capture.train.trl import AgentTapRolloutFunc, agenttap_reward, make_rollout_func  # noqa: E402
+from capture.train.trl import (  # noqa: E402
+    AgentTapRolloutFunc,
+    agenttap_reward,
+    log_to_trainer,
+    make_rollout_func,
+)
 from capture.train.trl_cpu import cpu_friendly  # noqa: E402
 
 try:
@@ -191,6 +197,7 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         self.step_started = 0.0
         self.pending: dict[str, Any] = {}
         self.curve: list[float] = []
+        self.trainer: Any = None  # set once made: the push's check goes into its logs
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.step_started = time.monotonic()
@@ -208,11 +215,17 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         )
         push_s = time.monotonic() - pushed
         diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
+        measured = [d for d in diffs if d is not None]
         checked = (
-            f"checked, max |diff| {max(d for d in diffs if d is not None):.1e}"
-            if answer.get("checked") and any(d is not None for d in diffs)
+            f"checked, max |diff| {max(measured):.1e}"
+            if answer.get("checked") and measured
             else "not checked"
         )
+        # Logged with this step's numbers (the trainer logs after on_step_end).
+        push = {"agenttap/push_s": time.monotonic() - pushed}
+        if measured:
+            push["agenttap/push_max_diff"] = max(measured)
+        log_to_trainer(self.trainer, push)
         if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
             for old in self.weights.glob("step-*"):
                 if old != folder:
@@ -273,9 +286,15 @@ def main() -> None:
     parser.add_argument(
         "--seed", type=int, default=0,
         help="seeds torch and the policy's sampling: the same seed, the same rewards (same "
-        "machine, same --out)",
+        "machine, any --out)",
     )  # fmt: skip
     parser.add_argument("--out", default="train-grpo", help="shards, weights and logs go here")
+    parser.add_argument(
+        "--report-to", default="tensorboard",
+        help="the trainer's loggers (TRL's report_to: tensorboard, wandb, none); TensorBoard "
+        "writes to OUT/tensorboard, with agenttap's rollout numbers (agenttap/...) beside loss "
+        "and grad norm",
+    )  # fmt: skip
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the run an existing --out holds"
     )
@@ -313,6 +332,9 @@ def main() -> None:
     (out / "task" / "README.md").write_text("Answer the question you are given.\n")
     weights = out / "weights"
     weights.mkdir()
+    if "tensorboard" in args.report_to:
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "tensorboard")
+        print(f"trainer logs: tensorboard --logdir {out / 'tensorboard'}", flush=True)
     torch.manual_seed(args.seed)
     agent: str | dict[str, list[str]] = args.agent
     if args.agent_command:
@@ -352,7 +374,7 @@ def main() -> None:
                 beta=0.0,
                 logging_steps=1,
                 save_strategy="no",
-                report_to="none",
+                report_to=args.report_to,
                 disable_tqdm=True,
                 seed=args.seed,
                 # fp32, as the policy serves the model: TRL's default on a CPU is bf16 autocast,
@@ -374,6 +396,7 @@ def main() -> None:
                     callbacks=[report],
                 )  # fmt: skip
                 trainer.remove_callback(PrinterCallback)  # our line per step instead
+                report.trainer = trainer
                 trainer.train()
             curve = " ".join(f"{r:.3f}" for r in report.curve)
             print(f"reward by step: {curve}")

@@ -142,7 +142,9 @@ class BoxHandle:
 
 class Box:
     """Every sandboxed run of this process. ``hide``: paths no run may see (OUT, mitmproxy's
-    confdir); ``expose``: paths every run is shown read-only (the CA); ``routes``: the proxy's
+    confdir); ``expose``: paths every run is shown read-only (the CA); ``paths``: ``fixed``, a
+    bwrap run's work, HOME and TMPDIR shown at ``FIXED_PLACES``, or ``host``, at their host
+    paths (capture/isolation/sandbox.py); ``routes``: the proxy's
     and the API's ports a run with a session reaches; ``bindings``: where each relayed
     connection is bound to its session."""
 
@@ -154,8 +156,11 @@ class Box:
         bindings: Binder,
         max_connections: int,
         max_running: int,
+        paths: str = "fixed",
     ) -> None:
         self.hide, self.expose = hide, expose
+        # Where a bwrap run's folders appear inside (agenttap_sandbox_paths).
+        self.paths = paths
         self._routes, self._bindings = routes, bindings
         self._max_connections, self._max_running = max_connections, max_running
         # Each sandboxed run's unix sockets to the proxy and the API (its own folder, bound to

@@ -34,10 +34,13 @@ from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpret
 from capture.isolation.podman import engine_command
 from capture.isolation.processes import Child
 from capture.isolation.sandbox import (
+    FIXED_PLACES,
     SANDBOX_UID,
     Jail,
     SandboxSpec,
     find_bwrap,
+    fixed_layout,
+    moved_value,
     program_paths,
     read_info,
     sandbox_argv,
@@ -76,6 +79,9 @@ class BoxStarter(Protocol):
 
     hide: tuple[Path, ...]
     expose: tuple[Path, ...]
+    # "fixed": a bwrap run's folders at ``FIXED_PLACES``; "host": at their host paths
+    # (agenttap_sandbox_paths).
+    paths: str
 
     async def bridge(self, session_id: str) -> NetBridge: ...
 
@@ -137,19 +143,35 @@ class BwrapEngine(Engine):
         command, network, extra_expose = spec.command, spec.session_id, spec.expose
         path_env = pipes["env"].get("PATH", "")
         bridge = await self.box.bridge(network) if network is not None else None
-        inner, python = command, interpreter()
+        python = interpreter()
+        expose = (
+            *program_paths(command, path_env),
+            *(program_paths([python], path_env) if bridge is not None else ()),
+            *self.box.expose,
+            *extra_expose,
+        )
+        env, places = pipes["env"], None
+        layout = fixed_layout(spec.folders, expose) if self.box.paths == "fixed" else None
+        if layout is not None:
+            moved, expose = layout
+            places = FIXED_PLACES
+            # The run's folders as the sandbox shows them, wherever the command and its
+            # environment name them (HOME, TMPDIR, a configuration folder, the reward file).
+            command = [moved_value(arg, moved) for arg in command]
+            env = {key: moved_value(value, moved) for key, value in env.items()}
+        elif self.box.paths == "fixed":
+            logger.warning(
+                "agenttap: a path this sandbox shows lies at or under %s: run %s sees its "
+                "folders at their host paths, so its prompts name them",
+                " or ".join(FIXED_PLACES), label,
+            )  # fmt: skip
+        inner = command
         if bridge is not None:
             inner = [python, "-I", "-S", str(INSIDE / "bridge.py"), *bridge.forwards(), "--"]
             inner += command
         sandbox = SandboxSpec(
-            work, home, tmp, hide=self.box.hide,
-            expose=(
-                *program_paths(command, path_env),
-                *(program_paths([python], path_env) if bridge is not None else ()),
-                *self.box.expose,
-                *extra_expose,
-            ),
-            bridge=bridge.folder if bridge is not None else None,
+            work, home, tmp, hide=self.box.hide, expose=expose,
+            bridge=bridge.folder if bridge is not None else None, places=places,
         )  # fmt: skip
         info_r, info_w = os.pipe()
         try:
@@ -157,7 +179,7 @@ class BwrapEngine(Engine):
             stage = self.box.stage() if user is not None else None
             argv = sandbox_argv(sandbox, inner, self.bwrap, info_fd=info_w, uid=user, stage=stage)
             proc = await asyncio.create_subprocess_exec(
-                *prefix, *argv, pass_fds=(info_w,), cwd="/", **pipes
+                *prefix, *argv, pass_fds=(info_w,), cwd="/", **{**pipes, "env": env}
             )
         except BaseException:
             os.close(info_r)
@@ -216,7 +238,7 @@ class PodmanEngine(Engine):
         inside = {str(home): str(CONTAINER_HOME), str(tmp): str(CONTAINER_TMP)}
         binds = (*binds, *shown, Bind(home, inside[str(home)], False))
         binds += (Bind(tmp, inside[str(tmp)], False),)
-        env = {key: _moved(value, inside) for key, value in env.items()}
+        env = {key: moved_value(value, inside) for key, value in env.items()}
         env["PATH"] = plan.path
         container = await Container.create(
             container_name(spec.name), plan.image, command, env, (*binds, *plan.binds),
@@ -234,14 +256,6 @@ class PodmanEngine(Engine):
             await container.remove()
             raise
         return Child(proc, container=container)
-
-
-def _moved(value: str, inside: dict[str, str]) -> str:
-    """An environment value naming a folder of the run's, as the container sees it."""
-    for host, there in inside.items():
-        if value == host or value.startswith(host + "/"):
-            return there + value[len(host) :]
-    return value
 
 
 def container_name(run: str) -> str:

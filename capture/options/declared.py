@@ -288,6 +288,17 @@ CORE_OPTIONS: tuple[Option, ...] = (
         parse_paths,
     ),
     Option(
+        "agenttap_sandbox_paths",
+        "fixed",
+        "Where a rollout's bubblewrap sandbox shows the agent its folders: fixed (its working "
+        "folder at /workdir, HOME at /home/agent, TMPDIR at /tmp/agent, on every host: the "
+        "scaffolds write their working folder into the prompt, so the same seed then samples "
+        "the same run wherever OUT is, and a group's prompts share the policy's prefix cache) "
+        "or host (at their paths under OUT, as before). A container shows the image's WORKDIR "
+        "either way.",
+        lambda text: parse_choice(text, ("fixed", "host")),
+    ),
+    Option(
         "agenttap_rollout_max_connections",
         "64",
         "Connections each sandboxed rollout agent may hold at once to the proxy and the API "

@@ -57,6 +57,7 @@ class Settings:
     sandbox: str = "bwrap"
     sandbox_hide: tuple[Path, ...] = ()
     sandbox_expose: tuple[Path, ...] = ()
+    sandbox_paths: str = "fixed"
     rollout_max_connections: int = 64
     token_file: Path | None = None
 
@@ -121,6 +122,7 @@ def parse_settings(texts: Mapping[str, str]) -> Settings:
         sandbox=values["agenttap_sandbox"],
         sandbox_hide=values["agenttap_sandbox_hide"],
         sandbox_expose=values["agenttap_sandbox_expose"],
+        sandbox_paths=values["agenttap_sandbox_paths"],
         rollout_max_connections=values["agenttap_rollout_max_connections"],
         token_file=(
             Path(texts["agenttap_token_file"].strip()).expanduser().absolute()

@@ -67,6 +67,7 @@ class Rollouts:
             bindings=api.bindings,
             max_connections=config.rollout_max_connections,
             max_running=max_running,
+            paths=config.sandbox_paths,
         )
         # What running agents and verifiers are promised together (capture/rollouts/admission.py);
         # the kernel caps them at the same total.

@@ -37,6 +37,11 @@ prompt ends:
 **On Ray.** ``tap`` may be a ``ProxyPool`` (``capture/client/ray_pool.py``): each rollout's
 agents are spread over the pool's nodes (``ProxyPool.rollout``), the workdir shipped to them.
 
+**Metrics.** Each step's rollout numbers (``rollout_metrics``: reward mean and std within a
+group, agents scored and ok, calls, tokens, refusals and seconds per agent, the weight versions
+that sampled the step) go into the trainer's own logs under ``agenttap/``, beside TRL's loss,
+KL and grad norm: ``report_to`` carries them to TensorBoard or W&B.
+
 **Failures.** A rollout whose agent or verifier failed has reward None (the rollout's
 ``on_error`` "skip", the default): its row is still returned (the trainer's batch keeps its
 shape) but, unscorable, it moves nothing. A rollout that made no row at all (the agent never
@@ -47,9 +52,10 @@ reward None. A failed ``POST /rollouts`` (the proxy refused it) raises ``AgentTa
 machine: each rollout is ``POST /rollouts`` with a ``seed`` from ``N``, the trainer's step and
 the task's place in the step (agenttap gives each agent, and each of its calls, a seed of its
 own from it: vLLM samples the same tokens for the same prompt), and an ``id`` named by the
-same three, ``s{N}-step{STEP}-{K}``, because an agent's prompt holds its folder's path
-(``OUT/rollouts/ID/...``): with the same OUT folder the prompts are the same. A seeded run
-needs a fresh agenttap (its rollout ids must be new there).
+same three, ``s{N}-step{STEP}-{K}``, so a run's rollouts read the same in every repeat. An
+agent's prompt names its working folder, which the sandbox shows at ``/workdir`` wherever OUT
+is (``agenttap_sandbox_paths``), so a repeat needs no particular folder. A seeded run needs a
+fresh agenttap (its rollout ids must be new there).
 
 **Verifiers.** ``verifier`` is a command (run by agenttap in the agent's copy of the workdir;
 its last output line is the reward), the route's whole ``{"command", "restore", "on_error"}``,
@@ -64,6 +70,7 @@ No torch and no TRL import here: the function only moves token ids and numbers.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +155,67 @@ def sample_from_run(
     }
 
 
+# What the rollout function adds to the trainer's own logs each step (``rollout_metrics``),
+# under this prefix: TRL's logger carries them to report_to's TensorBoard or W&B, beside loss,
+# KL and grad norm.
+METRIC_PREFIX = "agenttap/"
+
+
+def rollout_metrics(
+    groups: Sequence[Sequence[Mapping[str, Any]]],
+    rewards: Sequence[Sequence[float | None]],
+    seconds: float,
+) -> dict[str, float]:
+    """A step's rollout numbers, from each group's runs (a rollout's answer's ``rollouts``)
+    and the rewards trained on them: the reward's mean and its std within a group (averaged
+    over groups: GRPO learns nothing from a group whose std is 0), how many agents were scored,
+    ended ok or not, the agents' calls, tokens and times (means per agent), the weight
+    versions that sampled the step, and the step's rollout seconds."""
+    runs = [run for group in groups for run in group]
+    scored = [r for group in rewards for r in group if r is not None]
+    stds = []
+    for group in rewards:
+        values = [r for r in group if r is not None]
+        if len(values) > 1:
+            mean = sum(values) / len(values)
+            stds.append((sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5)
+    per_agent: dict[str, list[float]] = {}
+    for run in runs:
+        metrics = run.get("metrics") or {}
+        for name in ("calls", "prompt_tokens", "completion_tokens", "refused", "errors"):
+            per_agent.setdefault(name, []).append(float(metrics.get(name) or 0))
+        per_agent.setdefault("wall_s", []).append(float(metrics.get("rollout_wall_time_s") or 0))
+    versions = {v for run in runs for row in run.get("rows") or [] for v in row_versions(row)}
+    found = {
+        "reward_mean": sum(scored) / len(scored) if scored else math.nan,
+        "reward_std_in_group": sum(stds) / len(stds) if stds else math.nan,
+        "agents": float(len(runs)),
+        "scored": float(len(scored)),
+        "status_ok": float(sum(run.get("status") == "ok" for run in runs)),
+        "status_not_ok": float(sum(run.get("status") != "ok" for run in runs)),
+        "weight_versions": float(len(versions)),
+        "rollout_s": seconds,
+    }
+    for name, values in per_agent.items():
+        found[f"{name}_per_agent"] = sum(values) / len(values)
+    return {METRIC_PREFIX + name: value for name, value in found.items()}
+
+
+def log_to_trainer(trainer: Any, metrics: Mapping[str, float]) -> bool:
+    """Put ``metrics`` where TRL's ``GRPOTrainer`` keeps its own per-step numbers
+    (``trainer._metrics[mode]``): its ``log`` averages them over the logging steps and hands
+    them to every ``report_to`` logger and the console with loss and KL. False where the
+    trainer keeps none (another trainer, or none given)."""
+    store = getattr(trainer, "_metrics", None)
+    model = getattr(trainer, "model", None)
+    mode = "train" if getattr(model, "training", True) else "eval"
+    if not isinstance(store, Mapping) or mode not in store:
+        return False
+    for name, value in metrics.items():
+        store[mode][name].append(value)
+    return True
+
+
 def group_prompts(prompts: Sequence[Any]) -> dict[str, list[int]]:
     """Task text → the positions of the prompts that hold it, in first-seen order."""
     groups: dict[str, list[int]] = {}
@@ -198,6 +266,8 @@ class AgentTapRolloutFunc:
         filler_id = self._filler_id(trainer)
         samples: list[dict[str, Any] | None] = [None] * len(prompts)
         stats = RolloutStats(rollouts=len(groups), agents=len(prompts))
+        group_runs: list[list[Mapping[str, Any]]] = []
+        group_rewards: list[list[float | None]] = []
         for (task, positions), answer in zip(groups.items(), answers, strict=True):
             runs = answer.get("rollouts") or []
             if len(runs) != len(positions):
@@ -205,8 +275,11 @@ class AgentTapRolloutFunc:
                     f"rollout {answer.get('id')!r} returned {len(runs)} agents for "
                     f"{len(positions)} prompts"
                 )
+            group_runs.append(runs)
+            group_rewards.append([])
             for position, run in zip(positions, runs, strict=True):
                 reward = self._reward(task, run)
+                group_rewards[-1].append(reward)
                 sample = sample_from_run(run, reward, filler_id)
                 samples[position] = sample
                 stats.failed += run.get("status") != "ok"
@@ -220,6 +293,7 @@ class AgentTapRolloutFunc:
         stats.sessions = [str(s["agenttap_session_id"]) for s in samples if s is not None]
         stats.seconds = time.monotonic() - started
         self.last = stats
+        log_to_trainer(trainer, rollout_metrics(group_runs, group_rewards, stats.seconds))
         keys = (
             "prompt_ids", "completion_ids", "logprobs", "env_mask", "agenttap_reward",
             "agenttap_session_id", "agenttap_weight_versions",
@@ -250,7 +324,7 @@ class AgentTapRolloutFunc:
                         if self.seed is not None and "in use" in str(exc):
                             raise AgentTapError(
                                 f"{exc}: a seeded run names its rollouts by seed, step and task "
-                                "(their prompts hold the name); run it on a fresh agenttap, "
+                                "and those ids are in use; run it on a fresh agenttap, "
                                 "or give another seed",
                                 exc.status,
                             ) from exc

@@ -42,6 +42,7 @@ BAD_VALUES: dict[str, str | None] = {
     "agenttap_sandbox": "docker",
     "agenttap_sandbox_hide": None,
     "agenttap_sandbox_expose": None,
+    "agenttap_sandbox_paths": "/workdir",
     "agenttap_rollout_max_connections": "0",
     "agenttap_weights_tolerance": "-0.1",
     "agenttap_weights_check_s": "soon",

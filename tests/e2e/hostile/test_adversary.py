@@ -121,7 +121,7 @@ def test_a_hostile_rollout_gains_nothing(
     listener.listen()
     handed_in = {int(u.rstrip("/").rsplit(":", 1)[1]) for u in (tap.api_url, tap.proxy_url)}
     task = {
-        "api": tap.api_url, "victim": victim, "outside": str(outside),
+        "api": tap.api_url, "victim": victim, "outside": str(outside), "out": str(tap.out),
         "policy": stub.url, "host_ports": sorted(listening_ports() - handed_in),
         "canaries": [str(p) for p in canaries], "host_socket": str(host_socket),
     }  # fmt: skip

@@ -79,6 +79,41 @@ def completion(url: str, prompt: list[int], seed: int) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
 
 
+# An agent whose prompt names its folders, as the scaffolds' system prompts do (Claude Code's
+# "Working directory", Codex's <cwd>, Gemini CLI's folder structure).
+NAMES_ITS_FOLDERS = {
+    "command": [
+        "sh", "-c",
+        "curl -sS --fail-with-body https://api.openai.com/v1/chat/completions "
+        '-H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" '
+        '-d "{\\"model\\":\\"gpt-4o\\",\\"max_tokens\\":4,\\"messages\\":[{\\"role\\":'
+        '\\"user\\",\\"content\\":\\"$1 in $(pwd) home $HOME tmp $TMPDIR\\"}]}"',
+        "agent",
+    ]
+}  # fmt: skip
+
+
+def test_the_same_seed_in_another_folder_sends_the_same_prompts(
+    stub_tap: AgentTap, stub: StubPolicy
+) -> None:
+    """Issue 51 item 1: each group's runs live under OUT/rollouts/ID/I on the host, yet an
+    agent sees its folders at the same places (agenttap_sandbox_paths fixed), so two groups
+    with one seed send the same prompts and seeds, and a group's agents the same prompt."""
+    marker = "folder-free-prompt"
+    stub.requests.clear()
+    first = stub_tap.rollout(NAMES_ITS_FOLDERS, marker, n=2, seed=5, id="folders-a")
+    calls = sent(stub, first, marker)
+    second = sent(
+        stub, stub_tap.rollout(NAMES_ITS_FOLDERS, marker, n=2, seed=5, id="folders-b"), marker
+    )
+    assert second == calls
+    (_, prompt), (_, same) = calls
+    assert prompt == same
+    text = stub.tok.decode(prompt)
+    assert f"{marker} in /workdir home /home/agent tmp /tmp/agent" in text, text
+    assert "folders-a" not in text and str(stub_tap.out) not in text
+
+
 @pytest.mark.vllm
 def test_a_seeded_long_prompt_on_the_real_vllm(vllm_url: str) -> None:
     """A prompt longer than one step's token budget is prefilled in chunks; vLLM samples (and

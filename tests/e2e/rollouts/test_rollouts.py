@@ -70,14 +70,20 @@ def scripted(stub: StubPolicy) -> Iterator[Callable[[str], None]]:
 
 
 def agent_processes(root: Path) -> list[str]:
-    """Processes whose working directory is under ``root`` (an agent or its children)."""
+    """Processes of the rollout whose folder is ``root`` (OUT/rollouts/ID): an agent or its
+    children, found by the ``AGENTTAP_ROLLOUT`` its environment carries (a sandbox shows its
+    working folder at /workdir, so the working directory no longer names the rollout), or by a
+    working directory under ``root`` (an unsandboxed run)."""
     found = []
+    mark = f"AGENTTAP_ROLLOUT={root.name}".encode()
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
         except OSError:
             continue
-        if cwd.startswith(str(root)):
+        if cwd.startswith(str(root)) or mark in env:
             found.append(pid)
     return found
 
@@ -269,8 +275,10 @@ import json, os, pathlib, subprocess, sys, tempfile, time
 task = json.loads(sys.argv[-1])
 out, conf = pathlib.Path(task["out"]), pathlib.Path(task["confdir"])
 work = pathlib.Path.cwd()
-mine = work.parent.parent if work.parent.name == "box" else work.parent  # the disk limit's tmpfs
-sibling = mine.parent / str(1 - int(mine.name))
+# Its run's folder and its sibling's on the host (OUT/rollouts/ID/I): the task names them, as an
+# attacker may know them; the sandbox shows no host path (its workdir is /workdir).
+index = int(os.environ["AGENTTAP_SESSION"].rsplit("-", 1)[1])
+sibling = pathlib.Path(task["rollout"]) / str(1 - index)
 
 
 def read(path):
@@ -288,6 +296,13 @@ def write(path):
         return type(exc).__name__
 
 
+def listing(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError as exc:
+        return type(exc).__name__
+
+
 def cmdline(pid):
     try:
         return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -297,8 +312,9 @@ def cmdline(pid):
 
 pids = [p for p in os.listdir("/proc") if p.isdigit()]
 report = {
-    "out_listing": sorted(os.listdir(out)),
-    "rollouts_listing": sorted(os.listdir(out / "rollouts")),
+    "cwd": str(work),
+    "out_listing": listing(out),
+    "rollouts_listing": listing(out / "rollouts"),
     "other_rollout": read(task["other_rollout_file"]),
     "conf_listing": sorted(os.listdir(conf)),
     "ca_key": read(conf / "mitmproxy-ca.pem"),
@@ -362,8 +378,10 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
     other.parent.mkdir(parents=True)
     other.write_text("the answer")
     marker = f"agenttap-daemon-{uuid.uuid4().hex}"
+    rollout_id = f"probe-{uuid.uuid4().hex[:8]}"
     task = {
-        "out": str(stub_tap.out), "confdir": str(confdir), "other_rollout_file": str(other),
+        "out": str(stub_tap.out), "rollout": str(stub_tap.out / "rollouts" / rollout_id),
+        "confdir": str(confdir), "other_rollout_file": str(other),
         "outside": str(tmp_path / "outside.txt"), "seed": str(seed), "marker": marker,
         "proxy_pid": stub_tap.proc.pid,
     }  # fmt: skip
@@ -371,7 +389,7 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
         "agent": {"command": [sys.executable, str(probe)]}, "prompt": json.dumps(task), "n": 2,
         "workdir": str(seed),
         "verifier": {"command": CHECK, "restore": ["tests/"], "on_error": "score"},
-        "id": f"probe-{uuid.uuid4().hex[:8]}",
+        "id": rollout_id,
     }  # fmt: skip
     result = stub_tap.client.request("POST", "/rollouts", body, timeout=None)[0]
     assert result["sandbox"] == "bwrap"
@@ -385,10 +403,10 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
     for run in runs:
         folder = Path(run["workdir"]).parent
         report = json.loads((folder / "work" / "report.json").read_text())
-        # OUT: only the mount points of its own folders; no other rollout's.
-        assert report["out_listing"] == ["rollouts"] and report["rollouts_listing"] == [
-            result["id"]
-        ]
+        # Its folders at fixed places (agenttap_sandbox_paths): OUT is not there at all, not
+        # even the mount points of its own folders, and no other rollout's.
+        assert report["cwd"] == "/workdir"
+        assert report["out_listing"] == report["rollouts_listing"] == "FileNotFoundError"
         assert report["other_rollout"] == "FileNotFoundError" and not report["sibling_visible"]
         # The CA key is hidden, the certificate readable.
         assert report["conf_listing"] == ["agenttap-ca-bundle.pem", "mitmproxy-ca-cert.pem"]
@@ -406,7 +424,7 @@ def test_a_sandboxed_agent_sees_and_changes_only_its_own_copy(
             v in ("OSError", "FileNotFoundError") or k in kept_in_tmp for k, v in writes.items()
         ), writes
         assert writes["etc"] == "OSError" and writes["sibling"] == "FileNotFoundError"
-        assert report["tmpdir"] == str(folder / "box" / "tmp")  # on the disk limit's tmpfs
+        assert report["tmpdir"] == "/tmp/agent"  # folder/box/tmp: the disk limit's tmpfs
         # Its own PID namespace: bwrap's init and itself (and `setsid` not started yet).
         assert report["pids"] <= 3 and not report["proxy_pid_visible"]
         assert not any("mitmdump" in c for c in report["cmdlines"])

@@ -6,8 +6,10 @@ the seed). The session's vLLM gets its original weights back after each run."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,13 +92,49 @@ def test_steps_of_the_example(first_run: tuple[Path, str]) -> None:
     assert "reward by step: " in stdout
     assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()
     assert any((out / "shards" / "threads").glob("*.parquet"))
+    # The trainer's own logger (report_to tensorboard) holds agenttap's rollout numbers beside
+    # TRL's loss and grad norm, one point per step (issue 51 item 3).
+    scalars = tensorboard_scalars(out / "tensorboard")
+    assert {"train/loss", "train/grad_norm"} <= set(scalars), sorted(scalars)
+    for name in (
+        "reward_mean",
+        "reward_std_in_group",
+        "scored",
+        "calls_per_agent",
+        "completion_tokens_per_agent",
+        "weight_versions",
+        "rollout_s",
+        "push_max_diff",
+    ):
+        assert len(scalars.get(f"train/agenttap/{name}", [])) == STEPS, (name, sorted(scalars))
+    assert scalars["train/agenttap/scored"] == [4.0] * STEPS
+    assert max(scalars["train/agenttap/push_max_diff"]) < TOLERANCE
+    step1 = float(line.group(1))
+    assert scalars["train/agenttap/reward_mean"][0] == pytest.approx(step1, abs=1e-3)
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
+    """Every scalar series in the TensorBoard event files under ``folder``, read by
+    TensorBoard's own reader (in the trainer's environment)."""
+    read = (
+        "import json, sys\n"
+        "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+        "acc = EventAccumulator(sys.argv[1]); acc.Reload()\n"
+        "print(json.dumps({t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))"
+    )
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), "-c", read, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found: dict[str, list[float]] = json.loads(done.stdout)
+    return found
 
 
 def test_the_same_seed_gives_the_same_rewards(
     first_run: tuple[Path, str], vllm_url: str, confdir: Path
 ) -> None:
     out, stdout = first_run
-    # The same --out (the agents' prompts hold it): replaced only when asked.
+    # A folder holding a run is replaced only when asked.
     refused = subprocess.run(
         [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url", vllm_url,
          "--out", str(out)],
@@ -104,7 +142,14 @@ def test_the_same_seed_gives_the_same_rewards(
     )  # fmt: skip
     assert refused.returncode != 0 and "give --overwrite to replace it" in refused.stderr
     assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()  # untouched
-    again = run_example(vllm_url, out, confdir, extra=("--overwrite",))
+    # The repeat in another folder, deeper (issue 51 item 1: the agents see theirs at /workdir,
+    # so the prompts, and so the samples, do not depend on where --out is), over a copy of the
+    # first run, replaced with --overwrite.
+    elsewhere = out.parent / "another" / "folder" / "run"
+    shutil.copytree(out, elsewhere)
+    (elsewhere / "planted.txt").write_text("from the run replaced")
+    again = run_example(vllm_url, elsewhere, confdir, extra=("--overwrite",))
+    assert not (elsewhere / "planted.txt").exists()
     expected = what_repeats(stdout)
     assert len(expected) == 2 * STEPS + 1, stdout[-3000:]
     print("\n".join(expected))

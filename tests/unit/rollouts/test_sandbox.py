@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from capture.isolation.sandbox import (
+    FIXED_PLACES,
     SANDBOX_UID,
     Jail,
     SandboxSpec,
@@ -25,8 +26,10 @@ from capture.isolation.sandbox import (
     bwrap_argv,
     exposed_paths,
     find_bwrap,
+    fixed_layout,
     hidden_paths,
     make_stage,
+    moved_value,
     program_paths,
     read_info,
     sandbox_argv,
@@ -84,7 +87,12 @@ class Host:
         self.outside.mkdir()
         self.stage = make_stage()
 
-    def spec(self, index: int = 0, bridge: Path | None = None) -> SandboxSpec:
+    def spec(
+        self,
+        index: int = 0,
+        bridge: Path | None = None,
+        places: tuple[str, str, str] | None = None,
+    ) -> SandboxSpec:
         run = self.runs[index]
         return SandboxSpec(
             run / "work", run / "home", run / "tmp",
@@ -92,7 +100,7 @@ class Host:
                   self.out / "missing"),
             expose=(self.cert, self.bundle, self.tools,
                     *program_paths([sys.executable], os.environ["PATH"])),
-            bridge=bridge,
+            bridge=bridge, places=places,
         )  # fmt: skip
 
     def argv(self, command: list[str], index: int = 0, **kw: object) -> list[str]:
@@ -100,8 +108,9 @@ class Host:
         run = self.runs[index]
         give_to(SANDBOX_UID if ROOT else None, run / "work", run / "home", run / "tmp")
         bridge = kw.pop("bridge", None)
+        places = kw.pop("places", None)
         return sandbox_argv(
-            self.spec(index, bridge),  # type: ignore[arg-type]
+            self.spec(index, bridge, places),  # type: ignore[arg-type]
             command,
             find_bwrap(),
             uid=SANDBOX_UID if ROOT else None,
@@ -205,9 +214,11 @@ def test_without_bwrap_the_error_names_the_install_command(
     assert "scripts/setup.sh" in str(err.value) and isinstance(err.value, ValueError)
 
 
-def run_in(host: Host, script: str, index: int = 0) -> subprocess.CompletedProcess[str]:
+def run_in(
+    host: Host, script: str, index: int = 0, places: tuple[str, str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``script`` (Python) run in run ``index``'s sandbox by the real bwrap."""
-    argv = host.argv([sys.executable, "-c", script], index)
+    argv = host.argv([sys.executable, "-c", script], index, places=places)
     env = {"PATH": os.environ["PATH"], "TMPDIR": str(host.runs[index] / "tmp")}
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd="/")
 
@@ -281,6 +292,67 @@ print(json.dumps({{
     if ROOT:
         # A user that owns nothing: root's 0640 and 0600 files are out of reach where shown.
         assert seen["uid"] == SANDBOX_UID and seen["shadow"] in ("PermissionError", "")
+
+
+def test_a_runs_folders_sit_at_fixed_places_whatever_their_host_paths(tmp_path: Path) -> None:
+    # Two runs under different OUTs: the same places inside, each one's own host folders.
+    made = []
+    for out in ("out-a", "elsewhere/out-b"):
+        run = tmp_path / out / "rollouts" / "g" / "0"
+        folders = (run / "work", run / "home", run / "tmp")
+        script = folders[2] / "agenttap-pytest" / "guard.py"  # a file of the run's, an argument
+        cert = tmp_path / "conf" / "ca.pem"
+        layout = fixed_layout(folders, (cert, script))
+        assert layout is not None
+        moved, expose = layout
+        made.append(
+            {moved[str(f)] for f in folders} | {moved[os.path.realpath(f)] for f in folders}
+        )
+        assert expose == (cert,)  # the run's own file is shown with its folder, not apart
+    assert made[0] == made[1] == set(FIXED_PLACES)
+    # An install at or above a fixed place: bound there it would hide the install or put mount
+    # points in the run's own folder, so the run keeps its host paths.
+    work = tmp_path / "w"
+    folders = (work, tmp_path / "h", tmp_path / "t")
+    assert fixed_layout(folders, (Path("/workdir/checkout/.venv"),)) is None
+    assert fixed_layout(folders, (Path("/home"),)) is None
+    assert fixed_layout(folders, (Path("/homes/x"), Path("/workdirs"))) is not None
+
+
+def test_a_runs_folders_are_renamed_wherever_a_value_names_them() -> None:
+    places = {"/o/r/box/tmp": "/tmp/agent", "/o/r/box/work": "/workdir"}
+    assert moved_value("/o/r/box/tmp", places) == "/tmp/agent"
+    assert moved_value("/o/r/box/tmp/p/junit.xml", places) == "/tmp/agent/p/junit.xml"
+    assert moved_value("--junitxml=/o/r/box/tmp/j.xml", places) == "--junitxml=/tmp/agent/j.xml"
+    assert moved_value("/usr/bin:/o/r/box/work/bin:/bin", places) == "/usr/bin:/workdir/bin:/bin"
+    # A path that only starts with the same letters is another path.
+    for other in ("/o/r/box/tmpfile", "x/o/r/box/tmp", "/elsewhere/o/r/box/tmp"):
+        assert moved_value(other, places) == other
+
+
+def test_at_fixed_places_the_agent_works_in_workdir_and_sees_no_host_path(host: Host) -> None:
+    spec = host.spec(places=FIXED_PLACES)
+    argv = bwrap_argv(spec, ["python3", "agent.py"], "/usr/bin/bwrap")
+    for real, inside in zip((spec.work, spec.home, spec.tmp), FIXED_PLACES, strict=True):
+        flags_at(argv, "--bind", os.path.realpath(real), inside)
+    assert argv[argv.index("--chdir") + 1] == "/workdir"
+    script = (
+        SEES
+        + f"""
+import json
+print(json.dumps({{
+    "cwd": os.getcwd(), "host_work": os.path.exists({str(host.runs[0] / "work")!r}),
+    "writes": [write("mine.txt"), write("/home/agent/h"), write("/tmp/agent/t")],
+}}))
+"""
+    )
+    done = run_in(host, script, places=FIXED_PLACES)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"cwd": "/workdir", "host_work": False, "writes": ["written"] * 3}
+    # What it wrote is in the run's own folders on the host.
+    run = host.runs[0]
+    assert [(run / p).read_text() for p in ("work/mine.txt", "home/h", "tmp/t")] == ["x"] * 3
 
 
 def test_the_network_is_its_own(host: Host, tmp_path: Path) -> None:
