@@ -195,6 +195,27 @@ def exposed_paths(expose: tuple[Path, ...]) -> list[Path]:
     return sorted(kept, key=lambda p: (len(p.parts), str(p)))
 
 
+def links_on_the_way(path: Path, depth: int = 0) -> list[tuple[str, str]]:
+    """(where, what it points to) of each symbolic link on the way to ``path`` (an absolute
+    path, as a command names it): the sandbox binds an exposed path at its real path only, so
+    these links are made again inside for the path as given to lead there too (a checkout whose
+    ``.cache`` links to a folder elsewhere)."""
+    found: list[tuple[str, str]] = []
+    if depth > 8 or not path.is_absolute():
+        return found
+    parts = Path(os.path.normpath(path)).parts
+    for i in range(2, len(parts) + 1):
+        prefix = os.path.join(*parts[:i])
+        if os.path.islink(prefix):
+            target = os.readlink(prefix)
+            found.append((prefix, target))
+            # The rest of the way from where it leads (which may hold links of its own).
+            resolved = os.path.normpath(os.path.join(os.path.dirname(prefix), target))
+            found += links_on_the_way(Path(resolved, *parts[i:]), depth + 1)
+            break
+    return found
+
+
 def bwrap_argv(
     spec: SandboxSpec,
     command: list[str],
@@ -247,6 +268,16 @@ def bwrap_argv(
     exposed = exposed_paths(spec.expose)
     for path in exposed:
         argv += ["--ro-bind", source(str(path)), str(path)]
+    # The links on the way to an exposed path as given, where the tree shown does not hold
+    # them already (inside a folder bound whole, or the system's).
+    shown = [*exposed, *(Path(p) for p in (*SYSTEM_PATHS, "/etc"))]
+    links: dict[str, str] = {}
+    for given in spec.expose:
+        for where, target in links_on_the_way(Path(given).expanduser()):
+            if not any(Path(where).is_relative_to(p) for p in shown):
+                links.setdefault(where, target)
+    for where, target in links.items():
+        argv += ["--symlink", target, where]
     if spec.bridge is not None:
         argv += ["--ro-bind", source(os.path.realpath(spec.bridge)), "/.agenttap"]
     # Hidden again where an exposed path holds them (OUT inside an exposed checkout).

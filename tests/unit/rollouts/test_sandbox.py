@@ -28,6 +28,7 @@ from capture.isolation.sandbox import (
     find_bwrap,
     fixed_layout,
     hidden_paths,
+    links_on_the_way,
     make_stage,
     moved_value,
     program_paths,
@@ -196,6 +197,33 @@ def test_a_program_brings_its_own_install(tmp_path: Path) -> None:
     script.chmod(0o755)
     found = program_paths(["env", "A=1", str(modules / ".bin" / "cli"), "-p"], "/usr/bin")
     assert found == (modules,)
+
+
+def test_a_program_reached_through_a_linked_folder_runs(host: Host, tmp_path: Path) -> None:
+    """Issue 51 item 6: a checkout whose ``.cache`` is a link to a folder elsewhere. The sandbox
+    binds the install at its real path and makes the link again, so the program's path as the
+    command gives it leads there."""
+    store = tmp_path / "store"
+    (store / "node" / "node_modules" / ".bin").mkdir(parents=True)
+    tool = store / "node" / "node_modules" / ".bin" / "tool"
+    tool.write_text("#!/bin/sh\necho linked tool ran\n")
+    tool.chmod(0o755)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / ".cache").symlink_to("../store")  # relative, as `ln -s ../store .cache` makes
+    given = checkout / ".cache" / "node" / "node_modules" / ".bin" / "tool"
+    assert links_on_the_way(given) == [(str(checkout / ".cache"), "../store")]
+    run = host.runs[0]
+    give_to(SANDBOX_UID if ROOT else None, run / "work", run / "home", run / "tmp")
+    spec = SandboxSpec(
+        run / "work", run / "home", run / "tmp",
+        expose=program_paths([str(given)], os.environ["PATH"]),
+    )  # fmt: skip
+    argv = sandbox_argv(
+        spec, [str(given)], find_bwrap(), uid=SANDBOX_UID if ROOT else None, stage=host.stage
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
+    assert (done.returncode, done.stdout) == (0, "linked tool ran\n"), done.stderr
 
 
 def test_hidden_paths_are_real_paths_parents_first(host: Host, tmp_path: Path) -> None:
