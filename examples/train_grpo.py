@@ -54,6 +54,7 @@ check; then each rollout's reward in full.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -183,6 +184,21 @@ def check_policy(url: str) -> None:
         )
 
 
+def pushed_words(answer: dict[str, Any]) -> str:
+    """A weight push's check, as the step's line says it."""
+    diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
+    measured = [d for d in diffs if d is not None]
+    if answer.get("checked") and measured:
+        return f"checked, max |diff| {max(measured):.1e}"
+    return "not checked"
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    """The latest ``checkpoint-N`` the trainer saved under ``out/trainer`` (None: none)."""
+    found = [p for p in (out / "trainer").glob("checkpoint-*") if p.name[11:].isdigit()]
+    return max(found, key=lambda p: int(p.name[11:]), default=None)
+
+
 class StepReport(TrainerCallback):  # type: ignore[misc]
     """After each optimizer step: save the model, push it to the policy, print one line."""
 
@@ -216,11 +232,7 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         push_s = time.monotonic() - pushed
         diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
         measured = [d for d in diffs if d is not None]
-        checked = (
-            f"checked, max |diff| {max(measured):.1e}"
-            if answer.get("checked") and measured
-            else "not checked"
-        )
+        checked = pushed_words(answer)
         # Logged with this step's numbers (the trainer logs after on_step_end).
         push = {"agenttap/push_s": time.monotonic() - pushed}
         if measured:
@@ -298,6 +310,16 @@ def main() -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the run an existing --out holds"
     )
+    parser.add_argument(
+        "--save-steps", type=int, default=5,
+        help="a checkpoint (model, optimizer, RNG, trainer state) every this many steps, in "
+        "OUT/trainer; the latest one only is kept",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="go on from --out's latest checkpoint (same arguments): the policy gets its "
+        "weights, and the steps after it are those an uninterrupted run gives",
+    )  # fmt: skip
     parser.add_argument("--policy-url", default=None, help="a policy already serving --model")
     parser.add_argument(
         "--start-timeout", type=float, default=300.0,
@@ -320,18 +342,37 @@ def main() -> None:
     from policy_server.launcher import DEFAULT_MODEL_DIR, ensure_tiny_model
 
     out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
+    checkpoint = None
+    if args.resume:
+        checkpoint = last_checkpoint(out)  # before anything is started
+        if checkpoint is None:
+            sys.exit(
+                f"--resume: {out / 'trainer'} holds no checkpoint to go on from (one is saved "
+                "every --save-steps steps); run without --resume to start afresh"
+            )
+    elif out.exists() and any(out.iterdir()):
         if not args.overwrite:  # an earlier run is replaced only when asked, before anything
             sys.exit(
                 f"{out} holds an earlier run (its shards, weights and logs): give --overwrite to "
-                "replace it, or another --out"
+                "replace it, --resume to go on from its last checkpoint, or another --out"
             )
         shutil.rmtree(out)  # a fresh run: its shards hold only this run's rows
     model_dir = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR)
-    (out / "task").mkdir(parents=True)
+    (out / "task").mkdir(parents=True, exist_ok=True)
     (out / "task" / "README.md").write_text("Answer the question you are given.\n")
     weights = out / "weights"
-    weights.mkdir()
+    weights.mkdir(exist_ok=True)
+    # A resumed run's rollouts are named apart from those the stopped run left for the same
+    # steps (their rows stay in the shards, under their own ids, untrained).
+    resumes = out / "resumes.jsonl"
+    id_prefix = ""
+    if checkpoint is not None:
+        attempt = len(resumes.read_text().splitlines()) + 1 if resumes.exists() else 1
+        id_prefix = f"resume{attempt}-"
+        step = int(checkpoint.name.rsplit("-", 1)[1])
+        with resumes.open("a") as fh:
+            fh.write(json.dumps({"from": checkpoint.name, "step": step, "ids": id_prefix}) + "\n")
+        print(f"resuming from {checkpoint} (step {step}); its rollouts are {id_prefix}s...")
     if "tensorboard" in args.report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "tensorboard")
         print(f"trainer logs: tensorboard --logdir {out / 'tensorboard'}", flush=True)
@@ -354,7 +395,7 @@ def main() -> None:
                 tap, agent=agent, workdir=out / "task",
                 verifier=lambda task, run: TASKS[task](task, run, answers),
                 limits={"max_calls": args.max_calls}, metadata={"task_set": "shouting"},
-                seed=args.seed,
+                seed=args.seed, id_prefix=id_prefix,
             )  # fmt: skip
             tasks = list(TASKS)
             dataset = Dataset.from_dict(
@@ -373,7 +414,9 @@ def main() -> None:
                 warmup_steps=0,
                 beta=0.0,
                 logging_steps=1,
-                save_strategy="no",
+                save_strategy="steps",
+                save_steps=args.save_steps,
+                save_total_limit=1,
                 report_to=args.report_to,
                 disable_tqdm=True,
                 seed=args.seed,
@@ -382,7 +425,15 @@ def main() -> None:
                 bf16=False,
                 dataloader_num_workers=0,
             )
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            # Resumed: the checkpoint's weights (the trainer loads them again, with its
+            # optimizer and RNG), pushed to the policy before the next step samples from it.
+            start = checkpoint if checkpoint is not None else model_dir
+            model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+            if checkpoint is not None:
+                answer = tap.update_weights(
+                    checkpoint, f"step-{step}", model=model, tokenizer=tokenizer
+                )
+                print(f"pushed {checkpoint.name} as step-{step} ({pushed_words(answer)})")
             cpu_friendly(model)  # Claude Code's 12.8k-token rows on a CPU: see its docstring
             # The bar only on a terminal: into a file its redraws would share lines with the steps'.
             with tqdm(
@@ -397,7 +448,7 @@ def main() -> None:
                 )  # fmt: skip
                 trainer.remove_callback(PrinterCallback)  # our line per step instead
                 report.trainer = trainer
-                trainer.train()
+                trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             curve = " ".join(f"{r:.3f}" for r in report.curve)
             print(f"reward by step: {curve}")
             print(f"rows: {out / 'shards'}; last weights: {weights / f'step-{args.steps}'}")

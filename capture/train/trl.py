@@ -242,8 +242,12 @@ class AgentTapRolloutFunc:
         seed: int | None = None,
         image: Image | None = None,
         task_folder: Workdir | None = None,
+        id_prefix: str = "",
     ) -> None:
         self.tap = tap
+        # Before a seeded run's rollout ids: a resumed run's (its rows apart from the ones the
+        # stopped run left for the same steps).
+        self.id_prefix = id_prefix
         self.image = image
         self.task_folder = task_folder
         self.agent = agent
@@ -372,7 +376,7 @@ class AgentTapRolloutFunc:
             return {}
         return {
             "seed": rollout_seed(self.seed, step, index),
-            "id": f"s{self.seed}-step{step}-{index}",
+            "id": f"{self.id_prefix}s{self.seed}-step{step}-{index}",
         }
 
     def _reward(self, task: str, run: dict[str, Any]) -> float | None:
@@ -416,6 +420,7 @@ def make_rollout_func(
     seed: int | None = None,
     image: Image | None = None,
     task_folder: Workdir | None = None,
+    id_prefix: str = "",
 ) -> AgentTapRolloutFunc:
     """``rollout_func`` for ``trl.GRPOTrainer(rollout_func=...)``: agenttap rollouts of
     ``agent`` (``claude-code``, ``codex``, ``gemini``, ``opencode``, ``mini-swe-agent`` or
@@ -428,13 +433,14 @@ def make_rollout_func(
     given); ``seed``: the policy's sampling seeded, so a run repeats (see **Seeds**);
     ``image``: each agent runs in a container of that image (or a function of the task's text
     giving one); ``task_folder``: a Harbor task folder (or a function giving one), its image,
-    tests and limits (docs/API.md)."""
+    tests and limits (docs/API.md); ``id_prefix``: before a seeded run's rollout ids (a resumed
+    run's, apart from those the stopped run used for the same steps)."""
     if workdir is not None and not callable(workdir) and not Path(workdir).is_dir():
         raise ValueError(f"workdir {str(workdir)!r} is not a folder: give the task's folder")
     return AgentTapRolloutFunc(
         tap, agent=agent, workdir=workdir, verifier=verifier, limits=limits,
         metadata=metadata, timeout_s=timeout_s, seed=seed, image=image,
-        task_folder=task_folder,
+        task_folder=task_folder, id_prefix=id_prefix,
     )  # fmt: skip
 
 

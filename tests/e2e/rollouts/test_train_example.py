@@ -10,7 +10,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +65,40 @@ def first_run(
 ) -> Iterator[tuple[Path, str]]:
     out = tmp_path_factory.mktemp("train-example") / "run"
     yield out, run_example(vllm_url, out, confdir)
+
+
+def stop_after_checkpoint(policy_url: str, out: Path, confdir: Path, step: int) -> str:
+    """The example run with --overwrite and a checkpoint each step, sent SIGTERM once step
+    ``step``'s checkpoint is whole (its trainer state, written last, reads as JSON); its output.
+    The policy gets its original weights back afterwards."""
+    state = out / "trainer" / f"checkpoint-{step}" / "trainer_state.json"
+    proc = subprocess.Popen(
+        [str(TRAIN_PYTHON), str(REPO / "examples" / "train_grpo.py"), "--policy-url", policy_url,
+         "--steps", str(STEPS), "--n", "2", "--seed", str(SEED), "--out", str(out),
+         "--overwrite", "--save-steps", "1"],
+        cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                json.loads(state.read_text())
+                break
+            except (OSError, ValueError):
+                time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it was to be stopped"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        model = policy_server.ensure_tiny_model(tokenizer=QWEN3)
+        with AgentTap.start(policy_url, QWEN3, out.parent / "restore", confdir=confdir) as tap:
+            tap.update_weights(model, DEFAULT_WEIGHT_VERSION)
+    assert proc.returncode == 143, output[-3000:]
+    assert f"step  {step + 1}  reward" not in output  # stopped before the next step's line
+    return output
 
 
 def what_repeats(stdout: str) -> list[str]:
@@ -144,15 +180,25 @@ def test_the_same_seed_gives_the_same_rewards(
     assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()  # untouched
     # The repeat in another folder, deeper (issue 51 item 1: the agents see theirs at /workdir,
     # so the prompts, and so the samples, do not depend on where --out is), over a copy of the
-    # first run, replaced with --overwrite.
+    # first run, replaced with --overwrite; stopped (SIGTERM) once step 1's checkpoint is
+    # saved, then resumed from it (item 2).
     elsewhere = out.parent / "another" / "folder" / "run"
     shutil.copytree(out, elsewhere)
     (elsewhere / "planted.txt").write_text("from the run replaced")
-    again = run_example(vllm_url, elsewhere, confdir, extra=("--overwrite",))
+    stopped = stop_after_checkpoint(vllm_url, elsewhere, confdir, step=1)
     assert not (elsewhere / "planted.txt").exists()
+    resumed = run_example(vllm_url, elsewhere, confdir, extra=("--resume", "--save-steps", "1"))
+    assert "resuming from" in resumed and "pushed checkpoint-1 as step-1 (checked" in resumed
+    again = stopped + resumed
+    # Step 1 from the stopped run, step 2 from the resumed one: the same lines as one run.
     expected = what_repeats(stdout)
     assert len(expected) == 2 * STEPS + 1, stdout[-3000:]
     print("\n".join(expected))
+    assert what_repeats(stopped) == [x for x in expected if re.match(r"step +1 ", x)], stopped
+    again = re.sub(r"^reward by step: .*$", "", again, flags=re.M)
+    again += "\nreward by step: " + " ".join(
+        re.findall(r"^step +\d+  reward (\S+)", again, flags=re.M)
+    )
     assert what_repeats(again) == expected, again[-3000:]
 
 
