@@ -46,6 +46,10 @@ each agent gets one model call (``max_calls`` 1): a policy that forgets to stop 
 write thousands of tokens per call on a CPU. Claude Code then exits non-zero (agenttap refused
 the continuation it asked for), which agenttap counts as reaching a limit, not as a failure:
 the rollout is scored.
+A checkpoint is saved every ``--save-steps`` steps (``OUT/trainer``); ``--resume`` goes on
+from the latest one, its weights pushed to the policy first, with the same following steps as
+an uninterrupted run. The trainer's logs (``--report-to``, TensorBoard in ``OUT/tensorboard`` by
+default) hold agenttap's rollout numbers (``agenttap/...``) beside TRL's loss and grad norm.
 Two lines are printed per step: reward mean, loss, grad norm, tokens, the weight version the
 rollouts were sampled by and the one pushed, rollout, train and push seconds and the push's
 check; then each rollout's reward in full.
