@@ -471,6 +471,8 @@ def rollouts_on(
     weights pushed through one actor and announced to the others)."""
     if not args.ray_actors:
         with AgentTap.start(policy_url, model_dir, shards) as tap:
+            # The run's live view: its steps, groups and rows as they come (docs/VIEWER.md).
+            print(f"live viewer: {tap.ui_url}", flush=True)
             yield tap
         return
     import ray

@@ -178,6 +178,12 @@ class AgentTap:
         self.ca_path = ca_path
         self.client = ControlClient(api_url, token)
 
+    @property
+    def ui_url(self) -> str:
+        """The live viewer of this instance's sessions and rollouts, its token in the fragment
+        (the page keeps it for the tab; docs/VIEWER.md)."""
+        return f"{self.api_url}/ui/#token={self.token}"
+
     @classmethod
     def start(
         cls,

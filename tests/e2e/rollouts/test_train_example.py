@@ -126,6 +126,8 @@ def test_steps_of_the_example(first_run: tuple[Path, str]) -> None:
     assert len(pushes) == STEPS, stdout[-3000:]
     assert all(float(diff) < TOLERANCE for diff in pushes), pushes
     assert "reward by step: " in stdout
+    viewer = re.search(r"^live viewer: (http://\S+/ui/#token=\S+)$", stdout, flags=re.M)
+    assert viewer, stdout[:3000]
     assert (out / "weights" / f"step-{STEPS}" / "model.safetensors").exists()
     assert any((out / "shards" / "threads").glob("*.parquet"))
     # The trainer's own logger (report_to tensorboard) holds agenttap's rollout numbers beside
