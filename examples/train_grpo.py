@@ -222,6 +222,19 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.step_started = time.monotonic()
 
+    def group_done(self, answer: dict[str, Any], ended: int, groups: int) -> None:
+        """A line per rollout group as it ends (into a file; on a terminal the bar says it)."""
+        runs = answer.get("rollouts") or []
+        ok = sum(r.get("status") == "ok" for r in runs)
+        line = (
+            f"  group {ended}/{groups} {answer.get('id')}: {ok}/{len(runs)} ok, "
+            f"{time.monotonic() - self.step_started:.1f} s into the step"
+        )
+        if self.bar.disable:
+            print(line, flush=True)
+        else:
+            self.bar.set_postfix_str(f"group {ended}/{groups}")
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step_s = time.monotonic() - self.step_started
         model = kwargs["model"]
@@ -452,6 +465,7 @@ def main() -> None:
                 )  # fmt: skip
                 trainer.remove_callback(PrinterCallback)  # our line per step instead
                 report.trainer = trainer
+                rollouts.on_group = report.group_done
                 trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             curve = " ".join(f"{r:.3f}" for r in report.curve)
             print(f"reward by step: {curve}")

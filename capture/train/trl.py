@@ -259,6 +259,9 @@ class AgentTapRolloutFunc:
         self.filler_id = filler_id
         self.seed = seed
         self.calls = 0  # the rollout function's calls so far: the step where TRL gives none
+        # Called as each group ends (its answer, groups ended so far, groups in the step): a
+        # trainer's progress per group.
+        self.on_group: Callable[[dict[str, Any], int, int], None] | None = None
         self.last = RolloutStats()
 
     def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, list[Any]]:
@@ -344,6 +347,8 @@ class AgentTapRolloutFunc:
                 if answer.get("status") == "done":
                     answers[index] = answer
                     del running[index]
+                    if self.on_group is not None:
+                        self.on_group(answer, len(answers), len(groups))
         return [answers[i] for i in range(len(groups))]
 
     def _options(self, task: str, step: int | None) -> dict[str, Any]:
