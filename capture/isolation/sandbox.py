@@ -10,7 +10,9 @@ the host with holes cut in it: a fresh root holding only
 - what ``expose`` names, read-only: the agent program's own install (``program_paths``: a
   ``node_modules`` tree, a venv and its base Python, a prefix), the CA certificate and bundle,
   the rollout's ``"expose"`` and ``agenttap_sandbox_expose``;
-- the run's own ``work``, ``home`` and scratch ``tmp``, writable; a fresh ``/tmp`` and
+- the run's own ``work``, ``home`` and scratch ``tmp``, writable, at ``/workdir``,
+  ``/home/agent`` and ``/tmp/agent`` (``fixed_layout``: an agent's prompt, which names its
+  working folder, is then the same wherever OUT is) or at their host paths; a fresh ``/tmp`` and
   ``/var/tmp`` (tmpfs, size-capped with ``tmp_size_mb``), a fresh ``/dev`` and a ``/proc`` of
   its own PID namespace;
 - ``bridge``, read-only at ``/.agenttap``: the unix sockets that lead to the proxy and the API
