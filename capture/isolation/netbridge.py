@@ -254,13 +254,20 @@ class NetBridge:
         }
 
     async def close(self) -> None:
+        # The accept loops and relays end first, the listeners after: a listener closed under
+        # its pending accept frees its descriptor number while the event loop still has it
+        # registered, and the number's next owner (any socket of this process: another run's
+        # bridge, the API's next connection) is then entered in asyncio's map but never in the
+        # kernel's epoll set, so it is never read.
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            pending = {task for task in self._tasks if not task.done()}
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         self.log.flush()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

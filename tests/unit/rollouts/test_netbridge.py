@@ -162,3 +162,50 @@ def test_a_failing_accept_is_logged_once_per_interval_with_a_count(
     assert len(lines) == 2, lines
     assert "Too many open files" in lines[0] and "r-2" in lines[0]
     assert f"({counts['accept'] - 1} more like it" in lines[1]
+
+
+def test_a_closed_bridge_leaves_the_next_owner_of_its_descriptors_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bridge closing while its accept loop waits on its listener: the listener's descriptor
+    number goes to whoever opens the next socket (here at once, as when one run's end and
+    another's connections meet), and that socket must still be heard. Closed before its accept
+    loop was cancelled, the listener left the event loop's registration of the number behind:
+    the next owner's reader replaced it in asyncio's map but was never added to the kernel's
+    epoll set, so it never fired (found in a training run, where the control API's connection
+    on the reused number hung the trainer)."""
+    import socket
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        bridge = NetBridge([Route("proxy", 1, "127.0.0.1", 1)], "r-0")
+        await bridge.start()
+        await asyncio.sleep(0)  # its accept loop waits on the listener
+        (listener,) = bridge._listeners
+        number = listener.fileno()
+        pairs: list[tuple[socket.socket, socket.socket]] = []
+        heard = asyncio.Event()
+        close = socket.socket.close
+
+        def close_and_reuse(sock: socket.socket) -> None:
+            close(sock)
+            if sock is listener:  # the number's next owner, watched by the loop
+                mine, peer = socket.socketpair()
+                pairs.append((mine, peer))
+                assert mine.fileno() == number
+                loop.add_reader(number, heard.set)
+
+        monkeypatch.setattr(socket.socket, "close", close_and_reuse)
+        await bridge.close()
+        monkeypatch.undo()
+        assert pairs, "the listener was never closed"
+        mine, peer = pairs[0]
+        peer.send(b"x")
+        try:
+            await asyncio.wait_for(heard.wait(), 5)
+        finally:
+            loop.remove_reader(number)
+            mine.close()
+            peer.close()
+
+    asyncio.run(main())
