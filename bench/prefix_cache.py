@@ -30,25 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap  # noqa: E402
-from capture.rollouts.agents import AGENTS, resolve  # noqa: E402
+from capture.rollouts.agents import claude_code_capped  # noqa: E402
 from capture.train.rows import main_row, split_row  # noqa: E402
 from policy_server import launcher as policy_server  # noqa: E402
 from tests.support.paths import QWEN3  # noqa: E402
 
 TASK = "Write the word hello into a file named answer.txt."
 METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits))_total(?:\{[^}]*\})? ([0-9.e+]+)$")
-
-
-def claude_code(max_tokens: int) -> dict[str, list[str]]:
-    """Claude Code as the ``claude-code`` agent runs it, its answers capped (a variable)."""
-    agent = AGENTS["claude-code"]
-    env = {**agent.env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
-    return {
-        "command": [
-            "env", *(f"{k}={v}" for k, v in env.items()), resolve(agent.binary),
-            "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep", "-p",
-        ]
-    }  # fmt: skip
 
 
 def cache_counters(url: str) -> dict[str, float]:
@@ -83,7 +71,7 @@ def run_mode(
     mode: str, url: str, work: Path, seed: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
     reset_cache(url)
-    agent = claude_code(args.max_tokens)
+    agent = claude_code_capped(args.max_tokens)
     with AgentTap.start(
         url, tokenizer=QWEN3, out=work / f"out-{mode}",
         options={"agenttap_sandbox_paths": mode},

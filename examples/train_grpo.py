@@ -137,17 +137,10 @@ TASKS: dict[str, Verifier] = {
 
 def claude_code(max_tokens: int) -> dict[str, list[str]]:
     """Claude Code as agenttap's ``claude-code`` runs it, with its answers capped at
-    ``max_tokens`` (an environment variable, so as a command; the task comes last)."""
-    from capture.rollouts.agents import AGENTS, resolve
+    ``max_tokens``."""
+    from capture.rollouts.agents import claude_code_capped
 
-    agent = AGENTS["claude-code"]
-    env = {**agent.env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
-    return {
-        "command": [
-            "env", *(f"{k}={v}" for k, v in env.items()), resolve(agent.binary),
-            "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep", "-p",
-        ]
-    }  # fmt: skip
+    return claude_code_capped(max_tokens)
 
 
 def start_policy(

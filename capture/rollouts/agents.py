@@ -243,6 +243,20 @@ def _agent_of(spec: object) -> Agent:
     )
 
 
+def claude_code_capped(max_tokens: int) -> dict[str, list[str]]:
+    """Claude Code as the ``claude-code`` agent runs it, its answers capped at ``max_tokens``
+    (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, a variable: so as a ``{"command": [...]}`` agent, the
+    task appended last). A tiny policy that forgets to stop would write thousands of tokens."""
+    agent = AGENTS["claude-code"]
+    env = {**agent.env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
+    return {
+        "command": [
+            "env", *(f"{k}={v}" for k, v in env.items()), resolve(agent.binary),
+            "--allowedTools", "Bash,Write,Edit,Read,Glob,Grep", "-p",
+        ]
+    }  # fmt: skip
+
+
 def prepare_home(spec: object, home: Path) -> None:
     """Write what a rollout's ``agent`` needs in its fresh ``home`` before it starts (nothing
     for a ``{"command": [...]}`` agent)."""
