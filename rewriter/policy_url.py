@@ -85,12 +85,20 @@ def parse_policy_url(text: str) -> PolicyAddress:
 
 
 # -- aiohttp ----------------------------------------------------------------------------------
+# How long an idle connection to a policy server is kept for reuse: under the server's own
+# (uvicorn's --timeout-keep-alive, 5 s by default), so a request is never written to a
+# connection the server is closing (a broken pipe, found in a weight update's /pause).
+KEEPALIVE_S = 4.0
+
+
 def connector(url: str, limit: int = 100) -> aiohttp.BaseConnector:
     """A connection pool to the server at ``url``: TCP, or its unix socket."""
     addr = parse_policy_url(url)
     if addr.socket_path is not None:
-        return aiohttp.UnixConnector(path=addr.socket_path, limit=limit)
-    return aiohttp.TCPConnector(limit=limit)
+        return aiohttp.UnixConnector(
+            path=addr.socket_path, limit=limit, keepalive_timeout=KEEPALIVE_S
+        )
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S)
 
 
 def serves(session: Any, url: str) -> bool:

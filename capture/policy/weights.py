@@ -171,22 +171,36 @@ def check_weights_dir(value: Any) -> Path:
     return path
 
 
+# The update's steps that may be sent again when the connection dropped before an answer:
+# asking twice does what asking once does.
+IDEMPOTENT = ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version")
+
+
 async def _post(
     client: VLLMClient, path: str, body: Any = None, timeout_s: float = STEP_TIMEOUT_S
 ) -> None:
     """POST ``path`` on ``client``'s server, over its own connection pool (TCP or its unix
-    socket)."""
+    socket). An idempotent step whose connection dropped before it was answered (a pooled
+    connection the server had just closed: a broken pipe) is sent once more, on a new one."""
     url = f"{client.base_url}{path}"  # as errors name it
-    try:
-        async with asyncio.timeout(timeout_s):
-            body = body if body is not None else {}
-            async with client.session.post(client.url(path), json=body) as resp:
-                text = await resp.text()
-                status = resp.status
-    except TimeoutError:
-        raise RuntimeError(f"POST {url} did not answer in {timeout_s:g} s") from None
-    except aiohttp.ClientError as exc:
-        raise RuntimeError(f"POST {url} failed: {exc}") from None
+    tries = 2 if path.startswith(IDEMPOTENT) else 1
+    for attempt in range(1, tries + 1):
+        try:
+            async with asyncio.timeout(timeout_s):
+                body = body if body is not None else {}
+                async with client.session.post(client.url(path), json=body) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            break
+        except TimeoutError:
+            raise RuntimeError(f"POST {url} did not answer in {timeout_s:g} s") from None
+        except aiohttp.ClientConnectionError as exc:
+            if attempt < tries:
+                logger.info("agenttap: POST %s lost its connection (%s): sent again", url, exc)
+                continue
+            raise RuntimeError(f"POST {url} failed: {exc}") from None
+        except aiohttp.ClientError as exc:
+            raise RuntimeError(f"POST {url} failed: {exc}") from None
     if status == 404:
         raise RuntimeError(
             f"POST {url} answered 404: this vLLM has no weight-update routes; start it with "

@@ -236,3 +236,36 @@ def test_a_session_too_many_updates_behind_is_ended_stale() -> None:
     control.max_staleness = None
     index[0] = 10
     assert control.refusal("new") is None
+
+
+async def test_a_step_whose_connection_drops_unanswered_is_sent_once_more() -> None:
+    """A pooled connection the server closes as the update's /pause is written to it (a broken
+    pipe, seen in a training run): an idempotent step is sent again on a new connection; a
+    step that is not (loading a LoRA adapter) is not, and fails naming its URL."""
+    from capture.policy.weights import _post
+
+    seen: list[bytes] = []
+
+    async def drop_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head.split(b" ", 2)[1])
+        if len(seen) % 2 == 1:  # every other request: the connection dropped, unanswered
+            writer.close()
+            return
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(drop_first, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with aiohttp.ClientSession() as http:
+        client = VLLMClient(url, http, api="completions")
+        await _post(client, "/pause?mode=abort")
+        assert seen == [b"/pause?mode=abort"] * 2
+        with pytest.raises(RuntimeError, match=r"POST .*/v1/load_lora_adapter failed"):
+            await _post(client, "/v1/load_lora_adapter", {"lora_name": "a"})
+        assert seen[2:] == [b"/v1/load_lora_adapter"]
+    server.close()
+    await server.wait_closed()
