@@ -28,16 +28,16 @@ The reward: a random tiny model cannot do a task, but it can learn a style. Ever
 asks for an answer in capital letters and its verifier scores the share of the letters of the
 policy's answer (the tokens it sampled, decoded) that are capitals (``shouting``). It can only
 rise if gradients flow from the rows into new weights and those weights into the next rollouts.
-Runs differ from seed to seed. Measured here (2 shared CPU cores; ``--seed N --keep-weights``
-on one policy, 10 steps of 8 rollouts, 449-600 s a run), the reward mean by step:
+Runs differ from seed to seed. Measured here (2 shared CPU cores; ``--seed 0 --keep-weights``
+on the embedded policy, 10 steps of 8 rollouts, about 500 s a run), the reward mean by step,
+the same in ``--out train-grpo`` and in ``--out some/deeper/folder/run-b``:
 
-    --seed 0: 0.078 0.088 0.115 0.096 0.145 0.116 0.063 0.080 0.148 0.317
-    --seed 1: 0.072 0.097 0.166 0.108 0.095 0.101 0.099 0.120 0.136 0.098
-    --seed 2: 0.087 0.103 0.135 0.241 0.205 0.239 0.163 0.336 0.410 0.538
+    --seed 0: 0.076 0.083 0.127 0.107 0.089 0.074 0.095 0.160 0.244 0.362
 
-every push checked (max |diff| at most 5.7e-6, 3.8e-6, 7.6e-6), and ``check_logprobs`` of the
-step-10 rows (sampled by ``step-9``) 5.0e-6, 5.5e-6, 2.4e-6 by ``step-9``'s weights and 9.41,
-14.0, 5.34 by the original ones. What the tiny random model learns, when it does, is the easy
+every push checked (max |diff| at most 7.6e-6), and ``check_logprobs`` of the step-10 rows
+(sampled by ``step-9``) 3.8e-6 by ``step-9``'s weights. (Before the agents saw their folders
+at fixed places, seeds 0, 1 and 2 ended at 0.317, 0.098 and 0.538, and another folder was
+another run.) What the tiny random model learns, when it does, is the easy
 way: repeating an all-capitals token; once every answer of a group scores the same, GRPO's
 advantages, and so the grad norm, are 0.
 
