@@ -58,6 +58,7 @@ check; then each rollout's reward in full.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -346,6 +347,11 @@ def main() -> None:
         "--ray-address", default=None, help="with --ray-actors: your cluster (else a local one)"
     )
     args = parser.parse_args()
+    if "tensorboard" in args.report_to and importlib.util.find_spec("tensorboard") is None:
+        sys.exit(
+            "--report-to tensorboard: tensorboard is not installed in this environment; "
+            "run scripts/setup_train.sh (it installs it), or give --report-to none"
+        )
     if args.policy_url is not None:
         check_policy(args.policy_url)  # before anything is written
 

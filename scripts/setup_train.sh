@@ -21,7 +21,8 @@ fi
 
 # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
 TORCH=torch==2.13.0
-PACKAGES=(transformers trl accelerate datasets pyarrow numpy safetensors tqdm)
+# tensorboard: the example's trainer logs (--report-to tensorboard, its default).
+PACKAGES=(transformers trl accelerate datasets pyarrow numpy safetensors tqdm tensorboard)
 # verl 0.9.1 pins transformers<5.11: with verl installed, transformers is 5.10.x (TRL 1.16 and the
 # tiny Qwen3 work with it); without verl, the latest that TRL accepts.
 # verl 0.9.1 and what it imports on a CPU beyond its own pins (read from its import errors).
