@@ -78,6 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap  # noqa: E402
+from capture.rollouts.agents import claude_code_capped  # noqa: E402
 from capture.train.rows import main_row, sampled_ids  # noqa: E402
 from capture.train.trl import (  # noqa: E402
     AgentTapRolloutFunc,
@@ -136,14 +137,6 @@ TASKS: dict[str, Verifier] = {
 }
 
 
-def claude_code(max_tokens: int) -> dict[str, list[str]]:
-    """Claude Code as agenttap's ``claude-code`` runs it, with its answers capped at
-    ``max_tokens``."""
-    from capture.rollouts.agents import claude_code_capped
-
-    return claude_code_capped(max_tokens)
-
-
 def start_policy(
     model: Path, log: Path, start_timeout: float = 300.0
 ) -> tuple[subprocess.Popen[str], str]:
@@ -182,19 +175,30 @@ def check_policy(url: str) -> None:
         )
 
 
+def push_max_diff(answer: dict[str, Any]) -> float | None:
+    """The largest |diff| any policy server's check of a weight push measured (None: none)."""
+    measured = [r["max_diff"] for r in answer.get("replicas", []) if r.get("max_diff") is not None]
+    return max(measured, default=None)
+
+
 def pushed_words(answer: dict[str, Any]) -> str:
     """A weight push's check, as the step's line says it."""
-    diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
-    measured = [d for d in diffs if d is not None]
-    if answer.get("checked") and measured:
-        return f"checked, max |diff| {max(measured):.1e}"
+    diff = push_max_diff(answer)
+    if answer.get("checked") and diff is not None:
+        return f"checked, max |diff| {diff:.1e}"
     return "not checked"
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """N of a ``checkpoint-N`` folder the trainer saved (None: another name)."""
+    number = folder.name.removeprefix("checkpoint-")
+    return int(number) if number != folder.name and number.isdigit() else None
 
 
 def last_checkpoint(out: Path) -> Path | None:
     """The latest ``checkpoint-N`` the trainer saved under ``out/trainer`` (None: none)."""
-    found = [p for p in (out / "trainer").glob("checkpoint-*") if p.name[11:].isdigit()]
-    return max(found, key=lambda p: int(p.name[11:]), default=None)
+    found = [p for p in (out / "trainer").glob("checkpoint-*") if checkpoint_step(p) is not None]
+    return max(found, key=lambda p: checkpoint_step(p) or 0, default=None)
 
 
 class StepReport(TrainerCallback):  # type: ignore[misc]
@@ -241,13 +245,12 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
             folder, f"step-{state.global_step}", model=model, tokenizer=kwargs["processing_class"]
         )
         push_s = time.monotonic() - pushed
-        diffs = [r.get("max_diff") for r in answer.get("replicas", [])]
-        measured = [d for d in diffs if d is not None]
         checked = pushed_words(answer)
         # Logged with this step's numbers (the trainer logs after on_step_end).
-        push = {"agenttap/push_s": time.monotonic() - pushed}
-        if measured:
-            push["agenttap/push_max_diff"] = max(measured)
+        push = {"agenttap/push_s": push_s}
+        diff = push_max_diff(answer)
+        if diff is not None:
+            push["agenttap/push_max_diff"] = diff
         log_to_trainer(self.trainer, push)
         if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
             for old in self.weights.glob("step-*"):
@@ -385,7 +388,7 @@ def main() -> None:
     if checkpoint is not None:
         attempt = len(resumes.read_text().splitlines()) + 1 if resumes.exists() else 1
         id_prefix = f"resume{attempt}-"
-        step = int(checkpoint.name.rsplit("-", 1)[1])
+        step = checkpoint_step(checkpoint)
         with resumes.open("a") as fh:
             fh.write(json.dumps({"from": checkpoint.name, "step": step, "ids": id_prefix}) + "\n")
         print(f"resuming from {checkpoint} (step {step}); its rollouts are {id_prefix}s...")
@@ -397,7 +400,7 @@ def main() -> None:
     if args.agent_command:
         agent = {"command": shlex.split(args.agent_command)}
     elif args.agent == "claude-code":
-        agent = claude_code(args.max_tokens)
+        agent = claude_code_capped(args.max_tokens)
 
     policy = None
     policy_url = args.policy_url

@@ -273,8 +273,6 @@ class AgentTapRolloutFunc:
         filler_id = self._filler_id(trainer)
         samples: list[dict[str, Any] | None] = [None] * len(prompts)
         stats = RolloutStats(rollouts=len(groups), agents=len(prompts))
-        group_runs: list[list[Mapping[str, Any]]] = []
-        group_rewards: list[list[float | None]] = []
         for (task, positions), answer in zip(groups.items(), answers, strict=True):
             runs = answer.get("rollouts") or []
             if len(runs) != len(positions):
@@ -282,11 +280,8 @@ class AgentTapRolloutFunc:
                     f"rollout {answer.get('id')!r} returned {len(runs)} agents for "
                     f"{len(positions)} prompts"
                 )
-            group_runs.append(runs)
-            group_rewards.append([])
             for position, run in zip(positions, runs, strict=True):
                 reward = self._reward(task, run)
-                group_rewards[-1].append(reward)
                 sample = sample_from_run(run, reward, filler_id)
                 samples[position] = sample
                 stats.failed += run.get("status") != "ok"
@@ -300,13 +295,16 @@ class AgentTapRolloutFunc:
         stats.sessions = [str(s["agenttap_session_id"]) for s in samples if s is not None]
         stats.seconds = time.monotonic() - started
         self.last = stats
-        log_to_trainer(trainer, rollout_metrics(group_runs, group_rewards, stats.seconds))
         keys = (
             "prompt_ids", "completion_ids", "logprobs", "env_mask", "agenttap_reward",
             "agenttap_session_id", "agenttap_weight_versions",
         )  # fmt: skip
         done = [s for s in samples if s is not None]
         assert len(done) == len(prompts)
+        # Per group (a task's agents): its runs, and the rewards its samples carry.
+        group_runs = [answer.get("rollouts") or [] for answer in answers]
+        group_rewards = [[done[p]["agenttap_reward"] for p in ps] for ps in groups.values()]
+        log_to_trainer(trainer, rollout_metrics(group_runs, group_rewards, stats.seconds))
         return {key: [s[key] for s in done] for key in keys}
 
     # -- running -----------------------------------------------------------------------------
