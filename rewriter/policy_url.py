@@ -91,6 +91,11 @@ def parse_policy_url(text: str) -> PolicyAddress:
 KEEPALIVE_S = 4.0
 
 
+def tcp_connector(limit: int = 100) -> aiohttp.TCPConnector:
+    """A connection pool to policy servers over TCP (one pool may serve several)."""
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S)
+
+
 def connector(url: str, limit: int = 100) -> aiohttp.BaseConnector:
     """A connection pool to the server at ``url``: TCP, or its unix socket."""
     addr = parse_policy_url(url)
@@ -98,7 +103,7 @@ def connector(url: str, limit: int = 100) -> aiohttp.BaseConnector:
         return aiohttp.UnixConnector(
             path=addr.socket_path, limit=limit, keepalive_timeout=KEEPALIVE_S
         )
-    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S)
+    return tcp_connector(limit)
 
 
 def serves(session: Any, url: str) -> bool:

@@ -24,7 +24,7 @@ import aiohttp
 from capture.policy.fair import FairScheduler, QueueFull
 from capture.policy.replicas import Replica, ReplicasBusy, ReplicaSet
 from capture.policy.weights import PolicyWeights
-from rewriter.policy_url import KEEPALIVE_S, connector, is_unix
+from rewriter.policy_url import connector, is_unix, tcp_connector
 from rewriter.vllm_client import PolicyError, VLLMClient
 from rewriter.vllm_rotation import Rotation
 
@@ -165,7 +165,7 @@ class PolicyPools:
         return aiohttp.ClientSession(
             connector=connector(url, self.max_connections)
             if url
-            else aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S),
+            else tcp_connector(self.max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout_s),
         )
 
