@@ -5,7 +5,8 @@
 ``hostprog`` (a host program's ELF copy whose interpreter is the host's loader),
 ``podman`` (the engine's command and configuration), ``images`` (base and task images, built
 and cached by content), ``sandbox`` (bubblewrap's
-command line from an allowlist of mounts, the sandbox's processes), ``launch`` (bwrap started
+command line from an allowlist of mounts, the sandbox's processes), ``places`` (where a run's
+folders appear inside, and the values naming them renamed to match), ``launch`` (bwrap started
 as a user that owns nothing; run by path), ``workdir`` (safe workdir copies), ``processes``
 (ending every process of a run), ``netbridge`` and ``bridge`` (a sandbox's own network: the
 proxy's and the API's ports handed in; ``bridge`` runs inside, by path), ``budget`` (its

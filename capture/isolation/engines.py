@@ -31,16 +31,14 @@ from capture.isolation.containers import (
     host_program,
 )
 from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpreter
+from capture.isolation.places import FIXED_PLACES, fixed_layout, moved_value
 from capture.isolation.podman import engine_command
 from capture.isolation.processes import Child
 from capture.isolation.sandbox import (
-    FIXED_PLACES,
     SANDBOX_UID,
     Jail,
     SandboxSpec,
     find_bwrap,
-    fixed_layout,
-    moved_value,
     program_paths,
     read_info,
     sandbox_argv,

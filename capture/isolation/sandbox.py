@@ -11,8 +11,9 @@ the host with holes cut in it: a fresh root holding only
   ``node_modules`` tree, a venv and its base Python, a prefix), the CA certificate and bundle,
   the rollout's ``"expose"`` and ``agenttap_sandbox_expose``;
 - the run's own ``work``, ``home`` and scratch ``tmp``, writable, at ``/workdir``,
-  ``/home/agent`` and ``/tmp/agent`` (``fixed_layout``: an agent's prompt, which names its
-  working folder, is then the same wherever OUT is) or at their host paths; a fresh ``/tmp`` and
+  ``/home/agent`` and ``/tmp/agent`` (capture/isolation/places.py: an agent's prompt, which
+  names its working folder, is then the same wherever OUT is) or at their host paths; a fresh
+  ``/tmp`` and
   ``/var/tmp`` (tmpfs, size-capped with ``tmp_size_mb``), a fresh ``/dev`` and a ``/proc`` of
   its own PID namespace;
 - ``bridge``, read-only at ``/.agenttap``: the unix sockets that lead to the proxy and the API
@@ -45,7 +46,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -109,51 +109,9 @@ class SandboxSpec:
     # it is not ``work``'s own path: a Harbor trial's /app, /logs, /root (capture/harbor/env.py).
     binds: tuple[tuple[Path, str], ...] = ()
     chdir: str | None = None
-    # Where ``work``, ``home`` and ``tmp`` appear inside (``fixed_places``); None: at their own
-    # host paths.
+    # Where ``work``, ``home`` and ``tmp`` appear inside (capture/isolation/places.py); None: at
+    # their own host paths.
     places: tuple[str, str, str] | None = None
-
-
-# Where a run's work, HOME and TMPDIR appear inside a bubblewrap sandbox (agenttap_sandbox_paths
-# fixed): the same in every folder and on every machine, so an agent's prompt, which names its
-# working directory, does not depend on where OUT is; a group's prompts stay identical and share
-# the policy's prefix cache.
-WORK_INSIDE = "/workdir"
-HOME_INSIDE = "/home/agent"
-TMP_INSIDE = "/tmp/agent"
-FIXED_PLACES = (WORK_INSIDE, HOME_INSIDE, TMP_INSIDE)
-
-
-def fixed_layout(
-    folders: tuple[Path, Path, Path], expose: tuple[Path, ...]
-) -> tuple[dict[str, str], tuple[Path, ...]] | None:
-    """A run's ``folders`` (work, HOME, TMPDIR) at ``FIXED_PLACES``: where each of their host
-    paths (as given and real) appears inside, and ``expose`` less what lies in them (a file of
-    the run's an argument names is shown with its folder). None when a fixed place and a path
-    the sandbox shows at its own path lie one inside the other (an install under ``/workdir``
-    on this host): a bind there would make mount points in the run's own folder, or hide the
-    install. The run's folders are then shown at their host paths."""
-    moved: dict[str, str] = {}
-    for folder, inside in zip(folders, FIXED_PLACES, strict=True):
-        moved[str(folder)] = moved[os.path.realpath(folder)] = inside
-    outside = tuple(p for p in expose if moved_value(str(p), moved) == str(p))
-    shown = {Path(os.path.realpath(p)) for p in outside if str(p)}
-    for place in map(Path, FIXED_PLACES):
-        for path in shown:
-            if path.is_relative_to(place) or place.is_relative_to(path):
-                return None
-    return moved, outside
-
-
-def moved_value(value: str, places: dict[str, str]) -> str:
-    """``value`` (an environment value or an argument) with each of a run's folders it names by
-    its host path named as the sandbox shows it (``places``: host path -> inside): the whole
-    value, or after a ``=`` (``--junitxml=PATH``) or a ``:`` (a ``PATH``-like list)."""
-    for host, inside in sorted(places.items(), key=lambda item: -len(item[0])):
-        if host in value:
-            replacement = r"\g<1>" + inside.replace("\\", r"\\")
-            value = re.sub(rf"(^|[=:]){re.escape(host)}(?=$|[/:])", replacement, value)
-    return value
 
 
 def hidden_paths(hide: tuple[Path, ...]) -> list[tuple[Path, bool]]:

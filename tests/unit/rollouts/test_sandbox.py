@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from capture.isolation.places import FIXED_PLACES, fixed_layout, moved_value
 from capture.isolation.sandbox import (
-    FIXED_PLACES,
     SANDBOX_UID,
     Jail,
     SandboxSpec,
@@ -26,11 +26,9 @@ from capture.isolation.sandbox import (
     bwrap_argv,
     exposed_paths,
     find_bwrap,
-    fixed_layout,
     hidden_paths,
     links_on_the_way,
     make_stage,
-    moved_value,
     program_paths,
     read_info,
     sandbox_argv,
