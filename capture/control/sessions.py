@@ -209,6 +209,12 @@ class ControlledSession:
     # own; None: the policy's own randomness.
     seed: int | None = None
 
+    def past_deadline(self, now_mono: float) -> bool:
+        """Whether ``limits.deadline_s`` has passed at ``now_mono`` (a monotonic clock's time):
+        the one rule both the refusal of a call and the stop of a rollout's agent read."""
+        deadline = self.limits.deadline_s
+        return deadline is not None and now_mono - self.opened_mono >= deadline
+
     def summary(self) -> dict[str, Any]:
         seeded = {} if self.seed is None else {"seed": self.seed}
         return {
@@ -386,7 +392,7 @@ class SessionControl:
 
     def _reached(self, sess: ControlledSession) -> str | None:
         limits, metrics = sess.limits, sess.metrics
-        if limits.deadline_s is not None and self._clock() - sess.opened_mono >= limits.deadline_s:
+        if sess.past_deadline(self._clock()):
             return EndReason.DEADLINE
         # Calls in flight count: a burst of parallel calls cannot overrun the limit.
         if limits.max_calls is not None and metrics.calls + sess.in_flight >= limits.max_calls:

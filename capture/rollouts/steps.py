@@ -155,8 +155,7 @@ async def stop_past_limits(host: RolloutHost, run: Run, poll_s: float = LIMIT_PO
         sess = host.session(run.session_id)
         if sess is None or run.handle is None:
             continue
-        deadline = sess.limits.deadline_s
-        if deadline is not None and time.monotonic() - sess.opened_mono >= deadline:
+        if sess.past_deadline(time.monotonic()):
             sess.limit_reached = sess.limit_reached or EndReason.DEADLINE
         if sess.limit_reached is not None:
             logger.info(
