@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +334,37 @@ def test_a_terminus_2_rollout_is_scored_into_its_rows(stub_tap: AgentTap, tmp_pa
     sid = run["session_id"]
     check_trained_exactly_once(read_threads(stub_tap.out, sid), read_turns(stub_tap.out, sid))
     assert (task / "notes.txt").read_text() == SEED
+    assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
+
+
+@pytest.mark.usefixtures("scripted")
+def test_a_terminus_2_rollout_ends_at_its_max_calls(stub_tap: AgentTap, tmp_path: Path) -> None:
+    """Past ``max_calls`` the rollout's Terminus-2 is stopped at once: its fourth answer is the
+    last (the task is not finished: the fifth step, confirming, is never answered). Left
+    running, Harbor retries a refused call with back-off for about 25 s."""
+    task = seed(tmp_path / "task")
+    result = stub_tap.rollout("terminus-2", TASK, n=1, workdir=task, limits={"max_calls": 4})
+    ended = time.time()
+    (run,) = result["rollouts"]
+    assert run["status"] == "ok" and run["finish_reason"] == "max_calls", run
+    # No retries of the refused call: Harbor is stopped before its back-off asks again.
+    assert run["metrics"]["calls"] == 4 and run["metrics"]["refused"] == 1, run["metrics"]
+    turns = read_turns(stub_tap.out, run["session_id"])
+    assert len(turns) == 4
+    fourth = max(t["started_at"] + t["latency_s"] for t in turns)
+    # Terminus-2 acts on its fourth answer and asks a fifth time: refused, and its agent is
+    # stopped within a poll (0.2 s). The proxy's log says when, to the millisecond.
+    stopped = [
+        line for line in stub_tap.log.read_text().splitlines()
+        if f"rollout session {run['session_id']} reached its max_calls" in line
+    ]  # fmt: skip
+    assert len(stopped) == 1, stopped
+    clock = time.strftime("%Y-%m-%d ", time.localtime(fourth)) + stopped[0][1:13]
+    stopped_at = time.mktime(time.strptime(clock[:-4], "%Y-%m-%d %H:%M:%S")) + float(clock[-4:])
+    assert 0 <= stopped_at - fourth < 1.0, (stopped[0], fourth)
+    # Then Harbor exits on its SIGTERM (its trial's teardown), the session is closed and its
+    # rows written; the rollout's answer comes once it has ended (``wait``).
+    assert ended - fourth < 6.0, (ended - fourth, run["metrics"])
     assert not agent_processes(stub_tap.out / "rollouts" / result["id"])
 
 
