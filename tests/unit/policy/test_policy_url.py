@@ -244,3 +244,17 @@ def test_the_socket_folder_must_be_private() -> None:
     deep = folder / ("d" * 80)
     with pytest.raises(launcher.PolicyServerError, match="107 bytes"):
         launcher.check_socket_path(deep / "vllm.sock")
+
+
+def test_a_private_compile_cache_is_kept_and_any_other_replaced(tmp_path: Path) -> None:
+    folder = tmp_path / "policy"
+    folder.mkdir(mode=0o700)
+    own = tmp_path / "cache"
+    own.mkdir(mode=0o700)
+    # Kept: a restart (or the tests' next policy) reuses the kernels the last one compiled.
+    assert launcher.compile_cache(str(own), folder) == str(own)
+    # Code vLLM runs: a cache others could write into, a missing one or none is never used.
+    os.chmod(own, 0o775)
+    assert launcher.compile_cache(str(own), folder) == str(folder / "cache")
+    assert launcher.compile_cache(str(tmp_path / "missing"), folder) == str(folder / "cache")
+    assert launcher.compile_cache(None, folder) == str(folder / "cache")
