@@ -106,7 +106,6 @@ _GROUPS = {
     "tests/e2e/policy/test_weight_versions_vllm.py": OWN_SERVERS,
     "tests/e2e/policy/test_weights_exact_vllm.py": OWN_SERVERS,
     "tests/e2e/policy/test_run_proxy.py": OWN_SERVERS,
-    "tests/e2e/policy/test_policy_private.py": OWN_SERVERS,
     "tests/e2e/rollouts/test_train_trl_loop.py": "trainers",
     "tests/e2e/rollouts/test_train_verl.py": "trainers",
     "tests/e2e/rollouts/test_train_example.py": "trainers",

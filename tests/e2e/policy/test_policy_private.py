@@ -2,12 +2,13 @@
 
 ``python -m policy_server`` (the embedded policy of ``scripts/run_proxy.sh``) serves a
 real vLLM on a unix socket in a folder only its owner may open, with no TCP listener on the
-host's network (its workers' torch listeners live in a network namespace of their own), its
+host's network (its torch listeners live in a network namespace of their own), its
 dev-mode routes reached over the socket by agenttap's weight update, and its folder is gone
-once it stops. A policy on TCP whose dev-mode ``/pause`` answers anyone is
+once it stops: ``check_policy_is_private``, run on the policy of run_proxy.sh's "serve" run
+(tests/e2e/policy/test_run_proxy.py, which checks the folder is gone when it stops), so this
+module starts no vLLM of its own. A policy on TCP whose dev-mode ``/pause`` answers anyone is
 named in a warning at start. ``run_proxy.sh`` removes its private folder on exit, keeping the
-policy's log (its path printed) only where the policy failed. The run_proxy.sh embedded policy
-answering calls over its socket: tests/e2e/policy/test_run_proxy.py."""
+policy's log (its path printed) only where the policy failed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -37,9 +37,7 @@ from rewriter.vllm_answers import Completion
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import start_proxy
 from tests.support.stub_vllm import StubPolicy
-from tests.support.vllm_servers import ONE_FLOATING_THREAD
 
-PY = REPO / ".venv" / "bin" / "python"
 # Run as another uid: the system's, which any user may execute (the checkout may not be).
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -147,75 +145,49 @@ async def update_and_generate(url: str) -> tuple[list[dict[str, Any]], Completio
         await pools.close()
 
 
-@pytest.mark.vllm
-def test_the_policy_server_listens_on_a_private_socket_only(tmp_path: Path) -> None:
-    log = tmp_path / "policy_server.out"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(PY), "-m", "policy_server", "--max-model-len", "4096",
-             "--log", str(tmp_path / "vllm.log")],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-            env={**os.environ, **ONE_FLOATING_THREAD},
-        )  # fmt: skip
-    vllm_pgid = 0
-    try:
-        _wait_for(
-            "POLICY_URL=",
-            lambda: "POLICY_URL=" in log.read_text() or proc.poll() is not None,
-            600,
-        )
-        text = log.read_text()
-        found = re.search(r"^POLICY_URL=(\S+)$", text, re.M)
-        assert found, text[-3000:]
-        url = found.group(1)
-        sock = parse_policy_url(url).socket_path
-        assert sock is not None, f"the default is a unix socket, not {url}"
-        folder = Path(sock).parent
-        info = folder.stat()
-        assert info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700, oct(info.st_mode)
-
-        # vLLM (started in a session of its own, bwrap first where it runs in a network
-        # namespace) with its engine core and workers.
-        group = vllm_group(sock)
-        vllm_pgid = os.getpgid(group[0])
-        assert len(group) >= 3, group  # the API server, the engine core, a worker
-        # None of them listens on TCP on this host's network: every dev-mode route is behind
-        # the socket. (Without a network namespace of its own, the worker's torch gloo
-        # process groups would listen on a dozen loopback ports here.)
-        assert tcp_listeners_of(group) == {}
-        # The scan itself finds what listens: a listener of this process appears in it (beside
-        # those of the stubs other tests of this session started in this process).
-        before = tcp_listeners_of([os.getpid()])
-        with socket.socket() as tcp:
-            tcp.bind(("127.0.0.1", 0))
-            tcp.listen()
-            port = tcp.getsockname()[1]
-            added = set(tcp_listeners_of([os.getpid()]).values()) - set(before.values())
-            assert any(a.endswith(f":{port:04X}") for a in added), ("the scan missed it", added)
-        # vLLM's ipc sockets and the workers' file store are in the private folder too.
-        assert any(p.is_socket() and p.name != "vllm.sock" for p in folder.iterdir())
-        # Through the socket, the dev-mode routes answer their owner (agenttap): a weight
-        # update (pause, reload_weights, label, resume) and a generation labelled with it.
-        outcomes, completion = asyncio.run(update_and_generate(url))
-        assert [o["ok"] for o in outcomes] == [True], outcomes
-        assert completion.token_ids and completion.weight_versions[0][0] == "step-1"
-        with urlopen(url, "/is_paused", timeout=30) as resp:
-            assert resp.status == 200 and b'"is_paused":false' in resp.read()
-        if os.getuid() == 0:
-            # Another uid cannot even reach the socket (root here could: it overrides modes).
-            other = connect_as_nobody(sock)
-            assert other.returncode == 3 and "PermissionError 13" in other.stdout, other
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(60) == 0
-        _wait_for("vLLM's processes to end", lambda: not process_group(vllm_pgid), 60)
-        assert not folder.exists(), "the socket's private folder outlived the server"
-    finally:
-        for pgid in (proc.pid, vllm_pgid):
-            if pgid:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+def check_policy_is_private(url: str) -> None:
+    """The embedded policy serving at ``url`` (``python -m policy_server``, as run_proxy.sh
+    starts it; its "serve" run calls this: tests/e2e/policy/test_run_proxy.py) is reached by
+    its owner alone: a unix socket in a folder only its owner may open, no TCP listener on this
+    host's network, vLLM's ipc sockets in that folder too, and the dev-mode routes answering
+    over the socket (a weight update, as agenttap's gateway makes it, and a generation
+    labelled with it). Leaves its weights relabelled ``step-1``: call it last."""
+    sock = parse_policy_url(url).socket_path
+    assert sock is not None, f"the default is a unix socket, not {url}"
+    folder = Path(sock).parent
+    info = folder.stat()
+    assert info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700, oct(info.st_mode)
+    # vLLM (started in a session of its own, bwrap first where it runs in a network
+    # namespace): its API server and engine core, which holds the model (tests run it in one
+    # process: VLLM_ENABLE_V1_MULTIPROCESSING=0), else a worker process too.
+    group = vllm_group(sock)
+    assert len(group) >= 3, group  # bwrap, the API server, the engine core
+    # None of them listens on TCP on this host's network: every dev-mode route is behind
+    # the socket. (Without a network namespace of its own, the model's torch gloo process
+    # groups would listen on a dozen loopback ports here.)
+    assert tcp_listeners_of(group) == {}
+    # The scan itself finds what listens: a listener of this process appears in it (beside
+    # those of the stubs other tests of this session started in this process).
+    before = tcp_listeners_of([os.getpid()])
+    with socket.socket() as tcp:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        port = tcp.getsockname()[1]
+        added = set(tcp_listeners_of([os.getpid()]).values()) - set(before.values())
+        assert any(a.endswith(f":{port:04X}") for a in added), ("the scan missed it", added)
+    # vLLM's ipc sockets and the workers' file store are in the private folder too.
+    assert any(p.is_socket() and p.name != "vllm.sock" for p in folder.iterdir())
+    # Through the socket, the dev-mode routes answer their owner (agenttap): a weight
+    # update (pause, reload_weights, label, resume) and a generation labelled with it.
+    outcomes, completion = asyncio.run(update_and_generate(url))
+    assert [o["ok"] for o in outcomes] == [True], outcomes
+    assert completion.token_ids and completion.weight_versions[0][0] == "step-1"
+    with urlopen(url, "/is_paused", timeout=30) as resp:
+        assert resp.status == 200 and b'"is_paused":false' in resp.read()
+    if os.getuid() == 0:
+        # Another uid cannot even reach the socket (root here could: it overrides modes).
+        other = connect_as_nobody(sock)
+        assert other.returncode == 3 and "PermissionError 13" in other.stdout, other
 
 
 def _cmdline(pid: int) -> bytes:

@@ -23,7 +23,11 @@ from pathlib import Path
 import pytest
 
 from rewriter.policy_url import urlopen
-from tests.e2e.policy.test_policy_private import tcp_listeners_of, vllm_group
+from tests.e2e.policy.test_policy_private import (
+    check_policy_is_private,
+    tcp_listeners_of,
+    vllm_group,
+)
 from tests.support.paths import REPO
 from tests.support.proxies import Proxy, processes_with
 from tests.support.vllm_servers import ONE_FLOATING_THREAD
@@ -291,6 +295,9 @@ def test_run_proxy_serves_a_claude_code_sized_prompt_and_stops_cleanly(
     # The token is on no command line and in no environment (/proc is readable by all).
     assert not processes_with(token.group(1).encode())
     assert not processes_with(b"agenttap_token=")
+    # Last, as it relabels the policy's weights behind the proxy's back: the policy is its
+    # owner's alone (issue 37), and its dev-mode routes answer over its socket.
+    check_policy_is_private(policy_url.group(1))
     run.stop_and_check_nothing_is_left()
 
 
