@@ -10,7 +10,6 @@ tests of the session see the policy they expect.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from policy_server import launcher
 from tests.e2e.policy.test_abort_resume_vllm import LongStream, stream_long_story
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import Proxy, proxy_token, start_proxy
+from tests.support.warm_python import warm
 
 # It changes the session's vLLM for everyone: no other test may use it meanwhile.
 pytestmark = [pytest.mark.vllm, pytest.mark.policy_exclusive]
@@ -54,13 +54,11 @@ def control(proxy: Proxy, method: str, path: str, body: Any = None) -> tuple[int
 
 
 def hf(*args: str, stdin: Any = None) -> Any:
-    done = subprocess.run(
-        [str(HF_PYTHON), str(REPO / "tests" / "support" / "hf_score.py"), *args],
-        input=json.dumps(stdin) if stdin is not None else None,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    # In a warm interpreter (torch imported once: tests/support/warm_python.py).
+    done = warm(HF_PYTHON).run(
+        REPO / "tests" / "support" / "hf_score.py",
+        *args,
+        stdin=json.dumps(stdin) if stdin is not None else None,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout) if args[0] == "score" else None

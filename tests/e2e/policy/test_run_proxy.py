@@ -91,8 +91,9 @@ class RunProxy:
                  "--api-port", str(self.api_port), "--out", out or str(tmp_path / "out"),
                  "--confdir", str(confdir)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
-                # Up to five cold starts at once share two cores here: more than the
-                # default 300 s to answer (a quiet machine takes about a minute).
+                # Up to four cold starts at once (the full runs and a stop test) share two
+                # cores here: more than the default 300 s to answer (a quiet machine takes
+                # about 40 s).
                 env={**os.environ, **ONE_FLOATING_THREAD, "AGENTTAP_POLICY_START_S": "840",
                      **(env or {})},
             )  # fmt: skip

@@ -38,6 +38,7 @@ from tests.e2e.policy.test_policy_weights_vllm import control, hf
 from tests.support.paths import QWEN3, REPO
 from tests.support.proxies import Proxy, proxy_token, start_proxy
 from tests.support.vllm_servers import LORA, ONE_FLOATING_THREAD, VllmServers
+from tests.support.warm_python import warm
 
 pytestmark = pytest.mark.vllm
 
@@ -48,11 +49,11 @@ TOLERANCE = 1e-3
 
 
 def trainer(*args: str, python: Path = HF_PYTHON, stdin: Any = None) -> Any:
-    """tests/support/weights_step.py in the trainer's environment; its JSON output (a probe) or None."""
-    done = subprocess.run(
-        [str(python), str(REPO / "tests" / "support" / "weights_step.py"), *args],
-        input=json.dumps(stdin) if stdin is not None else None,
-        capture_output=True, text=True, timeout=600, check=False,
+    """tests/support/weights_step.py in the trainer's environment (a warm interpreter: torch
+    imported once); its JSON output (a probe) or None."""
+    done = warm(python).run(
+        REPO / "tests" / "support" / "weights_step.py", *args,
+        stdin=json.dumps(stdin) if stdin is not None else None,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout) if done.stdout.strip() else None
@@ -98,31 +99,47 @@ def lora_boots_meanwhile(vllm_servers: VllmServers) -> None:
     vllm_servers.start(LORA)
 
 
+def compiled(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
+    """Until the vLLM writing ``log`` has warmed its model up (compiled, where it compiles),
+    or has ended."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and "init engine (profile, create kv cache, warmup model)" in log.read_text(
+            errors="replace"
+        ):
+            return
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def tied() -> Iterator[Tied]:
     root = Path(tempfile.mkdtemp(prefix="at-w-"))  # short: unix socket paths are bounded
     model = root / "tied-model"
-    subprocess.run(
-        [str(HF_PYTHON), str(REPO / "scripts" / "build_tiny_model.py"),
-         "--tokenizer", str(QWEN3), "--out", str(model), "--tied"],
-        check=True, capture_output=True, timeout=600,
+    built = warm(HF_PYTHON).run(
+        REPO / "scripts" / "build_tiny_model.py", "--tokenizer", str(QWEN3), "--out", str(model),
+        "--tied",
     )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
     for name in ("pushes", "wrong", "a", "b"):
         (root / name).mkdir(mode=0o700)
     netns = launcher.own_network()
     assert netns, "bwrap cannot make a namespace here; these tests need it"
     view = [*netns[:-2], "--bind", str(root / "wrong"), str(root / "pushes"), *netns[-2:]]
     procs, urls = [], []
-    for name, prefix in (("a", netns), ("b", view)):
-        sock = root / name / "vllm.sock"
-        procs.append(
-            launcher.start_vllm(
-                model, socket_path=sock, netns=prefix, max_model_len=4096,
-                log_path=root / f"vllm-{name}.log", env_overrides=ONE_FLOATING_THREAD,
-            )
-        )  # fmt: skip
-        urls.append(f"unix:{sock}")
     try:
+        for name, prefix in (("a", netns), ("b", view)):
+            if procs:
+                # The second starts once the first has compiled this shape into the run's
+                # compile cache, and reuses it: not two compiles of one graph at once.
+                compiled(root / "vllm-a.log", procs[0])
+            sock = root / name / "vllm.sock"
+            procs.append(
+                launcher.start_vllm(
+                    model, socket_path=sock, netns=prefix, max_model_len=4096,
+                    log_path=root / f"vllm-{name}.log", env_overrides=ONE_FLOATING_THREAD,
+                )
+            )  # fmt: skip
+            urls.append(f"unix:{sock}")
         for url, proc, name in zip(urls, procs, "ab", strict=True):
             try:
                 launcher.wait_ready(url, proc, timeout_s=900)
