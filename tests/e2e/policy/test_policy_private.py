@@ -6,7 +6,8 @@ host's network (its torch listeners live in a network namespace of their own), i
 dev-mode routes reached over the socket by agenttap's weight update, and its folder is gone
 once it stops: ``check_policy_is_private``, run on the policy of run_proxy.sh's "serve" run
 (tests/e2e/policy/test_run_proxy.py, which checks the folder is gone when it stops), so this
-module starts no vLLM of its own. A policy on TCP whose dev-mode ``/pause`` answers anyone is
+module starts no vLLM of its own; what ``python -m policy_server`` does around its vLLM (the
+folder it makes, removed on SIGTERM, exit 0) with a stand-in (tests/support/fake_vllm.py). A policy on TCP whose dev-mode ``/pause`` answers anyone is
 named in a warning at start. ``run_proxy.sh`` removes its private folder on exit, keeping the
 policy's log (its path printed) only where the policy failed."""
 
@@ -16,8 +17,10 @@ import asyncio
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -188,6 +191,55 @@ def check_policy_is_private(url: str) -> None:
         # Another uid cannot even reach the socket (root here could: it overrides modes).
         other = connect_as_nobody(sock)
         assert other.returncode == 3 and "PermissionError 13" in other.stdout, other
+
+
+def test_the_policy_server_removes_the_folder_it_made_and_exits_0_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """``python -m policy_server`` without ``--socket`` makes a folder only its owner may open
+    for its socket; on SIGTERM (what run_proxy.sh sends it) it stops its vLLM's process group,
+    removes that folder and exits 0. Its vLLM here is tests/support/fake_vllm.py (what a real
+    one serves there: tests/e2e/policy/test_run_proxy.py)."""
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {REPO / "tests" / "support" / "fake_vllm.py"} "$@"\n'
+    )
+    fake.chmod(0o755)
+    log = tmp_path / "policy_server.out"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "policy_server", "--max-model-len", "4096",
+             "--log", str(tmp_path / "vllm.log")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            env={**os.environ, "AGENTTAP_VLLM_PYTHON": str(fake)},
+        )  # fmt: skip
+    served: list[int] = []
+    try:
+        _wait_for(
+            "POLICY_URL=",
+            lambda: "POLICY_URL=" in log.read_text() or proc.poll() is not None,
+            120,
+        )
+        found = re.search(r"^POLICY_URL=unix:(\S+)$", log.read_text(), re.M)
+        assert found, log.read_text()[-3000:]
+        folder = Path(found.group(1)).parent
+        info = folder.stat()
+        assert info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700, oct(info.st_mode)
+        served = [
+            int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+            if f"--uds {found.group(1)}".encode() in _cmdline(int(p))
+        ]  # fmt: skip
+        assert served, "the fake vLLM is not running"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        _wait_for("the vLLM to end", lambda: not any(_cmdline(p) for p in served), 30)
+        assert not folder.exists(), "the socket's private folder outlived the server"
+    finally:
+        for pid in [proc.pid, *served]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _cmdline(pid: int) -> bytes:
