@@ -165,6 +165,9 @@ class SessionMetrics:
     refused: int = 0
     # Calls that resent a request already answered (an SDK retry, a user's resend).
     retries: int = 0
+    # Weight updates the policy had between the session's first call and its close (or now,
+    # while it is open): how far behind the trainer's weights its oldest tokens are. 0: none.
+    version_lag: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -361,6 +364,7 @@ class SessionControl:
         sess.close_reward = reward
         sess.end_reason = end_reason or sess.limit_reached or EndReason.STOP
         sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
+        self._note_lag(sess)
         self._closed[session_id] = sess
         while len(self._closed) > CLOSED_KEPT:
             self._closed.popitem(last=False)
@@ -434,6 +438,11 @@ class SessionControl:
             sess.last_active_at = time.time()
             # So far (a session nobody opened is never closed: this is its wall time).
             sess.metrics.wall_time_s = round(self._clock() - sess.opened_mono, 6)
+            self._note_lag(sess)
+
+    def _note_lag(self, sess: ControlledSession) -> None:
+        if sess.first_version_index is not None:
+            sess.metrics.version_lag = max(0, self.version_index() - sess.first_version_index)
 
     def note_recorded(
         self,

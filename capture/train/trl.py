@@ -39,8 +39,9 @@ agents are spread over the pool's nodes (``ProxyPool.rollout``), the workdir shi
 
 **Metrics.** Each step's rollout numbers (``rollout_metrics``: reward mean and std within a
 group, agents scored and ok, calls, tokens, refusals and seconds per agent, the weight versions
-that sampled the step) go into the trainer's own logs under ``agenttap/``, beside TRL's loss,
-KL and grad norm: ``report_to`` carries them to TensorBoard or W&B.
+that sampled the step and their lag behind the trainer's, ``version_lag``) go into the
+trainer's own logs under ``agenttap/``, beside TRL's loss, KL and grad norm: ``report_to``
+carries them to TensorBoard or W&B.
 
 **Failures.** A rollout whose agent or verifier failed has reward None (the rollout's
 ``on_error`` "skip", the default): its row is still returned (the trainer's batch keeps its
@@ -159,6 +160,8 @@ def sample_from_run(
 # under this prefix: TRL's logger carries them to report_to's TensorBoard or W&B, beside loss,
 # KL and grad norm.
 METRIC_PREFIX = "agenttap/"
+# A rollout's own metrics (capture/control/sessions.py SessionMetrics) averaged over its agents.
+PER_AGENT = ("calls", "prompt_tokens", "completion_tokens", "refused", "errors", "version_lag")
 
 
 def rollout_metrics(
@@ -170,7 +173,9 @@ def rollout_metrics(
     and the rewards trained on them: the reward's mean and its std within a group (averaged
     over groups: GRPO learns nothing from a group whose std is 0), how many agents were scored,
     ended ok or not, the agents' calls, tokens and times (means per agent), the weight
-    versions that sampled the step, and the step's rollout seconds."""
+    versions that sampled the step and how far behind the trainer's weights they were
+    (``version_lag``: updates between an agent's first call and its close; mean and max), and
+    the step's rollout seconds."""
     runs = [run for group in groups for run in group]
     scored = [r for group in rewards for r in group if r is not None]
     stds = []
@@ -182,7 +187,7 @@ def rollout_metrics(
     per_agent: dict[str, list[float]] = {}
     for run in runs:
         metrics = run.get("metrics") or {}
-        for name in ("calls", "prompt_tokens", "completion_tokens", "refused", "errors"):
+        for name in PER_AGENT:
             per_agent.setdefault(name, []).append(float(metrics.get(name) or 0))
         per_agent.setdefault("wall_s", []).append(float(metrics.get("rollout_wall_time_s") or 0))
     versions = {v for run in runs for row in run.get("rows") or [] for v in row_versions(row)}
@@ -198,6 +203,8 @@ def rollout_metrics(
     }
     for name, values in per_agent.items():
         found[f"{name}_per_agent"] = sum(values) / len(values)
+    if runs:
+        found["version_lag_max"] = max(per_agent["version_lag"])
     return {METRIC_PREFIX + name: value for name, value in found.items()}
 
 

@@ -232,10 +232,17 @@ def test_a_session_too_many_updates_behind_is_ended_stale() -> None:
     index[0] = 2
     assert control.refusal("old") == EndReason.STALE
     assert control.refusal("new") is None
-    assert control.close("old").end_reason == EndReason.STALE
+    closed = control.close("old")
+    assert closed.end_reason == EndReason.STALE
+    # Its metrics say how far behind it was: two updates since its first call.
+    assert closed.metrics.version_lag == 2 and closed.summary()["metrics"]["version_lag"] == 2
     control.max_staleness = None
     index[0] = 10
     assert control.refusal("new") is None
+    control.call_started("new")
+    control.call_finished("new")  # while open, the lag so far
+    live = control.get("new")
+    assert live is not None and live.metrics.version_lag == 9
 
 
 async def test_a_step_whose_connection_drops_unanswered_is_sent_once_more() -> None:

@@ -14,12 +14,13 @@ import pytest
 from capture.train.trl import METRIC_PREFIX, log_to_trainer, rollout_metrics
 
 
-def run(status: str, calls: int, wall: float, versions: list[str]) -> dict[str, Any]:
+def run(status: str, calls: int, wall: float, versions: list[str], lag: int = 0) -> dict[str, Any]:
     spans = [{"version": v, "start": i, "end": i + 1} for i, v in enumerate(versions)]
     return {
         "status": status,
         "metrics": {"calls": calls, "prompt_tokens": 100, "completion_tokens": 10 * calls,
-                    "refused": 0, "errors": 0, "rollout_wall_time_s": wall},
+                    "refused": 0, "errors": 0, "rollout_wall_time_s": wall,
+                    "version_lag": lag},
         "rows": [{"loss_mask": [1] * len(versions), "weight_versions": spans}],
     }  # fmt: skip
 
@@ -27,7 +28,7 @@ def run(status: str, calls: int, wall: float, versions: list[str]) -> dict[str, 
 def test_a_steps_numbers_from_its_groups() -> None:
     groups = [
         [run("ok", 1, 2.0, ["step-1"]), run("ok", 3, 4.0, ["step-1"])],
-        [run("ok", 2, 6.0, ["step-1", "step-2"]), run("error", 0, 8.0, [])],
+        [run("ok", 2, 6.0, ["step-1", "step-2"], lag=1), run("error", 0, 8.0, [])],
     ]
     rewards = [[1.0, 0.0], [0.5, None]]
     got = rollout_metrics(groups, rewards, 12.5)
@@ -42,6 +43,9 @@ def test_a_steps_numbers_from_its_groups() -> None:
     assert short["completion_tokens_per_agent"] == pytest.approx(15)
     assert short["wall_s_per_agent"] == pytest.approx(5.0)
     assert short["weight_versions"] == 2 and short["rollout_s"] == 12.5
+    # One agent's tokens came from weights one update behind when it closed.
+    assert short["version_lag_per_agent"] == pytest.approx(0.25)
+    assert short["version_lag_max"] == 1
 
 
 def test_nothing_scored_is_not_a_number_not_zero() -> None:
