@@ -361,7 +361,10 @@ class AgentTapRolloutFunc:
         verifier = None if callable(self.verifier) else self.verifier
         metadata = {"split": "train", **self.metadata}
         if step is not None:
-            metadata.setdefault("trainer_step", step)
+            # The step these rollouts train, as the trainer prints and logs it (its
+            # ``global_step`` counts the steps done: 0 while the first one's rollouts run).
+            # Rollout ids and seeds keep ``global_step``, so a seeded run repeats as before.
+            metadata.setdefault("trainer_step", step + 1)
         image = self.image(task) if callable(self.image) else self.image
         folder = self.task_folder(task) if callable(self.task_folder) else self.task_folder
         options = {
@@ -439,8 +442,9 @@ def make_rollout_func(
     trainer's prompts; see the module's docstring for what
     it returns and how failures and missing rewards are handed on. ``limits``: each agent's
     session limits (``max_calls``, ``max_tokens``, ``deadline_s``); ``metadata``: added to
-    every session's (``split`` "train" and the trainer's ``trainer_step`` are set unless
-    given); ``seed``: the policy's sampling seeded, so a run repeats (see **Seeds**);
+    every session's (``split`` "train" and ``trainer_step``, the step they train as the
+    trainer numbers it, from 1, are set unless given); ``seed``: the policy's sampling
+    seeded, so a run repeats (see **Seeds**);
     ``image``: each agent runs in a container of that image (or a function of the task's text
     giving one); ``task_folder``: a Harbor task folder (or a function giving one), its image,
     tests and limits (docs/API.md); ``id_prefix``: before a seeded run's rollout ids (a resumed

@@ -1,5 +1,6 @@
 """The trainer adapters hand a task's image and a Harbor task folder through to POST /rollouts
-(TRL's rollout function, verl's agent loop), only when given."""
+(TRL's rollout function, verl's agent loop), only when given; TRL's names the step its
+rollouts train."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ def test_verl_passes_an_image_and_a_task_folder_per_sample_or_by_default(tmp_pat
     one, two = json.loads(done.stdout)
     assert one["image"] == "localhost/a:1" and "task" not in one
     assert two["task"] == str(tmp_path) and two["image"] == "localhost/a:1"
+
+
+def test_trl_names_the_step_its_rollouts_train_as_the_trainer_numbers_it() -> None:
+    """TRL's ``global_step`` counts the steps done (0 while the first step's rollouts run); the
+    console, ``report_to`` and the viewer's steps are 1, 2, ...: ``trainer_step`` is the step
+    the rollouts train. Given metadata wins."""
+    func = AgentTapRolloutFunc(None, agent="mini-swe-agent")  # type: ignore[arg-type]
+    assert func._options("t", 0)["metadata"]["trainer_step"] == 1
+    assert func._options("t", 9)["metadata"]["trainer_step"] == 10
+    assert "trainer_step" not in func._options("t", None)["metadata"]
+    given = AgentTapRolloutFunc(
+        None,  # type: ignore[arg-type]
+        agent="mini-swe-agent",
+        metadata={"trainer_step": "warm-up"},
+    )
+    assert given._options("t", 0)["metadata"]["trainer_step"] == "warm-up"
