@@ -72,8 +72,9 @@ PRESTARTED = frozenset({SESSION})
 # server of the run, and their compiles, would queue on that core while the tests use the other.
 # One thread still (the same arithmetic), left to the scheduler. Unpinned, the model runs in the
 # engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then keeps its
-# "uni" executor): one process fewer to import torch and vLLM, about 19 s of CPU and 20 s of wall
-# time less a start (35 against 54 CPU-s, compile cache warm), the same logprobs.
+# "uni" executor): one process fewer to import torch and vLLM (38 against 55 CPU-s a start,
+# compile cache warm: bench/vllm_start.py), the same logprobs, and no worker process spinning
+# for a second after each step on vLLM's shared-memory queue while other tests want the core.
 ONE_FLOATING_THREAD = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
