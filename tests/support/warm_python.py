@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import select
 import subprocess
 import sys
 import threading
@@ -37,9 +38,11 @@ class WarmPython:
         )  # fmt: skip
 
     def run(
-        self, script: Path, *args: str, stdin: str | None = None
+        self, script: Path, *args: str, stdin: str | None = None, timeout: float = 600
     ) -> subprocess.CompletedProcess[str]:
-        """``python SCRIPT ARGS`` with ``stdin``, in this warm interpreter."""
+        """``python SCRIPT ARGS`` with ``stdin``, in this warm interpreter. Past ``timeout``
+        seconds the interpreter is killed and ``subprocess.TimeoutExpired`` raised, as
+        ``subprocess.run`` does."""
         request = json.dumps({"script": str(script), "argv": list(args), "stdin": stdin or ""})
         with self._lock:
             if self._proc.poll() is not None:  # it died (a script's crash): a fresh one
@@ -47,6 +50,12 @@ class WarmPython:
             assert self._proc.stdin is not None and self._proc.stdout is not None
             self._proc.stdin.write(request + "\n")
             self._proc.stdin.flush()
+            # One answer per request, written whole: nothing is left buffered between runs.
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+            if not ready:
+                self._proc.kill()
+                self._proc.wait()
+                raise subprocess.TimeoutExpired([str(script), *args], timeout)
             line = self._proc.stdout.readline()
         if not line:
             return subprocess.CompletedProcess([script, *args], 1, "", "the warm Python died")

@@ -1,11 +1,15 @@
 """tests/support/warm_python.py runs a script as a new ``python SCRIPT ARGS < STDIN`` would:
-its argv, stdin, stdout, stderr and exit status, one run after another in one interpreter."""
+its argv, stdin, stdout, stderr and exit status, one run after another in one interpreter, and
+its timeout."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support.warm_python import WarmPython
 
@@ -19,6 +23,9 @@ if __name__ == "__main__":
         sys.exit(3)
     if sys.argv[1:] == ["raise"]:
         raise ValueError("broken on purpose")
+    if sys.argv[1:] == ["hang"]:
+        import time
+        time.sleep(60)
 """
 
 
@@ -39,5 +46,10 @@ def test_a_script_runs_as_in_a_new_process_and_the_interpreter_is_reused(tmp_pat
         assert raised.returncode == 1 and "ValueError: broken on purpose" in raised.stderr
         # Still serving after both.
         assert warm.run(script, "c").returncode == 0
+        # A script that hangs is killed at its timeout, as subprocess.run would; the next run
+        # gets a fresh interpreter.
+        with pytest.raises(subprocess.TimeoutExpired):
+            warm.run(script, "hang", timeout=1)
+        assert warm.run(script, "d").returncode == 0
     finally:
         warm.close()
