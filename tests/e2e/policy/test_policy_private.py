@@ -7,8 +7,8 @@ dev-mode routes reached over the socket by agenttap's weight update, and its fol
 once it stops: ``check_policy_is_private``, run on the policy of run_proxy.sh's "serve" run
 (tests/e2e/policy/test_run_proxy.py, which checks the folder is gone when it stops), so this
 module starts no vLLM of its own; what ``python -m policy_server`` does around its vLLM (the
-folder it makes, removed on SIGTERM, exit 0) with a stand-in (tests/support/fake_vllm.py). A policy on TCP whose dev-mode ``/pause`` answers anyone is
-named in a warning at start. ``run_proxy.sh`` removes its private folder on exit, keeping the
+folder it makes, removed on SIGTERM, exit 0) with a stand-in (tests/support/fake_vllm.py). A
+policy on TCP whose dev-mode ``/pause`` answers anyone is named in a warning at start. ``run_proxy.sh`` removes its private folder on exit, keeping the
 policy's log (its path printed) only where the policy failed."""
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_the_policy_server_removes_the_folder_it_made_and_exits_0_on_sigterm(
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
             env={**os.environ, "AGENTTAP_VLLM_PYTHON": str(fake)},
         )  # fmt: skip
-    served: list[int] = []
+    vllm_pgid = 0
     try:
         _wait_for(
             "POLICY_URL=",
@@ -225,21 +225,20 @@ def test_the_policy_server_removes_the_folder_it_made_and_exits_0_on_sigterm(
         folder = Path(found.group(1)).parent
         info = folder.stat()
         assert info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700, oct(info.st_mode)
-        served = [
-            int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-            if f"--uds {found.group(1)}".encode() in _cmdline(int(p))
-        ]  # fmt: skip
-        assert served, "the fake vLLM is not running"
+        # Its "vLLM" (the stand-in, with vLLM's command line), bwrap first where it runs in a
+        # network namespace: one process group of its own.
+        vllm_pgid = os.getpgid(vllm_group(found.group(1))[0])
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
-        _wait_for("the vLLM to end", lambda: not any(_cmdline(p) for p in served), 30)
+        _wait_for("vLLM's processes to end", lambda: not process_group(vllm_pgid), 60)
         assert not folder.exists(), "the socket's private folder outlived the server"
     finally:
-        for pid in [proc.pid, *served]:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for pgid in (proc.pid, vllm_pgid):
+            if pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _cmdline(pid: int) -> bytes:
