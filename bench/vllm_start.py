@@ -18,8 +18,7 @@ Compile caches: ``cold`` is a new, empty ``VLLM_CACHE_ROOT`` (dynamo traces and 
 compiles the model's graph: C++ kernels built with the host's compiler), ``warm`` one a start of
 the same shape filled first. The ratio column compares each row to the first, measured in the
 same run. After each start, ``--tokens`` tokens are sampled in one request on the quiet machine,
-then again with every core kept busy by a spinning process (as the test suite keeps them: a
-model step that hands work to another process waits for that process to be scheduled).
+then again with every core kept busy by a spinning process (as the test suite keeps them).
 """
 
 from __future__ import annotations
@@ -47,7 +46,9 @@ LAYOUTS = {"three processes": "1", "two processes": "0"}
 
 
 def busy_ticks() -> int:
-    """The machine's busy CPU time so far, in clock ticks (user, nice, system, irq, softirq)."""
+    """The machine's busy CPU time so far, in clock ticks (user, nice, system, irq, softirq).
+    Not the server's own tree (``bench.common.cpu_seconds``): a cold start's compiler
+    processes are gone by the time it serves, and their CPU with them."""
     with open("/proc/stat") as stat:
         fields = stat.readline().split()
     return sum(int(fields[i]) for i in (1, 2, 3, 6, 7))
