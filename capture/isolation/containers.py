@@ -54,6 +54,9 @@ HOST_USR = Path("/.agenttap/host/usr")
 # Where a run's HOME and TMPDIR are shown in its container.
 CONTAINER_HOME = Path("/.agenttap/home")
 CONTAINER_TMP = Path("/.agenttap/tmp")
+# Where the host programs a scaffold runs beside its own (Terminus-2's tmux) are shown: last on
+# the container's PATH, so the image's own program of that name comes first.
+TOOLS_AT = "/.agenttap/bin"
 # The container's uids and gids 0..65535 are these host ids: its root owns nothing on the host.
 UID_BASE = 200000
 ID_RANGE = 65536
@@ -103,6 +106,12 @@ class ContainerPlan:
     engine: str = "podman"
     # CPU cores it may use at once (a Harbor task's cpus); None: the host's.
     cpus: float | None = None
+    # Host programs the agent's scaffold needs beside its own, shown at TOOLS_AT (``host_tools``).
+    tools: tuple[str, ...] = ()
+
+    def path_inside(self) -> str:
+        """The container's PATH: the image's, then TOOLS_AT when host tools are shown."""
+        return f"{self.path}:{TOOLS_AT}" if self.tools else self.path
 
 
 def _in_container(path: Path) -> str:
@@ -161,6 +170,35 @@ def host_program(command: list[str], path_env: str) -> tuple[list[str], tuple[Bi
     binds += _linked_binds(argv)
     # The edited program over its own path, inside the binds that show its install.
     return runner, (*_outermost(binds), *edited)
+
+
+def host_tools(names: tuple[str, ...], path_env: str) -> tuple[Bind, ...]:
+    """The host programs ``names`` (found on ``path_env``) shown at ``TOOLS_AT/NAME``, each run
+    as ``host_program`` runs an agent's: a dynamic ELF file copied with the host's loader as its
+    interpreter, reading the host's libraries at HOST_USR. FileNotFoundError for a name that is
+    not a program file on this host."""
+    binds = [Bind(Path("/usr"), str(HOST_USR))]
+    for name in names:
+        found = shutil.which(name, path=path_env)
+        if found is None:
+            raise FileNotFoundError(
+                f"{name!r}, which the agent's scaffold runs in its container, is not on this "
+                f"host: install it (scripts/setup.sh does), or use an image that holds it"
+            )
+        real = Path(os.path.realpath(found))
+        if is_dynamic_elf(real):
+            binds.append(Bind(edited_program(real), f"{TOOLS_AT}/{name}"))
+            binds.append(Bind(edited_loader(), LOADER_AT))
+            binds.append(Bind(library_cache(str(HOST_USR)), CACHE_AT))
+        else:  # a static program runs as it is
+            binds.append(Bind(real, f"{TOOLS_AT}/{name}"))
+    return tuple(binds)
+
+
+def unique_targets(binds: tuple[Bind, ...]) -> tuple[Bind, ...]:
+    """``binds`` with each target once (the agent's program and a host tool both show the
+    loader): an engine refuses two mounts at one path."""
+    return tuple({bind.target: bind for bind in binds}.values())
 
 
 def _linked_binds(argv: list[str]) -> list[Bind]:

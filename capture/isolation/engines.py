@@ -29,6 +29,8 @@ from capture.isolation.containers import (
     Container,
     ContainerPlan,
     host_program,
+    host_tools,
+    unique_targets,
 )
 from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpreter
 from capture.isolation.places import FIXED_PLACES, fixed_layout, moved_value
@@ -230,6 +232,7 @@ class PodmanEngine(Engine):
             command, binds = host_program(spec.command, env.get("PATH", os.defpath))
         else:
             command, binds = list(spec.command), ()
+        binds += host_tools(plan.tools, env.get("PATH", os.defpath)) if plan.tools else ()
         shown = tuple(Bind(p, str(p)) for p in (*self.box.expose, *spec.expose) if p.exists())
         # HOME and TMPDIR at fixed paths: a host path's parents, made in the image's tree for
         # the mount, would stay in the state a verifier starts from (and may not be made there).
@@ -237,9 +240,10 @@ class PodmanEngine(Engine):
         binds = (*binds, *shown, Bind(home, inside[str(home)], False))
         binds += (Bind(tmp, inside[str(tmp)], False),)
         env = {key: moved_value(value, inside) for key, value in env.items()}
-        env["PATH"] = plan.path
+        env["PATH"] = plan.path_inside()
         container = await Container.create(
-            container_name(spec.name), plan.image, command, env, (*binds, *plan.binds),
+            container_name(spec.name), plan.image, command, env,
+            unique_targets((*binds, *plan.binds)),
             plan.cwd, cgroup.relative, plan.engine, plan.cpus,
         )  # fmt: skip
         try:

@@ -57,6 +57,9 @@ class Agent:
     # a configuration folder that does not exist).
     home_env: dict[str, str] = field(default_factory=dict)
     home_dirs: tuple[str, ...] = ()
+    # Host programs its scaffold runs beside its own, shown in a task image's container when
+    # the image lacks them (capture/isolation/containers.py ``host_tools``).
+    container_tools: tuple[str, ...] = ()
 
     def command(self, prompt: str) -> list[str]:
         return [resolve(self.binary, self.pinned, self.installer), *self.args(prompt)]
@@ -225,8 +228,16 @@ AGENTS: dict[str, Agent] = {
         {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "SHELL": "/bin/bash"},
         pinned=HARBOR_VENV_BIN,
         installer="scripts/setup_harbor.sh",
+        # Terminus-2 types its commands into a tmux session.
+        container_tools=("tmux",),
     ),
 }
+
+
+def container_tools(spec: object) -> tuple[str, ...]:
+    """The host programs a rollout's ``agent`` runs beside its own in a container (none for a
+    ``{"command"}`` agent: the image's own program)."""
+    return AGENTS[spec].container_tools if isinstance(spec, str) and spec in AGENTS else ()
 
 
 def _agent_of(spec: object) -> Agent:

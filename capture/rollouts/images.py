@@ -35,6 +35,7 @@ from capture.isolation.containers import (
     remove_image,
 )
 from capture.isolation.images import build_image
+from capture.rollouts.agents import container_tools
 from capture.rollouts.runs import Rollout, Run
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def agent_plan(rollout: Rollout, work: Path) -> ContainerPlan:
         binds=(Bind(work, rollout.image_workdir, read_only=False),),
         keep=grades_state(rollout),
         cpus=spec.task.cpus if spec.task is not None else None,
+        tools=container_tools(spec.agent),
     )
 
 

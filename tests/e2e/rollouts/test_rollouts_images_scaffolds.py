@@ -1,5 +1,6 @@
-"""The scaffolds beside mini-swe-agent in a task's own image: Claude Code, OpenCode and Codex,
-each brought in from the host (its binary, or node and its script, through the host's loader),
+"""The scaffolds beside mini-swe-agent in a task's own image: Claude Code, OpenCode, Codex,
+Gemini CLI, OpenHands and Terminus-2, each brought in from the host (its binary, or node or its
+venv's Python and its script, through the host's loader; Terminus-2's tmux too),
 fix swe-slugify inside the image's container, their tool calls run by the image's own tools in
 /testbed; the verifier scores the state each left with the task's hidden tests, as
 tests/e2e/rollouts/test_rollouts_images.py does for mini-swe-agent. And a host program reached
@@ -7,6 +8,7 @@ through a linked folder (a worktree's .venv or .cache linked to another checkout
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +37,13 @@ OLD, NEW = '[^a-zA-Z0-9]"', '[^a-zA-Z0-9]+"'
 PROBE = "python3 -c 'import sys, textkit; print(textkit.__file__, sys.version.split()[0])'"
 SEEN = "/testbed/textkit/__init__.py 3.11"
 SED = "sed -i 's/9]\"/9]+\"/' textkit/slug.py"
+
+
+def _terminus(plan: str, keystrokes: str | None, complete: bool = False) -> str:
+    """One Terminus-2 answer: its keystrokes typed into its tmux session in the container."""
+    commands = [] if keystrokes is None else [{"keystrokes": keystrokes, "duration": 0.5}]
+    answer = {"analysis": plan, "plan": plan, "commands": commands, "task_complete": complete}
+    return json.dumps(answer, indent=2)
 
 
 def _codex(command: str) -> str:
@@ -71,6 +80,22 @@ STEPS = {
         hermes("run_shell_command", {"command": SED, "description": "Fix the run"}),
         "Fixed slugify.",
     ],
+    # OpenHands' file editor wants absolute paths; its terminal runs in /testbed.
+    "openhands": [
+        "Look first.\n"
+        + hermes("file_editor", {"command": "view", "path": SLUG, "security_risk": "LOW"}),
+        hermes("terminal", {"command": PROBE, "security_risk": "LOW"}),
+        hermes("terminal", {"command": SED, "security_risk": "LOW"}),
+        hermes("finish", {"message": "Fixed slugify."}),
+    ],
+    # Terminus-2 answers in JSON: keystrokes into tmux (the host's, brought in: the image has
+    # none), then done, then done again when asked to confirm.
+    "terminus-2": [
+        _terminus("Which Python.", PROBE + "\n"),
+        _terminus("Fix the run.", SED + "\n"),
+        _terminus("Fixed.", None, complete=True),
+        _terminus("Yes, fixed.", None, complete=True),
+    ],
 }
 
 
@@ -89,7 +114,10 @@ def _rule(stub: StubPolicy, steps: list[str]) -> Callable[[dict[str, Any]], str 
             return None
         if TITLE_PROMPT in text:
             return TITLE
-        return steps[min(text.count("<tool_response>"), len(steps) - 1)]
+        done = text.count("<tool_response>")
+        if steps[0].startswith("{"):  # Terminus-2: no tool calls, one answer per step
+            done = text.count("<|im_start|>assistant") - 1
+        return steps[min(done, len(steps) - 1)]
 
     return rule
 
@@ -119,6 +147,13 @@ def test_each_scaffold_fixes_a_swe_task_in_its_image(
     turns = read_turns(stub_tap.out, sid)
     # Its tool call ran in the image: the image's Python imported the package in /testbed.
     assert SEEN in stub.tok.decode(turns[-1]["prompt_ids"])
+    if agent == "terminus-2":  # the image has no tmux: the one it typed into was the host's
+        found = subprocess.run(
+            [*engine_command(), "run", "--rm", "--network", "none", image, "sh", "-c",
+             "command -v tmux"],
+            capture_output=True, text=True, env=engine_env(), timeout=120, check=False,
+        )  # fmt: skip
+        assert found.returncode != 0 and not found.stdout.strip(), found
     if agent == "claude-code":  # its ripgrep found the file, in the image
         assert "textkit/slug.py" in stub.tok.decode(turns[2]["prompt_ids"]).split("Grep")[-1]
     rows = read_threads(stub_tap.out, sid)
