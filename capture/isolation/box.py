@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.isolation.cgroup import RolloutCgroup
-from capture.isolation.containers import ContainerPlan
+from capture.isolation.containers import Container, ContainerPlan
 from capture.isolation.containers import remove_stale as remove_stale_containers
 from capture.isolation.disk import DiskQuota
 from capture.isolation.engines import ENGINES, Engine
@@ -82,6 +82,8 @@ class BoxHandle:
         self.pump = OutputPump(spec.log, cap)
         self.errors = OutputPump(spec.stderr_log, cap) if spec.stderr_log else None
         self.child: Child | None = None
+        # A container's writable layer, held to disk_mb (``wait``).
+        self.layer: DiskQuota | None = None
 
     @property
     def exit_code(self) -> int | None:
@@ -109,7 +111,12 @@ class BoxHandle:
                 assert child.proc.stderr is not None
                 pumping = asyncio.gather(pumping, self.errors.run(child.proc.stderr))
             waiting = asyncio.ensure_future(child.proc.wait())
-            watching = asyncio.ensure_future(watch(self.cgroup, self.spec.quota, self.pump))
+            layer = child.container.layer if isinstance(child.container, Container) else None
+            # A container's writable layer holds disk_mb too (the run's folders are a tmpfs).
+            self.layer = DiskQuota.layer(layer, self.spec.limits.disk_mb) if layer else None
+            watching = asyncio.ensure_future(
+                watch(self.cgroup, self.spec.quota, self.pump, layer=self.layer)
+            )
             try:
                 if not cancelled():
                     done, _ = await asyncio.wait(
@@ -125,7 +132,9 @@ class BoxHandle:
                 await self.cgroup.kill_all()
                 await pumping
             # A run the kernel killed (out of memory) may have exited before a poll saw it.
-            limit = limit or limit_hit(self.cgroup, self.spec.quota, self.pump)
+            limit = limit or limit_hit(
+                self.cgroup, self.spec.quota, self.pump, self.layer, ended=True
+            )
             if limit is None and child.container is not None and child.proc.returncode == 137:
                 # SIGKILLed in a container: the OOM killer's count went with its cgroup.
                 limit = "memory" if self.cgroup.memory_full() else None

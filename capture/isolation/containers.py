@@ -44,7 +44,7 @@ from capture.isolation.hostprog import (
     library_cache,
 )
 from capture.isolation.netbridge import interpreter
-from capture.isolation.podman import LABEL, engine_command, engine_env
+from capture.isolation.podman import LABEL, engine_command, engine_env, ulimits
 from capture.isolation.sandbox import program_paths, shebang
 
 logger = logging.getLogger(__name__)
@@ -256,10 +256,19 @@ async def image_config(image: str, engine: str = "podman") -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def limit_flags(cpus: float | None) -> list[str]:
+def limit_flags(cpus: float | None, fsize_bytes: int | None = None) -> list[str]:
     """The engine's own caps beside the run's cgroup (memory, pids and CPU seconds are the
-    cgroup's, its container's made below it): CPU cores, where given."""
-    return [f"--cpus={cpus:g}"] if cpus else []
+    cgroup's, its container's made below it): CPU cores, where given; the largest file a
+    process may write (RLIMIT_FSIZE, the disk cap per file, as in the bwrap sandbox), where
+    given."""
+    flags = [f"--cpus={cpus:g}"] if cpus else []
+    if fsize_bytes:
+        # One --ulimit drops the configuration's default ones, which keep nofile and nproc
+        # below this process's own (runc may not raise them): all three are given.
+        nofile, nproc = ulimits()
+        flags += ["--ulimit", f"fsize={fsize_bytes}:{fsize_bytes}"]
+        flags += ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+    return flags
 
 
 class Container:
@@ -272,6 +281,9 @@ class Container:
         self.created = False
         # The forwarder in its network namespace (a host process), ended with it.
         self.bridge: asyncio.subprocess.Process | None = None
+        # Where the engine keeps what its processes write outside the binds (its writable
+        # layer, overlay's upper folder), once it is made (``init``); None if not read.
+        self.layer: Path | None = None
 
     @classmethod
     async def create(
@@ -285,6 +297,7 @@ class Container:
         cgroup_parent: str,
         engine: str = "podman",
         cpus: float | None = None,
+        fsize_bytes: int | None = None,
     ) -> Container:
         """A container of ``image`` that will run ``command`` (not started yet); its
         environment goes through a file only this user reads, never the command line."""
@@ -300,7 +313,7 @@ class Container:
             "create", "--name", name, "--label", f"{LABEL}={OWNER}",
             "--network", "none", "--security-opt", "no-new-privileges",
             "--uidmap", f"0:{UID_BASE}:{ID_RANGE}", "--gidmap", f"0:{UID_BASE}:{ID_RANGE}",
-            "--env-file", str(env_file), "--init", *limit_flags(cpus),
+            "--env-file", str(env_file), "--init", *limit_flags(cpus, fsize_bytes),
             *(("--cgroup-parent", cgroup_parent) if cgroup_parent else ()),
             *(f"--volume={b.flag()}" for b in binds),
             *(("--workdir", cwd) if cwd else ()),
@@ -314,10 +327,17 @@ class Container:
         return container
 
     async def init(self) -> int:
-        """Its namespaces made, its command not yet run; the host pid of its first process."""
+        """Its namespaces made, its command not yet run; the host pid of its first process.
+        Its writable layer's folder is read then too (``layer``)."""
         await engine_call(["init", self.name], self.engine)
-        out = await engine_call(["inspect", "--format", "{{.State.Pid}}", self.name], self.engine)
-        return int(out.strip())
+        out = await engine_call(
+            ["inspect", "--format", "{{.State.Pid}} {{.GraphDriver.Data.UpperDir}}", self.name],
+            self.engine,
+        )
+        pid, _, upper = out.strip().partition(" ")
+        # Another storage driver than overlay names no upper folder ("<no value>").
+        self.layer = Path(upper) if upper.startswith("/") and os.path.isdir(upper) else None
+        return int(pid)
 
     def start_argv(self) -> tuple[list[str], dict[str, str]]:
         """The attached start: its output is the command's, its exit status the command's."""

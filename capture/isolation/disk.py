@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 # leaves at most a partial page free).
 FULL_SLACK_BYTES = 256 * 1024
+# How often a container's writable layer is walked: its writes reach the host's disk.
+LAYER_WALK_EVERY_S = 1.0
 # How long an unmount waits for the last open file of a run to close before detaching it.
 UNMOUNT_RETRY_S = 1.0
 # A degraded disk quota (a plain folder) is measured by walking it: at most this often.
@@ -49,11 +51,26 @@ class DiskQuota:
     size, mounted by root; where mounting is not allowed, a plain folder (the rlimits' per-file
     RLIMIT_FSIZE then, and a walk of the folder now and then for ``full``)."""
 
-    def __init__(self, path: Path, size_bytes: int, mounted: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        size_bytes: int,
+        mounted: bool,
+        walk_every_s: float = DEGRADED_WALK_EVERY_S,
+    ) -> None:
         self.path = path
         self.size_bytes = size_bytes
         self.mounted = mounted
+        # A plain folder's size is walked at most this often (``full``).
+        self.walk_every_s = walk_every_s
         self._walked: tuple[float, int] | None = None
+
+    @classmethod
+    def layer(cls, path: Path, disk_mb: int) -> DiskQuota:
+        """A container's writable layer (the engine's folder, on the host's disk) held to
+        ``disk_mb``: walked every second (a file is capped at ``disk_mb`` by the container's
+        RLIMIT_FSIZE meanwhile), never unmounted or emptied here (the engine removes it)."""
+        return cls(path, disk_mb * MIB, mounted=False, walk_every_s=LAYER_WALK_EVERY_S)
 
     @classmethod
     def mount(cls, path: Path, disk_mb: int) -> DiskQuota:
@@ -75,13 +92,14 @@ class DiskQuota:
         st = os.statvfs(self.path)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
-    def full(self) -> bool:
-        """Whether the disk limit was hit: (almost) no space or no inode left."""
+    def full(self, fresh: bool = False) -> bool:
+        """Whether the disk limit was hit: (almost) no space or no inode left. A plain folder
+        is walked again if ``fresh`` (the last look once its run has ended)."""
         if self.mounted:
             st = os.statvfs(self.path)
             return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES or st.f_favail == 0
         now = time.monotonic()
-        if self._walked is None or now - self._walked[0] > DEGRADED_WALK_EVERY_S:
+        if fresh or self._walked is None or now - self._walked[0] > self.walk_every_s:
             self._walked = (now, _tree_bytes(self.path))
         return self._walked[1] >= self.size_bytes - FULL_SLACK_BYTES
 

@@ -32,6 +32,7 @@ from capture.isolation.containers import (
     host_tools,
     unique_targets,
 )
+from capture.isolation.limits import MIB
 from capture.isolation.netbridge import INSIDE, NetBridge, inside_url, interpreter
 from capture.isolation.places import FIXED_PLACES, fixed_layout, moved_value
 from capture.isolation.podman import engine_command
@@ -244,7 +245,7 @@ class PodmanEngine(Engine):
         container = await Container.create(
             container_name(spec.name), plan.image, command, env,
             unique_targets((*binds, *plan.binds)),
-            plan.cwd, cgroup.relative, plan.engine, plan.cpus,
+            plan.cwd, cgroup.relative, plan.engine, plan.cpus, cgroup.limits.disk_mb * MIB,
         )  # fmt: skip
         try:
             pid = await container.init()

@@ -125,6 +125,33 @@ def test_a_container_past_its_memory_ends_with_that_limit(stub_tap: AgentTap, im
     assert containers_of(result["id"]) == []
 
 
+def test_what_a_container_writes_outside_its_folders_is_held_to_its_disk(
+    stub_tap: AgentTap, image: str
+) -> None:
+    """The image's own tree (its writable layer, on the host's disk) holds ``disk_mb`` too: one
+    file is cut there (RLIMIT_FSIZE) and files past it in sum end the run with the "disk" limit,
+    even when the agent exits at once. The control: the same files under the cap."""
+
+    def fill(files: int) -> dict[str, list[str]]:
+        script = f"for i in $(seq {files}); do head -c 16000000 /dev/zero > /var/tmp/f$i; done"
+        return {"command": ["sh", "-c", script + "; echo wrote"]}
+
+    limits = {"disk_mb": 64}
+    result = stub_tap.rollout(fill(6), "fill", image=image, limits=limits)
+    run = result["rollouts"][0]
+    assert run["limit"] == "disk" and run["finish_reason"] == "limit", run
+    big = ["sh", "-c", "head -c 100000000 /dev/zero > /var/tmp/big; ls -l /var/tmp/big"]
+    result = stub_tap.rollout({"command": big}, "one big file", image=image, limits=limits)
+    run = result["rollouts"][0]
+    assert run["limit"] == "disk" and str(64 << 20) in run["agent_output"], run
+    result = stub_tap.rollout(fill(2), "fill", image=image, limits=limits)
+    run = result["rollouts"][0]
+    # (It calls no model: the run is an error for that, not for its disk.)
+    assert run["limit"] is None and run["finish_reason"] != "limit", run
+    assert run["agent_output"].strip() == "wrote" and "model call" in run["error"]
+    assert containers_of(result["id"]) == []
+
+
 HARBOR = task_folder("harbor-fix-script")
 HARBOR_FIX = [
     "Look.\n" + hermes("bash", {"command": "cat /app/report.py"}),

@@ -343,6 +343,23 @@ def test_disk_quota_fills_then_keeps_only_the_named_folders(tmp_path: Path) -> N
     assert not (into / "tmp").exists() and not (into / "home").exists()
 
 
+def test_a_containers_layer_is_walked_each_second_and_afresh_once_its_run_ended(
+    tmp_path: Path,
+) -> None:
+    """A container's writable layer (a plain folder of the engine's) against its disk_mb: the
+    watch walks it at most once a second; the last look, once the run has ended, walks it
+    again, so a layer filled in the run's last moment still names the "disk" limit."""
+    layer = tmp_path / "upper"
+    layer.mkdir()
+    quota = DiskQuota.layer(layer, 1)
+    assert not quota.mounted and quota.walk_every_s == disk.LAYER_WALK_EVERY_S == 1.0
+    assert limit_hit(None, None, None, quota) is None
+    (layer / "f").write_bytes(b"x" * (2 << 20))
+    assert limit_hit(None, None, None, quota) is None  # walked less than a second ago
+    assert limit_hit(None, None, None, quota, ended=True) == "disk"
+    assert layer.exists()  # the engine's folder: never emptied here
+
+
 def test_a_tree_past_path_max_keeps_what_it_can_and_says_what_it_skipped(tmp_path: Path) -> None:
     """An agent's folders nested past PATH_MAX (4096 bytes): the rest is kept, the too-deep
     part is named in what was skipped, and nothing raises."""
