@@ -293,6 +293,12 @@ class AgentTap:
         """A reward for a session (open or closed: a late one), as ``ProxyPool.reward``."""
         self.client.post(f"/sessions/{session_id}/reward", {"reward": reward})
 
+    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+        """The trainer's own advantage for a session, for the viewer (nothing trains on it)."""
+        self.client.post(
+            f"/sessions/{session_id}/advantage", {"advantage": advantage, "step": step}
+        )
+
     def cancel_rollout(self, rollout_id: str) -> dict[str, Any]:
         """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""
         return self.client.request("DELETE", f"/rollouts/{rollout_id}")[0]

@@ -132,6 +132,10 @@ class ProxyActor:
             self.uploader.sync()
         return table
 
+    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+        """The trainer's own advantage for a session of this proxy, for its viewer."""
+        self.tap.advantage(session_id, advantage, step)
+
     def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
         """A late reward, after close (written to this proxy's ``rewards/``)."""
         self.tap.client.post(f"/sessions/{session_id}/reward", {"reward": reward})

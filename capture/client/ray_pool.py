@@ -340,12 +340,23 @@ class ProxyPool(PoolGroups):
         """A late reward for a session the pool closed (on the actor that held it)."""
         import ray
 
+        ray.get(self.actors[self._holder(session_id)].reward.remote(session_id, reward))
+
+    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+        """The trainer's own advantage for a session, to the actor that held it (its viewer)."""
+        import ray
+
+        actor = self.actors[self._holder(session_id)]
+        ray.get(actor.advantage.remote(session_id, advantage, step))
+
+    def _holder(self, session_id: str) -> int:
+        """The actor that holds or held ``session_id``; KeyError if none did."""
         index = self._closed_on.get(session_id, self._where.get(session_id))
         if index is None and session_id in self._group_of:
             index = self._group_of[session_id][1]  # an agent of a rollout the pool ran
         if index is None:
             raise KeyError(f"the pool never held a session {session_id!r}")
-        ray.get(self.actors[index].reward.remote(session_id, reward))
+        return index
 
     def sessions(self) -> list[dict[str, Any]]:
         """Every actor's live sessions (``GET /sessions``), each with its actor's ``proxy``."""

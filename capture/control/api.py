@@ -52,6 +52,7 @@ from capture.control.sessions import ControlledSession, Limits, reject_unknown
 from capture.logs.escape import printable
 from capture.ports import GatewayConfig, GatewayCore
 from capture.rollouts.routes import RolloutRoutes
+from capture.storage.advantages import parse_advantage, parse_step, write_advantage
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.storage.sessions import RowAnnotations
 from capture.storage.shards import REWARD_CLOSE
@@ -169,6 +170,7 @@ class ControlAPI:
                 Route("GET", "/sessions/{id}", self._get),
                 Route("POST", "/sessions/{id}/close", self._close),
                 Route("POST", "/sessions/{id}/reward", self._reward),
+                Route("POST", "/sessions/{id}/advantage", self._advantage),
                 Route("GET", "/rollouts", rollouts.list),
                 Route("POST", "/rollouts", rollouts.create),
                 Route("GET", "/rollouts/{id}", rollouts.get),
@@ -204,7 +206,8 @@ class ControlAPI:
             return error(
                 found,
                 f"agenttap: no route {method} {path}. The control API serves POST /sessions, "
-                f"POST /sessions/ID/close, POST /sessions/ID/reward, GET /sessions, "
+                f"POST /sessions/ID/close, POST /sessions/ID/reward, POST /sessions/ID/advantage, "
+                f"GET /sessions, "
                 f"GET /sessions/ID, POST /rollouts, GET /rollouts[/ID], DELETE /rollouts/ID, "
                 f"GET /replicas, POST /replicas, DELETE /replicas?url=URL, POST /policy/weights, "
                 f"GET /policy/version, POST /policy/version, "
@@ -445,6 +448,19 @@ class ControlAPI:
         path = write_rewards(self.out_dir, sid, reward)
         sess.late_rewards += 1
         return web.json_response({"id": sid, "reward": reward, "written": str(path)})
+
+    async def _advantage(self, request: web.Request, sid: str) -> web.Response:
+        """The trainer's own advantage for a session (kept for the viewer; nothing trains on
+        it): ``{"advantage": number, "step"?: int}``."""
+        body = await self.body(request)
+        if "advantage" not in body:
+            raise ValueError('the body must be {"advantage": number, "step"?: whole number}')
+        advantage = parse_advantage(body["advantage"])
+        step = parse_step(body.get("step"))
+        if self.gateway.control.get(sid) is None:
+            return self._unknown(sid)
+        path = write_advantage(self.out_dir, sid, advantage, step)
+        return web.json_response({"id": sid, "advantage": advantage, "written": str(path)})
 
 
 def _new_id() -> str:

@@ -101,6 +101,18 @@ OPERATIONS: dict[str, dict[str, dict[str, Any]]] = {
             "responses": {"200": _said("written")},
         }
     },
+    "/sessions/{id}/advantage": {
+        "post": {
+            "summary": "the trainer's own advantage for a session, for the viewer",
+            "requestBody": _fields(
+                {
+                    "advantage": {"type": "number", "description": "as the trainer used it"},
+                    "step": {"type": "integer", "description": "the trainer step"},
+                }
+            ),
+            "responses": {"200": _said("written"), "404": _said("unknown session")},
+        }
+    },
     "/rollouts": {
         "post": {
             "summary": "run n real CLI agents on a task, score them, return their rows",

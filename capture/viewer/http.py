@@ -125,6 +125,9 @@ class LiveSource:
             out[sess.id] = state
         return out
 
+    def advantages(self) -> dict[str, dict[str, Any]]:
+        return self.shards.advantages()
+
     def summaries(self) -> list[dict[str, Any]]:
         rows = list(self.shards.summaries())
         store = self.gateway.store
@@ -286,7 +289,8 @@ class ViewerRoutes:
 
     def _group(self, group_id: str) -> dict[str, Any]:
         summaries = self.source.summaries()
-        return viewer.group_view(viewer.session_list(summaries, self._live()), summaries, group_id)
+        sessions = viewer.session_list(summaries, self._live())
+        return viewer.group_view(sessions, summaries, group_id, self.source.advantages())
 
     def _rows(self, sid: str) -> list[dict[str, Any]]:
         rows = self.source.threads(sid)

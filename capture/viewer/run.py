@@ -115,11 +115,17 @@ def group_list(sessions: list[dict[str, Any]], key: str = "group_id") -> list[di
 
 
 def group_view(
-    sessions: list[dict[str, Any]], summaries: list[dict[str, Any]], group_id: str
+    sessions: list[dict[str, Any]],
+    summaries: list[dict[str, Any]],
+    group_id: str,
+    trainer_advantages: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A GRPO group's rollouts side by side: each one's reward, advantage (its reward less the
-    group's mean over the rewarded ones, as GRPO centres it), status, calls, trained tokens,
-    end reason and rows (to open). A LookupError for a group no session is in."""
+    """A GRPO group's rollouts side by side: each one's reward, advantage, status, calls,
+    trained tokens, end reason and rows (to open). The advantage is the trainer's own where its
+    adapter sent it (``trainer_advantages``: its grouping and scaling, ``advantage_source``
+    "trainer"), else this view's estimate, the reward less the group's mean over the rewarded
+    ones, as GRPO centres it ("estimate"). A LookupError for a group no session is in."""
+    trainer_advantages = trainer_advantages or {}
     members = [s for s in sessions if as_text(session_value(s, "group_id")) == group_id]
     if not members:
         raise LookupError(
@@ -135,12 +141,15 @@ def group_view(
     for s in members:
         reward = reward_of(s)
         mean = stats["mean"]
+        estimate = reward - mean if reward is not None and mean is not None else None
+        given = trainer_advantages.get(s["id"])
         rollouts.append(
             {
                 "id": s["id"],
                 "index": session_value(s, "index"),
                 "reward": reward,
-                "advantage": reward - mean if reward is not None and mean is not None else None,
+                "advantage": given["advantage"] if given is not None else estimate,
+                "advantage_source": "trainer" if given is not None else "estimate",
                 "status": s["status"],
                 "calls": s["calls"],
                 "tokens": s["tokens"],
@@ -161,10 +170,13 @@ def group_view(
     steps = {
         as_text(v) for v in (session_value(s, "trainer_step") for s in members) if v is not None
     }
+    sources = {r["advantage_source"] for r in rollouts}
     return {
         "id": group_id,
         "trainer_step": ", ".join(sorted(steps, key=sort_key)) or None,
         "metadata": members[0].get("metadata"),
         "reward": stats,
+        # "trainer" (every rollout's advantage the trainer's own), "estimate", or "mixed".
+        "advantage_source": sources.pop() if len(sources) == 1 else "mixed",
         "rollouts": rollouts,
     }

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from capture.storage.advantages import ADVANTAGES_FILE, load_advantages
 from capture.storage.rewards import join_rewards, load_rewards
 from capture.storage.shards import TURN_SCHEMA
 
@@ -49,6 +50,9 @@ class RowSource(Protocol):
     def turns(self, session_id: str) -> list[dict[str, Any]]:
         """A session's turns rows (one per call)."""
 
+    def advantages(self) -> dict[str, dict[str, Any]]:
+        """The trainer's own advantages, by session (``OUT/advantages.jsonl``)."""
+
 
 def _files_key(directory: Path) -> tuple[tuple[str, int, int], ...]:
     if not directory.is_dir():
@@ -75,6 +79,7 @@ class ShardSource:
         self._keep = keep_sessions
         self._summary: tuple[Any, list[dict[str, Any]]] | None = None
         self._rows: OrderedDict[tuple[str, str, Any], list[dict[str, Any]]] = OrderedDict()
+        self._advantages: tuple[Any, dict[str, dict[str, Any]]] | None = None
 
     def _dataset(self, folder: str, schema: pa.Schema | None = None) -> ds.Dataset | None:
         directory = self.out_dir / folder
@@ -115,6 +120,22 @@ class ShardSource:
         with self._lock:
             self._summary = (key, rows)
         return rows
+
+    def advantages(self) -> dict[str, dict[str, Any]]:
+        """The trainer's own advantages (capture/storage/advantages.py), re-read when the file
+        changes."""
+        try:
+            st = (self.out_dir / ADVANTAGES_FILE).stat()
+            key: Any = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            return {}
+        with self._lock:
+            if self._advantages is not None and self._advantages[0] == key:
+                return self._advantages[1]
+        found = load_advantages(self.out_dir)
+        with self._lock:
+            self._advantages = (key, found)
+        return found
 
     def _call_times(self) -> dict[str, tuple[float, float]]:
         """Each session's first call's start and last call's end (unix seconds), from its turns:

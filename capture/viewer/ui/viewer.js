@@ -2,7 +2,7 @@
 const PAGE = 2000;
 const LIST_PAGE = 100;
 const state = { token: "", session: null, data: null, row: null, calls: [], pages: new Map(), observer: null, gen: 0, nav: 0, listed: false,
-  list: { sort: "", order: "desc", filters: [], q: "", offset: 0, keys: [], sortUsed: "" }, run: null, runBy: "" };
+  list: { sort: "", order: "desc", filters: [], q: "", offset: 0, keys: [], sortUsed: "" }, run: null, runBy: "", live: false };
 const $ = (sel) => document.querySelector(sel);
 const PROV = ["prompt", "sampled", "recomputed", "stale"];
 const { plot, strip, fmtNum, statusColour, SPARE } = window.agenttapPlots;
@@ -151,8 +151,9 @@ async function loadSessions() {
   $("#sessions").dataset.answers = ++listAnswers;  // the tests wait on this, drawn or not
   if (mine !== listRequest) return;
   state.listed = true;
+  state.live = data.live;
   state.list.sortUsed = data.sort;
-  $("#source").textContent = data.source;
+  $("#source").textContent = data.source + (data.live && REFRESH_S > 0 ? " · live: refreshed every " + REFRESH_S + " s" : "");
   renderListControls(data);
   // The column of the key sorted by, when it is metadata (trainer_step, task...), else step.
   const key = OWN.has(data.sort) && data.sort !== "version" ? (data.keys.some((k) => k.key === "trainer_step") ? "trainer_step" : "version") : data.sort;
@@ -264,10 +265,18 @@ function renderRun(data) {
 }
 
 // -- a group: its rollouts side by side ---------------------------------------------------
+// Where a group's advantages come from: the trainer's own (sent by its adapter), or this page's
+// estimate (which is not what a trainer that scales by the group's spread used).
+const ADVANTAGE_SAYS = {
+  trainer: "advantage: the trainer's own",
+  estimate: "advantage: an estimate, reward − group mean (the trainer sent none)",
+  mixed: "advantage: the trainer's own where it sent one (†), else reward − group mean",
+};
 function renderGroup(g) {
   $("#group-id").textContent = g.id;
   $("#group-meta").textContent = (g.trainer_step !== null ? "trainer_step " + g.trainer_step + ", " : "") + g.rollouts.length + " rollouts, reward mean " +
-    fmtNum(g.reward.mean) + " ± " + fmtNum(g.reward.std) + "; advantage = reward − group mean";
+    fmtNum(g.reward.mean) + " ± " + fmtNum(g.reward.std) + "; " + ADVANTAGE_SAYS[g.advantage_source];
+  $("#advantage-head").textContent = g.advantage_source === "trainer" ? "advantage (trainer)" : g.advantage_source === "mixed" ? "advantage" : "advantage (estimate)";
   const labels = g.rollouts.map((r) => String(r.index ?? r.id));
   $("#group-plot").replaceChildren(plot({ name: "group", title: "reward per rollout (advantage on hover)", kind: "bars", labels, xName: "rollout",
     series: [{ name: "reward", colour: "#1565c0", values: g.rollouts.map((r) => r.reward) }],
@@ -288,7 +297,8 @@ function renderGroup(g) {
     body.append(el("tr", { class: "rollout", "data-session": r.id, onclick: (e) => { if (!e.target.closest("a")) location.hash = sessionHref(r.id); } },
       el("td", {}, r.index ?? ""), el("td", {}, el("a", { href: sessionHref(r.id) }, r.id)),
       el("td", { class: "num reward" }, fmtReward(r.reward)),
-      el("td", { class: "num advantage " + (adv > 0 ? "pos" : adv < 0 ? "neg" : "") }, fmtSigned(adv)),
+      el("td", { class: "num advantage " + (adv > 0 ? "pos" : adv < 0 ? "neg" : ""), "data-source": r.advantage_source },
+        fmtSigned(adv) + (g.advantage_source === "mixed" && r.advantage_source === "trainer" ? " †" : "")),
       el("td", {}, r.status), el("td", { class: "num" }, r.calls), el("td", { class: "num" }, r.trained_tokens),
       el("td", {}, r.end_reason || ""), el("td", {}, r.versions.join(", ")), rows));
   }
@@ -549,6 +559,38 @@ async function showDiff() {
     if (o.b) box.append(el("span", { class: "d-insert", title: "added: " + o.b.tokens + " tokens" }, o.b.text));
   }
 }
+
+// -- a live run moves on ------------------------------------------------------------------
+// On a running proxy the list, the run view and a group's view are read again every REFRESH_S
+// seconds while the tab is visible, without a reload and without leaving where the user is
+// (?refresh_s=N in the page's address; 0: never). A session's own page is read on opening.
+const REFRESH_S = (() => {
+  const given = new URLSearchParams(location.search).get("refresh_s");
+  const value = given === null ? 5 : Number(given);
+  return Number.isFinite(value) && value >= 0 ? value : 5;
+})();
+let refreshing = false;
+async function refreshLive() {
+  if (!state.live || refreshing || document.hidden) return;
+  const params = hashParams();
+  if (params.get("session")) return;
+  refreshing = true;
+  const nav = state.nav;
+  try {
+    await loadSessions();
+    const gid = params.get("group") || null;
+    const data = await api(gid !== null ? "groups/" + encodeURIComponent(gid) : "run" + (state.runBy ? "?by=" + encodeURIComponent(state.runBy) : ""));
+    if (nav !== state.nav) return;  // the user went elsewhere meanwhile: that page stands
+    if (gid !== null) renderGroup(data);
+    else { state.run = data; renderRun(data); }
+    document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
+  } catch (err) {
+    showError(err);
+  } finally {
+    refreshing = false;
+  }
+}
+if (REFRESH_S > 0) setInterval(refreshLive, REFRESH_S * 1000);
 
 $("#diff-button").addEventListener("click", () => showDiff().catch(showError));
 $("#run-by").addEventListener("change", () => { state.runBy = $("#run-by").value; loadRun().catch(showError); });

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from capture.client.launcher import AgentTap
+from capture.storage.advantages import write_advantage
 from tests.support.paths import QWEN3, REPO
 from tests.support.stub_vllm import StubPolicy
 from tests.support.viewer_data import (
@@ -392,6 +393,36 @@ def test_live_proxy_viewer_shows_live_sessions_and_wants_the_token(
     page.close()
 
 
+def test_a_live_runs_page_moves_on_without_a_reload(
+    browser: Any, stub_tap: AgentTap, stub: StubPolicy
+) -> None:
+    """On a running proxy the run view is read again every few seconds (``?refresh_s=1``
+    here): a group that closes after the page opened appears in it, the page never reloaded."""
+    import openai
+
+    page = browser.new_page()
+    watch = Watch(page)
+    page.goto(f"{stub_tap.api_url}/ui/?refresh_s=1#token={stub_tap.token}")
+    page.wait_for_selector("#run-view", state="visible")
+    assert "live: refreshed every 1 s" in page.inner_text("#source")
+    page.evaluate("window.notReloaded = true")
+    assert page.locator("#groups tr.group[data-group='live-group']").count() == 0
+    sess = stub_tap.open_session(metadata={"trainer_step": 9001, "group_id": "live-group"})
+    client = openai.OpenAI(
+        base_url=sess.base_urls["openai"], api_key=sess.api_key, max_retries=0, timeout=60
+    )
+    stub.replies.clear()
+    stub.script("Hello.")
+    client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    sess.close(reward=0.5)
+    row = page.locator("#groups tr.group[data-group='live-group']")
+    row.wait_for(timeout=20_000)
+    assert "9001" in row.inner_text() and page.evaluate("window.notReloaded") is True
+    assert int(page.evaluate("document.body.dataset.refreshes")) >= 1
+    watch.assert_clean()
+    page.close()
+
+
 # -- a run: 504 sessions in 36 GRPO groups over 12 trainer steps --------------------------------
 STEPS, GROUPS_PER_STEP, GROUP_SIZE = 12, 3, 14
 
@@ -405,9 +436,27 @@ def run(
     out = tmp_path_factory.mktemp("viewer-run")
     truth = write_run(out, STEPS, GROUPS_PER_STEP, GROUP_SIZE)
     write_long_session(out)
+    # One group's advantages as its trainer used them (TRL's scale_rewards="group"), sent by
+    # the adapter (POST /sessions/ID/advantage writes this file).
+    members = [s for s in truth if s["group"] == TRAINER_GROUP]
+    advantages = grpo_group_advantages([s["reward"] for s in members])
+    for s, advantage in zip(members, advantages, strict=True):
+        write_advantage(out, s["id"], advantage, s["step"])
     shots = tmp_path_factory.mktemp("viewer-screenshots")
     for url in serve(out):
         yield url, truth, shots
+
+
+# The group whose trainer sent its own advantages (the others show the page's estimate).
+TRAINER_GROUP = "grpo-06-2"
+
+
+def grpo_group_advantages(rewards: list[float]) -> list[float]:
+    """TRL's GRPO advantages with ``scale_rewards="group"``: the reward less the group's mean,
+    over the group's (unbiased) standard deviation plus 1e-4."""
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5
+    return [(r - mean) / (std + 1e-4) for r in rewards]
 
 
 def screenshot(page: Any, shots: Path, name: str) -> None:
@@ -527,6 +576,9 @@ def test_a_group_shows_its_rollouts_rewards_and_advantages(browser: Any, run: An
         assert s["status"] in row.inner_text()
     assert sum(advantages) == pytest.approx(0, abs=0.02)
     assert "trainer_step 5" in page.inner_text("#group-meta")
+    # No trainer sent this group's: the page says its own is an estimate.
+    assert page.inner_text("#advantage-head") == "advantage (estimate)"
+    assert "an estimate, reward − group mean" in page.inner_text("#group-meta")
     assert page.locator("svg[data-plot='group'] g.step").count() == GROUP_SIZE
     assert page.locator("svg[data-plot='group'] line.hline").count() == 1
     screenshot(page, shots, "group")
@@ -534,6 +586,36 @@ def test_a_group_shows_its_rollouts_rewards_and_advantages(browser: Any, run: An
     rows.nth(4).locator("a.row-link").click()
     page.wait_for_selector("#row-view", state="visible")
     assert page.inner_text("#row-id") == "t-grpo-05-1-4"
+    watch.assert_clean()
+    page.close()
+
+
+def test_a_group_shows_the_trainers_own_advantages_where_it_sent_them(
+    browser: Any, run: Any
+) -> None:
+    """A group whose trainer sent its advantages (scaled by the group's spread, as TRL's
+    ``scale_rewards="group"`` does) shows those, labelled as the trainer's; the page's own
+    estimate (reward less the mean) would differ by the spread's factor."""
+    url, truth, _ = run
+    members = sorted((s for s in truth if s["group"] == TRAINER_GROUP), key=lambda s: s["index"])
+    rewards = [s["reward"] for s in members]
+    trainer = grpo_group_advantages(rewards)
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    page.goto(url.split("#")[0] + "#group=" + TRAINER_GROUP)
+    page.wait_for_selector("#group-view tr.rollout")
+    assert page.inner_text("#advantage-head") == "advantage (trainer)"
+    assert "the trainer's own" in page.inner_text("#group-meta")
+    rows = page.locator("#group-rollouts tr.rollout")
+    assert rows.count() == len(members)
+    mean = sum(rewards) / len(rewards)
+    for k, s in enumerate(members):
+        cell = rows.nth(k).locator("td.advantage")
+        assert cell.get_attribute("data-source") == "trainer"
+        shown = number(cell.inner_text())
+        assert shown == pytest.approx(trainer[k], rel=5e-3, abs=1e-3)
+        if abs(s["reward"] - mean) > 0.05:  # the estimate is another number
+            assert shown != pytest.approx(s["reward"] - mean, rel=5e-3, abs=1e-3)
     watch.assert_clean()
     page.close()
 

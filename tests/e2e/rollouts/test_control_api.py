@@ -19,6 +19,7 @@ import pyarrow as pa
 import pytest
 
 from capture.client.launcher import AgentTap, AgentTapError, AsyncAgentTap, Session
+from capture.storage.advantages import load_advantages
 from capture.storage.reader import load_threads
 from tests.support.paths import IM_END, QWEN3
 from tests.support.stub_vllm import StubPolicy
@@ -78,6 +79,7 @@ def test_every_route_but_health_wants_the_token(tap: AgentTap, stub: StubPolicy)
         ("GET", "/openapi.json"),
         ("POST", "/flush"),
         ("POST", "/sessions/x/close"),
+        ("POST", "/sessions/x/advantage"),
     ]:
         status, body = http(f"{api}{path}", method, body={} if method == "POST" else None)
         assert status == 401, (path, body)
@@ -86,7 +88,8 @@ def test_every_route_but_health_wants_the_token(tap: AgentTap, stub: StubPolicy)
         assert status == 403, (path, body)
     status, spec = http(f"{api}/openapi.json", token=tap.token)
     assert status == 200 and spec["openapi"].startswith("3.")
-    for path in ["/sessions", "/sessions/{id}/close", "/sessions/{id}/reward", "/healthz"]:
+    for path in ["/sessions", "/sessions/{id}/close", "/sessions/{id}/reward", "/healthz",
+                 "/sessions/{id}/advantage"]:  # fmt: skip
         assert path in spec["paths"]
     status, body = http(f"{api}/sessions/nope", token=tap.token)
     assert status == 404 and "no session 'nope'" in body["error"]["message"]
@@ -173,6 +176,23 @@ def test_proxy_mode_session_closed_with_reward_then_a_late_one(
     with pytest.raises(AgentTapError, match="still open"):
         other.reward(1.0)
     other.close()
+    # The trainer's own advantage (open or closed): kept for the viewer; a value that is not
+    # a finite number is refused in words, an unknown session is a 404, and neither is kept.
+    tap.advantage(sess.id, -0.75, step=3)
+    assert load_advantages(tap.out)[sess.id] == pytest.approx(
+        {"advantage": -0.75, "step": 3, "set_at": load_advantages(tap.out)[sess.id]["set_at"]}
+    )
+    url = f"{tap.api_url}/sessions/{sess.id}/advantage"
+    for bad in ({"advantage": "high"}, {"advantage": True}, {"step": 1}):
+        status, body = http(url, "POST", tap.token, bad)
+        assert status == 400 and '"advantage"' in body["error"]["message"], (bad, body)
+    status, body = http(url, "POST", tap.token, {"advantage": 1.0, "step": -1})
+    assert status == 400 and '"step"' in body["error"]["message"]
+    with pytest.raises(AgentTapError) as err:
+        tap.advantage("no-such-session", 1.0)
+    assert err.value.status == 404
+    assert load_advantages(tap.out) == {sess.id: load_advantages(tap.out)[sess.id]}
+    assert load_advantages(tap.out)[sess.id]["advantage"] == -0.75
 
 
 def test_close_answers_json_with_per_thread_rewards(tap: AgentTap, stub: StubPolicy) -> None:

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from capture.client.launcher import AgentTap
+from capture.viewer import data as viewer
+from capture.viewer.data import ShardSource
 from policy_server import launcher as policy_server
 from rewriter.vllm_client import DEFAULT_WEIGHT_VERSION
 from tests.support.paths import QWEN3, REPO
@@ -83,7 +85,7 @@ def shouting(task, run):
     return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
 
 
-result = {"steps": [], "push_s": [], "sessions": {}}
+result = {"steps": [], "push_s": [], "sessions": {}, "advantages": {}}
 with AgentTap.start(cfg["policy_url"], cfg["model"], out / "shards", confdir=cfg["confdir"]) as tap:
     rollouts = make_rollout_func(
         tap, agent=lambda task: sdk if task == SDK_TASK else claude, verifier=shouting,
@@ -94,6 +96,8 @@ with AgentTap.start(cfg["policy_url"], cfg["model"], out / "shards", confdir=cfg
         def on_step_end(self, args, state, control, model=None, **kwargs):
             version = f"step-{state.global_step}"
             result["sessions"][version] = rollouts.last.sessions
+            # What TRL trained this step's samples with (scale_rewards="group"), in their order.
+            result["advantages"][version] = list(trainer._logs["advantages"])
             folder = out / "weights" / version
             model.save_pretrained(folder)
             started = time.monotonic()
@@ -109,7 +113,7 @@ with AgentTap.start(cfg["policy_url"], cfg["model"], out / "shards", confdir=cfg
         output_dir=str(out / "trainer"), use_cpu=True, use_vllm=False, max_steps=2,
         per_device_train_batch_size=4, num_generations=2, learning_rate=0.01,
         lr_scheduler_type="constant", beta=0.0, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=0,
+        report_to="none", disable_tqdm=True, seed=0, scale_rewards="group",
     )
     trainer = GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=[agenttap_reward], args=config,
@@ -188,6 +192,20 @@ def test_grpo_steps_push_weights_that_the_next_rollouts_sample_from(
 
     shards = out / "shards"
     weights = out / "weights"
+    # The viewer's advantages are the ones TRL trained with (scaled by each group's spread),
+    # sent by the rollout function: each step's, for every sample.
+    source = ShardSource(shards)
+    sessions = viewer.session_list(source.summaries())
+    shown = {
+        r["id"]: (r["advantage"], r["advantage_source"])
+        for gid in {viewer.session_value(s, "group_id") for s in sessions} - {None}
+        for r in viewer.group_view(sessions, [], str(gid), source.advantages())["rollouts"]
+    }
+    for version in ("step-1", "step-2"):
+        trained = dict(zip(result["sessions"][version], result["advantages"][version], strict=True))
+        assert len(trained) == 4 and any(abs(a) > 0.5 for a in trained.values()), trained
+        for sid, advantage in trained.items():
+            assert shown[sid] == (pytest.approx(advantage, abs=1e-6), "trainer"), (sid, shown)
     # Each version's tokens score within 1e-3 under that version's weights.
     for version, folder in (
         (DEFAULT_WEIGHT_VERSION, model),

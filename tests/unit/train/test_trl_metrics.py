@@ -68,3 +68,29 @@ def test_the_numbers_go_where_grpo_keeps_its_own() -> None:
     # No trainer, or one that keeps no such store: nothing to do, no error.
     assert not log_to_trainer(None, {"agenttap/x": 1.0})
     assert not log_to_trainer(SimpleNamespace(), {"agenttap/x": 1.0})
+
+
+class Tap:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, float, int | None]] = []
+
+    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+        self.sent.append((session_id, advantage, step))
+
+
+def test_the_trainers_advantages_go_to_their_sessions_once() -> None:
+    """TRL keeps the latest batch's advantages, every process's in order; this process's slice
+    goes to the sessions of its samples, once, when TRL has scored them."""
+    from capture.train.trl import AgentTapRolloutFunc
+
+    tap = Tap()
+    func = AgentTapRolloutFunc(tap, agent="claude-code")  # type: ignore[arg-type]
+    func._unsent = (["s-a", "s-b"], 4)
+    trainer = SimpleNamespace(
+        _logs={"advantages": []}, accelerator=SimpleNamespace(process_index=1)
+    )
+    assert func.send_advantages(trainer) == 0 and tap.sent == []  # not scored yet
+    trainer._logs["advantages"] = [0.1, 0.2, 0.7, -0.7]
+    assert func.send_advantages(trainer) == 2
+    assert tap.sent == [("s-a", 0.7, 4), ("s-b", -0.7, 4)]
+    assert func.send_advantages(trainer) == 0 and len(tap.sent) == 2  # once
