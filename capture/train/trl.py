@@ -65,12 +65,18 @@ answer (``run``: its ``agent_output``, ``workdir``, ``rows``, ``status``...); it
 recorded on the session (a late reward), so the shards agree with what was trained.
 ``agent`` and ``workdir`` may be functions of the prompt's text (an agent, a folder per task).
 
-No torch and no TRL import here: the function only moves token ids and numbers.
+**Advantages.** TRL's own advantages of each step (its grouping, its ``scale_rewards``) are
+sent to their sessions at the step's end (``POST /sessions/ID/advantage``), for the viewer
+to show instead of its estimate; a failure to send one is logged and training goes on.
+
+No torch and no TRL import at module level: the function only moves token ids and numbers (the
+step's-end callback is transformers' ``TrainerCallback``, imported once a trainer calls).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -89,6 +95,8 @@ from capture.train.rows import (
     prompt_text,
     split_row,
 )
+
+logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 # A trainer-side verifier: (the prompt's text, the rollout's answer for one agent) -> reward.
@@ -341,9 +349,15 @@ class AgentTapRolloutFunc:
         if not sessions or len(mine) != len(sessions):
             return 0
         self._unsent = None
+        sent = 0
         for sid, advantage in zip(sessions, mine, strict=True):
-            self.tap.advantage(sid, float(advantage), step)
-        return len(sessions)
+            try:
+                self.tap.advantage(sid, float(advantage), step)
+                sent += 1
+            except Exception as exc:  # a pool's actor raises its own kinds
+                # For the viewer only: the training goes on without it.
+                logger.warning("agenttap: the trainer's advantage of %s was not kept: %s", sid, exc)
+        return sent
 
     def _watch_steps(self, trainer: Any) -> None:
         """Once per trainer: a callback that sends each step's advantages at its end (the

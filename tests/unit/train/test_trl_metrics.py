@@ -94,3 +94,22 @@ def test_the_trainers_advantages_go_to_their_sessions_once() -> None:
     assert func.send_advantages(trainer) == 2
     assert tap.sent == [("s-a", 0.7, 4), ("s-b", -0.7, 4)]
     assert func.send_advantages(trainer) == 0 and len(tap.sent) == 2  # once
+
+
+def test_an_advantage_that_cannot_be_kept_never_stops_training(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from capture.train.trl import AgentTapRolloutFunc
+
+    class Refusing(Tap):
+        def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+            if session_id == "s-a":
+                raise KeyError(session_id)
+            super().advantage(session_id, advantage, step)
+
+    tap = Refusing()
+    func = AgentTapRolloutFunc(tap, agent="claude-code")  # type: ignore[arg-type]
+    func._unsent = (["s-a", "s-b"], 1)
+    trainer = SimpleNamespace(_logs={"advantages": [0.5, -0.5]})
+    assert func.send_advantages(trainer) == 1 and tap.sent == [("s-b", -0.5, 1)]
+    assert "the trainer's advantage of s-a was not kept" in caplog.text
