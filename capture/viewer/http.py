@@ -12,9 +12,11 @@ it.
 
 Routes: ``GET /ui/api/sessions?sort=KEY&order=desc&filter=KEY=VALUE&q=TEXT&offset=&limit=`` (a
 page of the session list, sorted and filtered by a field or any metadata key),
-``GET /ui/api/run?by=trainer_step|version|KEY`` (per step: reward mean and spread, sessions per
-status, tokens, time; and the groups), ``GET /ui/api/groups/{group_id}`` (a group's rollouts side
-by side, with advantages), ``GET /ui/api/sessions/{id}`` (its row tree and calls),
+``GET /ui/api/run?by=trainer_step|version|KEY[&compare=OUT2]`` (per step: reward mean and
+spread, sessions per status, tokens, time; and the groups; with ``compare``, another run's
+output folder, its steps too, for the page to draw over this run's),
+``GET /ui/api/groups/{group_id}`` (a group's rollouts side by side, with advantages),
+``GET /ui/api/sessions/{id}`` (its row tree and calls),
 ``GET /ui/api/sessions/{id}/rows/{thread_id}?offset=&limit=[&overview=1]`` (a page of a row's
 tokens; the row's counts with the first page, or with ``overview=1``),
 ``GET /ui/api/sessions/{id}/diff?a=REQUEST_ID&b=REQUEST_ID``.
@@ -41,6 +43,7 @@ from capture.ports import GatewayCore
 from capture.storage.out_folder import nearby_outs
 from capture.viewer import data as viewer
 from capture.viewer.data import Decode, RowSource, ShardSource
+from capture.viewer.sources import OtherRuns
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +172,8 @@ class ViewerRoutes:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.router = self._router()
+        # Other runs' folders, drawn over this one's (``?compare=``).
+        self.others = OtherRuns()
 
     @staticmethod
     def is_page(path: str) -> bool:
@@ -235,7 +240,8 @@ class ViewerRoutes:
         return await self._run(self._sessions, _list_query(request.query))
 
     async def _get_run(self, request: web.Request) -> web.Response:
-        return await self._run(self._run_view, request.query.get("by") or None)
+        query = request.query
+        return await self._run(self._run_view, query.get("by") or None, query.get("compare"))
 
     async def _get_group(self, request: web.Request, group_id: str) -> web.Response:
         return await self._run(self._group, group_id)
@@ -277,15 +283,25 @@ class ViewerRoutes:
             "keys": viewer.metadata_keys(sessions),
         }
 
-    def _run_view(self, by: str | None) -> dict[str, Any]:
+    def _run_view(self, by: str | None, compare: str | None = None) -> dict[str, Any]:
         sessions = self._all_sessions()
         groups = viewer.group_list(sessions)
-        return viewer.run_summary(sessions, by) | {
+        view = viewer.run_summary(sessions, by) | {
             "source": self.describe,
             "keys": [k["key"] for k in viewer.metadata_keys(sessions)],
             "groups": groups[:GROUPS_SHOWN],
             "group_count": len(groups),
         }
+        if compare:
+            other = self.others.source(compare)
+            summary = viewer.run_summary(viewer.session_list(other.summaries()), view["by"])
+            view["compare"] = {
+                "source": str(other.out_dir),
+                "name": other.out_dir.name,
+                "sessions": summary["sessions"],
+                "steps": summary["steps"],
+            }
+        return view
 
     def _group(self, group_id: str) -> dict[str, Any]:
         summaries = self.source.summaries()

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from capture.storage.advantages import ADVANTAGES_FILE, load_advantages
+from capture.storage.out_folder import nearby_outs
 from capture.storage.rewards import join_rewards, load_rewards
 from capture.storage.shards import TURN_SCHEMA
 
@@ -192,3 +193,28 @@ def json_column(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+class OtherRuns:
+    """The output folders a run is compared with (``GET /ui/api/run?compare=PATH``), each read
+    as a ``ShardSource`` and kept for the next asks (the ``keep`` last ones)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._sources: OrderedDict[Path, ShardSource] = OrderedDict()
+
+    def source(self, folder: str) -> ShardSource:
+        """``folder``'s shards; ValueError, naming what to give, when it holds none."""
+        path = Path(folder).expanduser().resolve()
+        if not (path / "threads").is_dir():
+            raise ValueError(
+                f"compare={folder}: not an agenttap output folder (no threads/ in it): give "
+                f"the folder another run wrote (its agenttap_out){nearby_outs(path)}"
+            )
+        with self._lock:
+            found = self._sources.pop(path, None) or ShardSource(path)
+            self._sources[path] = found
+            while len(self._sources) > self._keep:
+                self._sources.popitem(last=False)
+        return found

@@ -219,10 +219,30 @@ function show(view) {
 }
 
 // -- the run view --------------------------------------------------------------------------
+// Another run drawn over this one: ?compare=OUT2 in the page's address (an output folder on
+// the viewer's machine), its reward, tokens and time per step beside this run's.
+const COMPARE = new URLSearchParams(location.search).get("compare") || "";
+const COMPARE_COLOUR = "#ef6c00", COMPARE_COLOUR_NAME = "in orange";
+function runQuery() {
+  const query = [];
+  if (state.runBy) query.push("by=" + encodeURIComponent(state.runBy));
+  if (COMPARE) query.push("compare=" + encodeURIComponent(COMPARE));
+  return "run" + (query.length ? "?" + query.join("&") : "");
+}
+
 async function loadRun() {
-  const data = await api("run" + (state.runBy ? "?by=" + encodeURIComponent(state.runBy) : ""));
+  const data = await api(runQuery());
   state.run = data;
   renderRun(data);
+}
+
+// Both runs' steps on one axis: this run's in its order, then the other's it lacks.
+function unionLabels(own, other) {
+  const seen = new Set(own);
+  const extra = other.filter((l) => !seen.has(l));
+  const numeric = own.concat(extra).every((l) => l !== "" && !Number.isNaN(Number(l)));
+  const all = own.concat(extra);
+  return numeric ? all.sort((a, b) => Number(a) - Number(b)) : all;
 }
 
 function renderRun(data) {
@@ -230,25 +250,36 @@ function renderRun(data) {
   const choices = ["trainer_step", "version"].concat(data.keys.filter((k) => k !== "trainer_step"));
   by.replaceChildren(...choices.map((k) => el("option", { value: k }, k === "version" ? "weight version" : k)));
   by.value = data.by;
-  const steps = data.steps, labels = steps.map((s) => s.step);
-  $("#run-summary").textContent = data.sessions + " sessions, " + steps.length + " " + (data.by === "version" ? "weight versions" : data.by + " values") +
+  const cmp = data.compare || null;
+  const labels = unionLabels(data.steps.map((s) => s.step), cmp ? cmp.steps.map((s) => s.step) : []);
+  const own = new Map(data.steps.map((s) => [s.step, s])), other = new Map((cmp ? cmp.steps : []).map((s) => [s.step, s]));
+  // This run's steps on the shared axis (a step only the other run has: an empty one).
+  const EMPTY = { sessions: 0, rewarded: 0, reward: { mean: null, std: null, min: null, max: null }, statuses: {}, tokens: null, trained_tokens: null, calls: 0, time_s: null };
+  const steps = labels.map((l) => own.get(l) || { ...EMPTY, step: l });
+  const theirs = (f) => labels.map((l) => (other.has(l) ? f(other.get(l)) : null));
+  const named = (s) => (cmp ? s + ", this run" : s);
+  $("#run-summary").textContent = (cmp ? "Compared with " + cmp.source + " (" + cmp.sessions + " sessions, " + COMPARE_COLOUR_NAME + "). This run: " : "") +
+    data.sessions + " sessions, " + data.steps.length + " " + (data.by === "version" ? "weight versions" : data.by + " values") +
     ", " + data.group_count + " groups" + (data.unstepped ? "; " + data.unstepped + (data.unstepped === 1 ? " session" : " sessions") + " without " + data.by : "") +
-    (steps.length ? "" : ". No session carries " + data.by + ": set it in the session's metadata (trainer_step) or push weights with a version.");
+    (data.steps.length ? "" : ". No session carries " + data.by + ": set it in the session's metadata (trainer_step) or push weights with a version.");
   const xName = data.by === "version" ? "weight version" : data.by;
   const pick = (i) => addFilter(data.by, labels[i]);
   const r = steps.map((s) => s.reward);
   const plots = [
     plot({ name: "reward", title: "reward: mean ± spread (std), min–max", kind: "line", labels, xName, onclick: pick,
-      series: [{ name: "reward", colour: "#1565c0", values: r.map((x) => x.mean), lo: r.map((x) => x.mean === null ? null : x.mean - x.std),
-        hi: r.map((x) => x.mean === null ? null : x.mean + x.std), min: r.map((x) => x.min), max: r.map((x) => x.max) }],
+      series: [{ name: named("reward"), colour: "#1565c0", values: r.map((x) => x.mean), lo: r.map((x) => x.mean === null ? null : x.mean - x.std),
+        hi: r.map((x) => x.mean === null ? null : x.mean + x.std), min: r.map((x) => x.min), max: r.map((x) => x.max) }]
+        .concat(cmp ? [{ name: "reward, " + cmp.name, colour: COMPARE_COLOUR, values: theirs((s) => s.reward.mean) }] : []),
       extra: (i) => [steps[i].rewarded + " of " + steps[i].sessions + " sessions rewarded"] }),
     plot({ name: "status", title: "sessions per status", kind: "stack", labels, xName, onclick: pick,
       series: data.statuses.map((st, j) => ({ name: st, colour: statusColour(st, j), values: steps.map((s) => s.statuses[st] || 0) })) }),
     plot({ name: "tokens", title: "tokens per step", kind: "bars", labels, xName, onclick: pick,
-      series: [{ name: "all", colour: "#90a4ae", values: steps.map((s) => s.tokens) }, { name: "trained", colour: "#2e7d32", values: steps.map((s) => s.trained_tokens) }],
+      series: [{ name: "all", colour: "#90a4ae", values: steps.map((s) => s.tokens) }, { name: named("trained"), colour: "#2e7d32", values: steps.map((s) => s.trained_tokens) }]
+        .concat(cmp ? [{ name: "trained, " + cmp.name, colour: COMPARE_COLOUR, values: theirs((s) => s.trained_tokens) }] : []),
       extra: (i) => [steps[i].calls + " calls"] }),
     plot({ name: "time", title: "time per step (first call to last, s)", kind: "bars", labels, xName, unit: " s", onclick: pick,
-      series: [{ name: "time", colour: "#6d4c41", values: steps.map((s) => s.time_s) }] }),
+      series: [{ name: named("time"), colour: "#6d4c41", values: steps.map((s) => s.time_s) }]
+        .concat(cmp ? [{ name: "time, " + cmp.name, colour: COMPARE_COLOUR, values: theirs((s) => s.time_s) }] : []) }),
   ];
   $("#plots").replaceChildren(...plots);
   $("#group-count").textContent = "(" + data.group_count + (data.groups.length < data.group_count ? ", newest " + data.groups.length + " shown" : "") + ")";
@@ -579,7 +610,7 @@ async function refreshLive() {
   try {
     await loadSessions();
     const gid = params.get("group") || null;
-    const data = await api(gid !== null ? "groups/" + encodeURIComponent(gid) : "run" + (state.runBy ? "?by=" + encodeURIComponent(state.runBy) : ""));
+    const data = await api(gid !== null ? "groups/" + encodeURIComponent(gid) : runQuery());
     if (nav !== state.nav) return;  // the user went elsewhere meanwhile: that page stands
     if (gid !== null) renderGroup(data);
     else { state.run = data; renderRun(data); }

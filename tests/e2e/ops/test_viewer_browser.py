@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -587,6 +588,51 @@ def test_a_group_shows_its_rollouts_rewards_and_advantages(browser: Any, run: An
     page.wait_for_selector("#row-view", state="visible")
     assert page.inner_text("#row-id") == "t-grpo-05-1-4"
     watch.assert_clean()
+    page.close()
+
+
+def test_another_run_is_drawn_over_this_one(
+    browser: Any, run: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``?compare=OUT2``: another run's reward mean, trained tokens and time per step, drawn
+    over this run's on one axis (its steps this run lacks too); a folder that holds no run is
+    refused with what to give."""
+    url, truth, shots = run
+    other_out = tmp_path_factory.mktemp("viewer-other-run")
+    other = write_run(other_out, STEPS + 2, 2, 4, seed=11)
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    watch = Watch(page)
+    base = url.split("#")[0]
+    page.goto(base + "?compare=" + urllib.parse.quote(str(other_out)))
+    page.wait_for_selector("svg[data-plot='reward'] circle.pt")
+    assert page.inner_text("#run-summary").startswith(f"Compared with {other_out.resolve()}")
+    name = other_out.name
+    mine = page.eval_on_selector_all(
+        "svg[data-plot='reward'] circle.pt[data-series='reward, this run']",
+        "els => els.map(e => Number(e.dataset.value))",
+    )
+    theirs = page.eval_on_selector_all(
+        f"svg[data-plot='reward'] circle.pt[data-series='reward, {name}']",
+        "els => els.map(e => [e.parentNode.dataset.step, Number(e.dataset.value)])",
+    )
+    assert len(mine) == STEPS and len(theirs) == STEPS + 2
+    for step, mean in theirs:
+        rewards = [s["reward"] for s in other if s["step"] == int(step)]
+        assert mean == pytest.approx(sum(rewards) / len(rewards), abs=1e-9)
+    trained = page.eval_on_selector_all(
+        f"svg[data-plot='tokens'] rect.bar[data-series='trained, {name}']",
+        "els => els.map(e => Number(e.dataset.value))",
+    )
+    assert trained == [sum(s["trained"] for s in other if s["step"] == k) for k in range(STEPS + 2)]
+    assert page.locator(f"svg[data-plot='time'] rect.bar[data-series='time, {name}']").count()
+    screenshot(page, shots, "compare")
+    watch.assert_clean()
+    page.close()
+    # A folder that is not a run's: the reason, and the run view is not drawn over it.
+    page = browser.new_page()
+    page.goto(base + "?compare=" + urllib.parse.quote(str(other_out / "threads" / "x")))
+    page.wait_for_function("document.querySelector('#error').textContent.length > 0")
+    assert "not an agenttap output folder" in page.inner_text("#error")
     page.close()
 
 

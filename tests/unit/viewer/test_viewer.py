@@ -395,3 +395,18 @@ def test_the_viewer_on_an_examples_folder_names_its_shards_folder(
     said = capsys.readouterr().err
     assert "holds no threads/ or turns/ folder" in said
     assert f"Did you mean {tmp_path / 'train-grpo' / 'shards'}" in said, said
+
+
+def test_another_run_is_read_from_its_folder_and_a_folder_without_one_is_refused(
+    run: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    from capture.viewer.sources import OtherRuns
+
+    out, truth = run
+    others = OtherRuns(keep=1)
+    source = others.source(str(out))
+    assert source is others.source(str(out))  # kept for the next ask
+    steps = viewer.run_summary(viewer.session_list(source.summaries()))["steps"]
+    assert sum(s["sessions"] for s in steps) == len(truth)
+    with pytest.raises(ValueError, match="not an agenttap output folder"):
+        others.source(str(tmp_path))
