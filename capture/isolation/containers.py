@@ -196,9 +196,10 @@ def host_tools(names: tuple[str, ...], path_env: str) -> tuple[Bind, ...]:
 
 
 def unique_targets(binds: tuple[Bind, ...]) -> tuple[Bind, ...]:
-    """``binds`` with each target once (the agent's program and a host tool both show the
-    loader): an engine refuses two mounts at one path."""
-    return tuple({bind.target: bind for bind in binds}.values())
+    """``binds`` with a bind given twice kept once (the agent's program and a host tool both
+    show the loader and the host's libraries): an engine refuses two mounts at one path. Two
+    different binds at one path are both kept, for the engine to refuse."""
+    return tuple(dict.fromkeys(binds))
 
 
 def _linked_binds(argv: list[str]) -> list[Bind]:

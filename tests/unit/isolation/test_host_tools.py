@@ -52,11 +52,14 @@ def test_the_images_own_program_comes_first_on_path() -> None:
     assert with_tools.path_inside() == f"/usr/bin:/bin:{TOOLS_AT}"
 
 
-def test_one_mount_per_path_inside() -> None:
+def test_a_bind_given_twice_is_mounted_once() -> None:
     loader = Bind(Path("/a/ld.so"), hostprog.LOADER_AT)
     work = Bind(Path("/run/work"), "/testbed", read_only=False)
     kept = unique_targets((loader, work, Bind(Path("/a/ld.so"), hostprog.LOADER_AT)))
     assert kept == (loader, work)
+    # Two different binds at one path are not chosen between here: the engine refuses them.
+    other = Bind(Path("/b/ld.so"), hostprog.LOADER_AT)
+    assert unique_targets((loader, other)) == (loader, other)
 
 
 def test_terminus_2_asks_for_tmux_and_a_command_agent_for_nothing() -> None:
