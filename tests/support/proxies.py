@@ -74,7 +74,10 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: flo
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mitmdump exited early:\n{log.read_text()[-4000:]}")
-        if "agenttap: answering" in log.read_text(errors="replace"):
+        text = log.read_text(errors="replace")
+        # The ready line (or its refusal) ends the start-up: a connection before it would be
+        # logged in the middle of the start-up lines (tests/e2e/ops/test_call_log.py).
+        if "agenttap ready:" in text or "agenttap: not ready" in text:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     return
