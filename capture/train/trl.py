@@ -76,7 +76,6 @@ step's-end callback is transformers' ``TrainerCallback``, imported once a traine
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
 import time
@@ -95,8 +94,7 @@ from capture.train.rows import (
     prompt_text,
     split_row,
 )
-
-logger = logging.getLogger(__name__)
+from capture.train.trl_advantages import AdvantageSender
 
 PathLike = str | os.PathLike[str]
 # A trainer-side verifier: (the prompt's text, the rollout's answer for one agent) -> reward.
@@ -280,14 +278,12 @@ class AgentTapRolloutFunc:
         # trainer's progress per group.
         self.on_group: Callable[[dict[str, Any], int, int], None] | None = None
         self.last = RolloutStats()
-        # The latest batch's sessions in the order of its samples, and the step they train:
-        # TRL scores them after this function returns (``send_advantages``).
-        self._unsent: tuple[list[str], int | None] | None = None
-        self._watching: Any = None
+        # TRL's advantages of each batch, to its sessions (capture/train/trl_advantages.py).
+        self.advantages = AdvantageSender(tap)
 
     def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, list[Any]]:
-        self.send_advantages(trainer)
-        self._watch_steps(trainer)
+        self.advantages.send(trainer)
+        self.advantages.watch_steps(trainer)
         started = time.monotonic()
         groups = group_prompts(prompts)
         step = getattr(getattr(trainer, "state", None), "global_step", None)
@@ -328,52 +324,8 @@ class AgentTapRolloutFunc:
         group_runs = [answer.get("rollouts") or [] for answer in answers]
         group_rewards = [[done[p]["agenttap_reward"] for p in ps] for ps in groups.values()]
         log_to_trainer(trainer, rollout_metrics(group_runs, group_rewards, stats.seconds))
-        self._unsent = (stats.sessions, step + 1 if step is not None else None)
+        self.advantages.batch(stats.sessions, step + 1 if step is not None else None)
         return {key: [s[key] for s in done] for key in keys}
-
-    # -- the trainer's own advantages, for the viewer -------------------------------------------
-    def send_advantages(self, trainer: Any) -> int:
-        """The advantages TRL computed for the latest batch, each to its session
-        (``POST /sessions/ID/advantage``: the viewer shows them instead of its own estimate).
-        TRL keeps the latest generation batch's, all processes' in order, in
-        ``trainer._logs["advantages"]``; this process's samples are its ``process_index``-th
-        slice, as TRL cuts it. Sent once per batch, at the step's end or on the next call;
-        returns how many were sent (0 when TRL has not scored the batch yet)."""
-        if self._unsent is None or trainer is None:
-            return 0
-        sessions, step = self._unsent
-        logs = getattr(trainer, "_logs", None)
-        values = list(logs.get("advantages") or ()) if isinstance(logs, dict) else []
-        index = getattr(getattr(trainer, "accelerator", None), "process_index", 0)
-        mine = values[index * len(sessions) : (index + 1) * len(sessions)]
-        if not sessions or len(mine) != len(sessions):
-            return 0
-        self._unsent = None
-        sent = 0
-        for sid, advantage in zip(sessions, mine, strict=True):
-            try:
-                self.tap.advantage(sid, float(advantage), step)
-                sent += 1
-            except Exception as exc:  # a pool's actor raises its own kinds
-                # For the viewer only: the training goes on without it.
-                logger.warning("agenttap: the trainer's advantage of %s was not kept: %s", sid, exc)
-        return sent
-
-    def _watch_steps(self, trainer: Any) -> None:
-        """Once per trainer: a callback that sends each step's advantages at its end (the
-        last step's would otherwise wait for a call that never comes)."""
-        if self._watching is trainer or not callable(getattr(trainer, "add_callback", None)):
-            return
-        from transformers import TrainerCallback
-
-        send = self.send_advantages
-
-        class SendAdvantages(TrainerCallback):  # type: ignore[misc]  # transformers' class
-            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                send(trainer)
-
-        trainer.add_callback(SendAdvantages())
-        self._watching = trainer
 
     # -- running -----------------------------------------------------------------------------
     def _run_groups(self, groups: dict[str, list[int]], step: int | None) -> list[dict[str, Any]]:

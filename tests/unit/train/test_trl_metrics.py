@@ -85,15 +85,15 @@ def test_the_trainers_advantages_go_to_their_sessions_once() -> None:
 
     tap = Tap()
     func = AgentTapRolloutFunc(tap, agent="claude-code")  # type: ignore[arg-type]
-    func._unsent = (["s-a", "s-b"], 4)
+    func.advantages.batch(["s-a", "s-b"], 4)
     trainer = SimpleNamespace(
         _logs={"advantages": []}, accelerator=SimpleNamespace(process_index=1)
     )
-    assert func.send_advantages(trainer) == 0 and tap.sent == []  # not scored yet
+    assert func.advantages.send(trainer) == 0 and tap.sent == []  # not scored yet
     trainer._logs["advantages"] = [0.1, 0.2, 0.7, -0.7]
-    assert func.send_advantages(trainer) == 2
+    assert func.advantages.send(trainer) == 2
     assert tap.sent == [("s-a", 0.7, 4), ("s-b", -0.7, 4)]
-    assert func.send_advantages(trainer) == 0 and len(tap.sent) == 2  # once
+    assert func.advantages.send(trainer) == 0 and len(tap.sent) == 2  # once
 
 
 def test_an_advantage_that_cannot_be_kept_never_stops_training(
@@ -109,7 +109,7 @@ def test_an_advantage_that_cannot_be_kept_never_stops_training(
 
     tap = Refusing()
     func = AgentTapRolloutFunc(tap, agent="claude-code")  # type: ignore[arg-type]
-    func._unsent = (["s-a", "s-b"], 1)
+    func.advantages.batch(["s-a", "s-b"], 1)
     trainer = SimpleNamespace(_logs={"advantages": [0.5, -0.5]})
-    assert func.send_advantages(trainer) == 1 and tap.sent == [("s-b", -0.5, 1)]
+    assert func.advantages.send(trainer) == 1 and tap.sent == [("s-b", -0.5, 1)]
     assert "the trainer's advantage of s-a was not kept" in caplog.text
