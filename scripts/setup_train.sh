@@ -22,11 +22,14 @@ fi
 # torch first and pinned: it is the local CPU wheel; a plain `torch` would pull GBs of CUDA.
 TORCH=torch==2.13.0
 # tensorboard: the example's trainer logs (--report-to tensorboard, its default).
-PACKAGES=(transformers trl accelerate datasets pyarrow numpy safetensors tqdm tensorboard)
+PACKAGES=(transformers trl accelerate datasets pyarrow numpy safetensors tqdm tensorboard peft)
 # verl 0.9.1 pins transformers<5.11: with verl installed, transformers is 5.10.x (TRL 1.16 and the
 # tiny Qwen3 work with it); without verl, the latest that TRL accepts.
 # verl 0.9.1 and what it imports on a CPU beyond its own pins (read from its import errors).
-VERL_PACKAGES=(verl==0.9.1 cachetools uvicorn fastapi)
+# kernels: transformers 5.10's own range (its "kernels" extra). A newer transformers, installed
+# first, brings a newer kernels that verl's downgrade leaves behind, and transformers 5.10 then
+# fails to import any model ("Either a revision or a version must be specified").
+VERL_PACKAGES=(verl==0.9.1 cachetools uvicorn fastapi "kernels>=0.12,<0.13")
 # The marker holds a hash of what is installed: a changed list is installed on the next run.
 WANT_HASH=$(printf '%s\n' "$TORCH" "${PACKAGES[@]}" "${VERL_PACKAGES[@]}" \
   "verl=${AGENTTAP_SKIP_VERL:-0}" | sha256sum | cut -c1-16)
@@ -78,6 +81,10 @@ if not (pathlib.Path(sys.argv[1]) / ".verl-unavailable").exists():
     names.append("capture.train.verl")
 for name in names:
     importlib.import_module(name)
+# The models the tests and the example build: transformers imports a model's module lazily, so
+# a broken dependency of it shows only here (not at "import transformers").
+from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: F401
+import peft  # noqa: F401  (the LoRA tests' adapters)
 try:
     importlib.import_module("mitmproxy")
 except ImportError:

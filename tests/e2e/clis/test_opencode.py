@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,16 @@ def run_opencode(
         cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=180,
     )  # fmt: skip
+
+
+def opencode_titled(workdir: Path) -> bool:
+    """Whether OpenCode set the session's title from its title call (its own database under the
+    run's HOME; an untitled session keeps "New session - DATE")."""
+    db = workdir.parent / f"{workdir.name}-home" / ".local" / "share" / "opencode" / "opencode.db"
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        titles = [title for (title,) in conn.execute("SELECT title FROM session")]
+    assert len(titles) == 1, titles
+    return not titles[0].startswith("New session - ")
 
 
 @pytest.mark.parametrize("model", list(PROVIDERS))
@@ -172,9 +184,16 @@ def test_opencode_against_the_real_policy(
         opencode, vllm_proxy, session, workdir, "anthropic/claude-sonnet-4-5", "Say hello."
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    turns = vllm_proxy.turns(session, expect=2)
-    rows = vllm_proxy.threads(session, expect=2)
-    assert {r["thread_kind"] for r in rows} == {"main", "auxiliary"}
+    # OpenCode forks its title call beside the conversation and interrupts it when the
+    # conversation ends first: the proxy then never answers it and records no row. Whether it
+    # ended first is a race on the policy's speed, so the title row is asked for whenever
+    # OpenCode kept the title it was answered (the stub test checks the title row always).
+    titled = opencode_titled(workdir)
+    turns = vllm_proxy.turns(session, expect=2 if titled else 1)
+    rows = vllm_proxy.threads(session, expect=2 if titled else 1)
+    kinds = {r["thread_kind"] for r in rows}
+    assert kinds == {"main", "auxiliary"} if titled else kinds <= {"main", "auxiliary"}, kinds
+    assert "main" in kinds
     for row in rows:
         # OpenCode's prompt is ~7k tokens: see _assert_exact on fp32 at long context.
         assert _assert_exact(row, turns, vllm_url, tolerance=1e-5) <= 1e-5
