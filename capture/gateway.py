@@ -57,9 +57,9 @@ from capture.pipeline.session_ids import (
 from capture.pipeline.turn import TurnPipeline
 from capture.policy.pools import PolicyPools
 from capture.ports import ControlPlane
-from capture.storage.reader import WEIGHTS_UNVERIFIED_FILE
 from capture.storage.sessions import RowAnnotations, SessionStore
 from capture.storage.take_back import take_back_rewards
+from capture.storage.unverified import WEIGHTS_UNVERIFIED_FILE
 from rewriter.providers.base import (
     Call,
     IncomingRequest,

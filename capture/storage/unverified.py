@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
-
 # Windows in which a policy server's answers changed without a weight update (capture/gateway.py
 # writes one JSON line per window: backend, since, found, reason).
 WEIGHTS_UNVERIFIED_FILE = "weights_unverified.jsonl"
@@ -33,6 +31,10 @@ def unverified_request_ids(out_dir: Path) -> set[str]:
     turns = out_dir / "turns"
     if not windows or not turns.is_dir():
         return set()
+    # Imported here: pyarrow.dataset brings pandas (0.4 s), and the proxy imports this module
+    # at start for the file's name alone.
+    import pyarrow.dataset as ds
+
     wanted = ["request_id", "backend", "started_at", "latency_s"]
     table = ds.dataset(str(turns), format="parquet").to_table(columns=wanted).to_pylist()
     found = set()
