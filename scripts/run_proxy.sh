@@ -44,7 +44,7 @@ done
 # The environments this needs (idempotent: a finished environment is left alone); the policy
 # server's only when it is started here.
 if [ -n "$POLICY_URL" ]; then export AGENTTAP_SKIP_VLLM=1; fi
-AGENTTAP_SKIP_CLIENTS=1 AGENTTAP_SKIP_BROWSER=1 AGENTTAP_SKIP_PEERS=1 AGENTTAP_SKIP_TRAIN=1 \
+AGENTTAP_SKIP_CLIENTS=1 AGENTTAP_SKIP_BROWSER=1 AGENTTAP_SKIP_PEERS=1 AGENTTAP_SKIP_TRAIN=1 AGENTTAP_SKIP_IMAGES=1 \
   bash "$ROOT/scripts/setup.sh" >&2
 
 # Private to this user (0700): the token file, the embedded policy's socket (and vLLM's ipc

@@ -25,10 +25,14 @@ fi
 LOGS=.cache/setup-logs
 mkdir -p "$LOGS"
 declare -A PART_PID=()
+# The parts of this run that ended well (a folder of this run's own: setups may run at once).
+PARTS_DONE=$(mktemp -d)
+trap 'rm -rf "$PARTS_DONE"' EXIT
 PART_ORDER=()
 part() {  # NAME COMMAND...: COMMAND in the background, its output in $LOGS/NAME.log
   local name=$1; shift
-  ( started=$SECONDS; "$@"; echo "$((SECONDS - started))" > "$LOGS/$name.seconds" ) \
+  ( started=$SECONDS; "$@"; echo "$((SECONDS - started))" > "$LOGS/$name.seconds"
+    touch "$PARTS_DONE/$name" ) \
     > "$LOGS/$name.log" 2>&1 &
   PART_PID[$name]=$!
   PART_ORDER+=("$name")
@@ -115,6 +119,23 @@ debian_packages() {
   fi
 }
 
+# A part that needs others: waits until they have ended, and fails at once if one failed.
+after_parts() {  # NAME...
+  local name
+  for name in "$@"; do
+    while kill -0 "${PART_PID[$name]}" 2>/dev/null; do sleep 1; done
+    [ -f "$PARTS_DONE/$name" ] || { echo "[setup] not started: the $name part failed"; exit 1; }
+  done
+}
+# The suite's task images (tests/fixtures/tasks/ on a Debian base made by mmdebstrap), built once
+# per machine and cached by content: the tests would build them at first use (about 80 s of
+# CPU on this machine); here they are made while the slowest environments still install.
+suite_images() {
+  after_parts debian proxy
+  echo "[setup] the suite's task images (podman; cached by content)"
+  .venv/bin/python -c 'from tests.support.task_images import task_images; task_images()'
+}
+
 # The parts, all at once (the slowest first: it sets the setup's length).
 [ "${AGENTTAP_SKIP_VLLM:-0}" = "1" ] || [ -f .venv-vllm/.agenttap-ready ] \
   || part vllm build_vllm_venv
@@ -123,6 +144,7 @@ debian_packages() {
 [ "${AGENTTAP_SKIP_TRAIN:-0}" = "1" ] || part train bash scripts/setup_train.sh
 part proxy build_proxy_venv
 part debian debian_packages
+[ "${AGENTTAP_SKIP_IMAGES:-0}" = "1" ] || part images suite_images
 if [ "${AGENTTAP_SKIP_CLIENTS:-0}" != "1" ]; then
   # The real agent CLIs the end-to-end tests drive (Claude Code), pinned, into .cache/node.
   part clients bash scripts/install_clients.sh
