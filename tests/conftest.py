@@ -15,6 +15,11 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+# This environment sets PYTHONDONTWRITEBYTECODE=1: without a bytecode cache every pytest process
+# (the main one and each xdist worker) compiles and assert-rewrites ~400 modules afresh at each run
+# (collection 17 s -> 12 s with it). Only the test processes keep theirs: what they start
+# (sandboxes, verifiers, task containers) inherits the variable unchanged.
+sys.dont_write_bytecode = False
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from policy_server import launcher as policy_server  # noqa: E402

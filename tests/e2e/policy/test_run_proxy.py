@@ -208,7 +208,8 @@ def full_runs(
     subprocess.run(
         ["bash", str(REPO / "scripts" / "setup.sh")], check=True, capture_output=True,
         env={**os.environ, "AGENTTAP_SKIP_CLIENTS": "1", "AGENTTAP_SKIP_BROWSER": "1",
-             "AGENTTAP_SKIP_PEERS": "1", "AGENTTAP_SKIP_TRAIN": "1"},
+             "AGENTTAP_SKIP_PEERS": "1", "AGENTTAP_SKIP_TRAIN": "1",
+             "AGENTTAP_SKIP_IMAGES": "1"},
     )  # fmt: skip
     runs: dict[str, RunProxy] = {}
     try:
