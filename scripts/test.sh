@@ -19,12 +19,8 @@ SETUP_S=$((SECONDS - STARTED))
 # Bytecode for the repo's own modules, which every mitmdump and helper process the tests start
 # imports (this environment sets PYTHONDONTWRITEBYTECODE=1, so none is written at import time; the
 # task fixtures stay out: their folders are what the task images are built and hashed from).
-for py in .venv/bin/python .venv-train/bin/python; do
-  if [ -x "$py" ]; then
-    "$py" -m compileall -q -j0 -x '/fixtures/' \
-      rewriter capture addons policy_server tests bench scripts examples > /dev/null
-  fi
-done
+.venv/bin/python -m compileall -q -j0 -x '/fixtures/' \
+  rewriter capture addons policy_server tests bench scripts examples > /dev/null
 .venv/bin/python -m ruff check rewriter capture addons policy_server tests bench scripts examples
 .venv/bin/python -m mypy
 # Two workers by default (docs/TESTING.md: how work is shared out between them, and which tests
