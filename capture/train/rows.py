@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture.storage.row_rules import reward_value, row_versions, weight_steps
+from capture.train.metrics import RUN_SUMMARY_FIELD, run_summary
 
 # Qwen's <|endoftext|>: what stands in for a sequence a rollout did not produce.
 DEFAULT_FILLER_ID = 151643
@@ -157,11 +158,16 @@ def verl_fields(
     ``num_turns``: two per call the row trains (the message it answered and the reply, as verl
     counts them); ``extra_fields``: ``min_global_steps`` / ``max_global_steps`` from the weight
     versions that sampled the trained tokens (``weight_steps``; left out when the row names
-    none with a number), the session id, and how many tokens each side lost to the cut."""
+    none with a number), the session id, ``agenttap_run`` (``run_summary``: what the step's
+    metrics read, ``AgentTapLoopManager``), and how many tokens each side lost to the cut."""
     row = main_row(run.get("rows") or [])
     split = split_row(row) if row is not None else filler(filler_id)
     split, cut = truncate_for_verl(split, prompt_length, response_length)
-    extra: dict[str, Any] = {"agenttap_session_id": run.get("session_id"), **cut}
+    extra: dict[str, Any] = {
+        "agenttap_session_id": run.get("session_id"),
+        RUN_SUMMARY_FIELD: run_summary(run),
+        **cut,
+    }
     if run.get("node") is not None:  # run by a Ray pool's actor (capture/client/ray_pool.py)
         extra["agenttap_node"], extra["agenttap_proxy"] = run["node"], run.get("proxy")
     if row is not None:

@@ -37,7 +37,8 @@ prompt ends:
 **On Ray.** ``tap`` may be a ``ProxyPool`` (``capture/client/ray_pool.py``): each rollout's
 agents are spread over the pool's nodes (``ProxyPool.rollout``), the workdir shipped to them.
 
-**Metrics.** Each step's rollout numbers (``rollout_metrics``: reward mean and std within a
+**Metrics.** Each step's rollout numbers (``capture.train.metrics.rollout_metrics``, the same
+names verl's adapter logs: reward mean and std within a
 group, agents scored and ok, calls, tokens, refusals and seconds per agent, the weight versions
 that sampled the step and their lag behind the trainer's, ``version_lag``) go into the
 trainer's own logs under ``agenttap/``, beside TRL's loss, KL and grad norm: ``report_to``
@@ -76,7 +77,6 @@ step's-end callback is transformers' ``TrainerCallback``, imported once a traine
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +86,7 @@ from typing import Any, Protocol
 
 from capture.client.launcher import AgentTapError
 from capture.storage.row_rules import reward_value, row_versions
+from capture.train.metrics import rollout_metrics
 from capture.train.rows import (
     DEFAULT_FILLER_ID,
     SplitRow,
@@ -162,58 +163,6 @@ def sample_from_run(
         "agenttap_session_id": run.get("session_id"),
         "agenttap_weight_versions": row_versions(row) if row is not None else [],
     }
-
-
-# What the rollout function adds to the trainer's own logs each step (``rollout_metrics``),
-# under this prefix: TRL's logger carries them to report_to's TensorBoard or W&B, beside loss,
-# KL and grad norm.
-METRIC_PREFIX = "agenttap/"
-# A rollout's own metrics (capture/control/sessions.py SessionMetrics) averaged over its agents.
-PER_AGENT = ("calls", "prompt_tokens", "completion_tokens", "refused", "errors", "version_lag")
-
-
-def rollout_metrics(
-    groups: Sequence[Sequence[Mapping[str, Any]]],
-    rewards: Sequence[Sequence[float | None]],
-    seconds: float,
-) -> dict[str, float]:
-    """A step's rollout numbers, from each group's runs (a rollout's answer's ``rollouts``)
-    and the rewards trained on them: the reward's mean and its std within a group (averaged
-    over groups: GRPO learns nothing from a group whose std is 0), how many agents were scored,
-    ended ok or not, the agents' calls, tokens and times (means per agent), the weight
-    versions that sampled the step and how far behind the trainer's weights they were
-    (``version_lag``: updates between an agent's first call and its close; mean and max), and
-    the step's rollout seconds."""
-    runs = [run for group in groups for run in group]
-    scored = [r for group in rewards for r in group if r is not None]
-    stds = []
-    for group in rewards:
-        values = [r for r in group if r is not None]
-        if len(values) > 1:
-            mean = sum(values) / len(values)
-            stds.append((sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5)
-    per_agent: dict[str, list[float]] = {}
-    for run in runs:
-        metrics = run.get("metrics") or {}
-        for name in PER_AGENT:
-            per_agent.setdefault(name, []).append(float(metrics.get(name) or 0))
-        per_agent.setdefault("wall_s", []).append(float(metrics.get("rollout_wall_time_s") or 0))
-    versions = {v for run in runs for row in run.get("rows") or [] for v in row_versions(row)}
-    found = {
-        "reward_mean": sum(scored) / len(scored) if scored else math.nan,
-        "reward_std_in_group": sum(stds) / len(stds) if stds else math.nan,
-        "agents": float(len(runs)),
-        "scored": float(len(scored)),
-        "status_ok": float(sum(run.get("status") == "ok" for run in runs)),
-        "status_not_ok": float(sum(run.get("status") != "ok" for run in runs)),
-        "weight_versions": float(len(versions)),
-        "rollout_s": seconds,
-    }
-    for name, values in per_agent.items():
-        found[f"{name}_per_agent"] = sum(values) / len(values)
-    if runs:
-        found["version_lag_max"] = max(per_agent["version_lag"])
-    return {METRIC_PREFIX + name: value for name, value in found.items()}
 
 
 def log_to_trainer(trainer: Any, metrics: Mapping[str, float]) -> bool:

@@ -34,6 +34,9 @@ YAML entry sets the defaults. Or ``pool: NAME``: a Ray pool of proxies the drive
 sample's agent runs on the node the pool places it on, its folders shipped there, and
 ``extra_fields`` name its ``agenttap_node`` and ``agenttap_proxy``.
 
+**Metrics.** ``AgentTapLoopManager`` (below) adds each step's rollout numbers to what verl
+logs, the TRL adapter's names (``capture/train/metrics.py``), as ``timing_s/agenttap/...``.
+
 verl's ``sampling_params`` are not applied: the agent's own requests set temperature and length.
 A rollout that made no row returns a one-token stand-in, masked (``response_mask`` 0), reward
 None. This module imports verl (``.venv-train`` has it when ``scripts/setup_train.sh`` could
@@ -50,12 +53,14 @@ from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
+    AgentLoopManager,
     AgentLoopMetrics,
     AgentLoopOutput,
     register,
 )
 
 from capture.client.launcher import AgentTapError, ControlClient
+from capture.train.metrics import RUN_SUMMARY_FIELD, batch_rollout_metrics
 from capture.train.rows import DEFAULT_FILLER_ID, prompt_text, verl_fields
 
 # How long a rollout refused for the proxy's cap on agents at once (429) waits to try again.
@@ -190,3 +195,30 @@ class AgentTapAgentLoop(AgentLoopBase):  # type: ignore[misc]
         )
         wall = float((run.get("metrics") or {}).get("rollout_wall_time_s") or 0.0)
         return AgentLoopOutput(**fields, metrics=AgentLoopMetrics(generate_sequences=wall))
+
+
+class AgentTapLoopManager(AgentLoopManager):
+    """verl's ``AgentLoopManager`` that adds each step's agenttap rollout numbers
+    (``capture.train.metrics``: the names the TRL adapter logs) to what the manager reports.
+
+        actor_rollout_ref.rollout.agent.agent_loop_manager_class=capture.train.verl.AgentTapLoopManager
+
+    verl's trainer merges the manager's report into the step's ``timing_raw`` and logs it through
+    its own tracking (``trainer.logger``: console, TensorBoard, W&B, ...) beside the actor's loss,
+    KL and grad norm, so each number appears as ``timing_s/agenttap/NAME``
+    (``timing_s/agenttap/reward_mean``, ``.../reward_std_in_group``, ...). Groups are verl's
+    ``uid`` (the samples of one prompt); samples other agent loops made are left out."""
+
+    def _performance_metrics(
+        self, metrics: list[list[dict[str, str]]], output: Any
+    ) -> dict[str, float]:
+        # verl 0.9's one place where the manager's own numbers join the step's logged metrics.
+        timing: dict[str, float] = super()._performance_metrics(metrics, output)
+        batch = output.non_tensor_batch
+        summaries = batch.get(RUN_SUMMARY_FIELD)
+        if summaries is not None:
+            uids = batch.get("uid")
+            timing.update(
+                batch_rollout_metrics(list(summaries), list(uids) if uids is not None else None)
+            )
+        return timing

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from capture.client.launcher import AgentTap
+from tests.e2e.rollouts.test_train_example import tensorboard_scalars
 from tests.e2e.rollouts.test_train_trl_loop import SDK_AGENT, TRAIN_PYTHON
 from tests.support.paths import QWEN3, REPO
 from tests.support.stub_vllm import StubPolicy
@@ -30,7 +31,9 @@ UNAVAILABLE = REPO / ".venv-train" / ".verl-unavailable"
 
 # Run by .venv-train's python with one JSON argument; prints one JSON line of what it saw.
 VERL_SIDE = """
-import asyncio, json, sys
+import asyncio, json, os, sys
+
+import numpy as np
 
 import torch
 from hydra.utils import instantiate
@@ -84,11 +87,26 @@ async def main():
     output = await loop.run({"temperature": 1.0}, **sample)
     worker = Worker()
     padded = await AgentLoopWorker._agent_loop_postprocess(worker, output, False, **sample)
-    batch = AgentLoopWorker._postprocess(worker, [padded, padded])
+    # Two samples of one prompt (verl's uid), as a GRPO group of two.
+    uid = {"uid": np.array(["prompt-0", "prompt-0"], dtype=object)}
+    batch = AgentLoopWorker._postprocess(worker, [padded, padded], uid)
     return output, padded, batch
 
 
 output, padded, batch = asyncio.run(main())
+logged = {}
+if cfg.get("tensorboard"):  # the step's metrics as verl's trainer logs them, through its tracking
+    from capture.train.verl import AgentTapLoopManager
+    from verl.trainer.ppo.metric_utils import compute_timing_metrics
+    from verl.utils.tracking import Tracking
+
+    manager = AgentTapLoopManager.__new__(AgentTapLoopManager)  # what the trainer made it with
+    timing = manager._performance_metrics([batch.meta_info["metrics"]], batch)
+    logged = compute_timing_metrics(batch, timing)
+    os.environ["TENSORBOARD_DIR"] = cfg["tensorboard"]
+    tracking = Tracking("agenttap-test", "verl", default_backend=["tensorboard"])
+    tracking.log(data=logged, step=1)
+    tracking.finish()
 if pool is not None:
     pool.shutdown(timeout=60)
 print(json.dumps({
@@ -103,6 +121,7 @@ print(json.dumps({
     "min_global_steps": batch.non_tensor_batch["min_global_steps"].tolist(),
     "max_global_steps": batch.non_tensor_batch["max_global_steps"].tolist(),
     "pad_id": tokenizer.pad_token_id,
+    "logged": {k: float(v) for k, v in logged.items() if "agenttap" in k or "agent_loop" in k},
 }))
 """
 
@@ -151,6 +170,7 @@ def test_the_agent_loop_output_through_verls_own_post_processing(
         "yaml": str(REPO / "capture" / "train" / "verl_agent_loop.yaml"),
         "tokenizer": str(QWEN3), "prompt_length": prompt_length, "sdk_python": sys.executable,
         "sdk_agent": SDK_AGENT, "task": "Say OK twice.",
+        "tensorboard": str(tmp_path / "tensorboard"),
     }  # fmt: skip
     # The loop finds agenttap from the workers' environment, as the YAML's comment says.
     env = {**os.environ, "AGENTTAP_API": stub_tap.api_url, "AGENTTAP_TOKEN": stub_tap.token}
@@ -185,3 +205,20 @@ def test_the_agent_loop_output_through_verls_own_post_processing(
     assert seen["rm_scores"][n - 1] == 0.5 and sum(seen["rm_scores"]) == 0.5
     assert seen["min_global_steps"] == [None, None]  # the stub's rows name no numbered version
     assert extra["agenttap_session_id"]
+
+    # The step's agenttap numbers (capture/train/metrics.py, the TRL adapter's names), logged by
+    # verl's own tracking from AgentTapLoopManager's report, read back from TensorBoard's file.
+    logged = seen["logged"]
+    prefix = "timing_s/agenttap/"
+    assert logged[prefix + "reward_mean"] == 0.5 and logged[prefix + "agents"] == 2
+    assert logged[prefix + "scored"] == 2 and logged[prefix + "status_ok"] == 2
+    # One group (the uid): a spread of 0, not NaN (each sample alone would have none).
+    assert logged[prefix + "reward_std_in_group"] == 0.0
+    assert logged[prefix + "calls_per_agent"] == 2
+    assert logged[prefix + "completion_tokens_per_agent"] > 0
+    assert (
+        logged[prefix + "rollout_s"] > 0 and "timing_s/agent_loop/generate_sequences/max" in logged
+    )
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    for name, value in logged.items():
+        assert scalars[name] == [pytest.approx(value)], name
