@@ -79,6 +79,7 @@ sys.path.insert(0, str(REPO))
 
 from capture.client.launcher import AgentTap  # noqa: E402
 from capture.rollouts.agents import claude_code_capped  # noqa: E402
+from capture.train.metrics import push_max_diff, push_metrics  # noqa: E402
 from capture.train.rows import main_row, sampled_ids  # noqa: E402
 from capture.train.trl import (  # noqa: E402
     AgentTapRolloutFunc,
@@ -175,12 +176,6 @@ def check_policy(url: str) -> None:
         )
 
 
-def push_max_diff(answer: dict[str, Any]) -> float | None:
-    """The largest |diff| any policy server's check of a weight push measured (None: none)."""
-    measured = [r["max_diff"] for r in answer.get("replicas", []) if r.get("max_diff") is not None]
-    return max(measured, default=None)
-
-
 def pushed_words(answer: dict[str, Any]) -> str:
     """A weight push's check, as the step's line says it."""
     diff = push_max_diff(answer)
@@ -247,11 +242,7 @@ class StepReport(TrainerCallback):  # type: ignore[misc]
         push_s = time.monotonic() - pushed
         checked = pushed_words(answer)
         # Logged with this step's numbers (the trainer logs after on_step_end).
-        push = {"agenttap/push_s": push_s}
-        diff = push_max_diff(answer)
-        if diff is not None:
-            push["agenttap/push_max_diff"] = diff
-        log_to_trainer(self.trainer, push)
+        log_to_trainer(self.trainer, push_metrics(answer, push_s))
         if not self.keep:  # the policy has loaded it; earlier steps' folders are not needed
             for old in self.weights.glob("step-*"):
                 if old != folder:

@@ -4,7 +4,8 @@ tracking): one definition, so both trainers log the same names with the same mea
 ``rollout_metrics`` takes each group's rollout answers (``rollouts`` of ``POST /rollouts``, or
 ``run_summary`` of each: what a verl sample carries without its token rows) and the rewards
 trained on them. ``batch_rollout_metrics`` does the same from verl's batch, where a sample's
-group is its ``uid``. Plain Python, no trainer imported.
+group is its ``uid``. ``push_metrics``: a weight push's check (``tap.update_weights``' answer),
+for the driver that pushed it to log beside the step. Plain Python, no trainer imported.
 """
 
 from __future__ import annotations
@@ -107,3 +108,20 @@ def batch_rollout_metrics(
         [[run.get("reward") for run in group] for group in groups.values()],
         max(walls),
     )
+
+
+def push_max_diff(answer: Mapping[str, Any]) -> float | None:
+    """The largest |diff| any policy server's check of a weight push measured (None: none)."""
+    measured = [r["max_diff"] for r in answer.get("replicas", []) if r.get("max_diff") is not None]
+    return max(measured, default=None)
+
+
+def push_metrics(answer: Mapping[str, Any], seconds: float) -> dict[str, float]:
+    """A weight push's numbers (``POST /policy/weights``' answer, ``tap.update_weights``): how
+    long it took and, where the servers were checked, the largest |diff| from the trainer's
+    own logprobs (``push_max_diff``; left out when nothing was measured)."""
+    found = {METRIC_PREFIX + "push_s": seconds}
+    diff = push_max_diff(answer)
+    if diff is not None:
+        found[METRIC_PREFIX + "push_max_diff"] = diff
+    return found

@@ -91,3 +91,16 @@ def test_a_batch_without_uids_or_without_agenttap_samples() -> None:
     assert mixed[METRIC_PREFIX + "agents"] == 2
     assert mixed[METRIC_PREFIX + "reward_std_in_group"] == pytest.approx(0.5)
     assert batch_rollout_metrics([None, None], ["u", "u"]) == {}
+
+
+def test_a_pushs_numbers_from_its_answer() -> None:
+    from capture.train.metrics import push_metrics
+
+    answer = {"checked": True, "replicas": [{"max_diff": 2e-6}, {"max_diff": 5e-6}, {}]}
+    assert push_metrics(answer, 1.5) == {
+        METRIC_PREFIX + "push_s": 1.5, METRIC_PREFIX + "push_max_diff": 5e-6,
+    }  # fmt: skip
+    # Not checked (no probe, no server measured): the time only, no made-up 0.
+    assert push_metrics({"checked": False, "replicas": [{}]}, 0.5) == {
+        METRIC_PREFIX + "push_s": 0.5
+    }
