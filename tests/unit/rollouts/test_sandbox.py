@@ -308,9 +308,10 @@ print(json.dumps({{
     )  # fmt: skip
     assert seen["pids"] == [1, 2]  # its own PID namespace: bwrap's init, then itself
     assert not set(seen["root"]) & {"srv", "mnt", "opt", "home", "run", "boot", "media"}
-    # The host's /tmp is not there: its own scratch file only (and, where the run's folders lie
-    # under /tmp, the folders bwrap made to bind them on).
-    made = {host.root.parts[2]} if host.root.parts[1] == "tmp" else set()
+    # The host's /tmp is not there: its own scratch file only (and, where the run's folders or
+    # this checkout and its Python lie under /tmp, the folders bwrap made to bind them on).
+    bound = (host.root, REPO.resolve(), Path(sys.executable).resolve())
+    made = {p.parts[2] for p in bound if len(p.parts) > 2 and p.parts[1] == "tmp"}
     assert set(seen["tmp"]) <= {"scratch", *made}
     assert seen["nested_out"] == [] and seen["tool"] == "#!/bin/sh\necho tool ran"
     assert (host.runs[0] / "work" / "mine.txt").exists() and (host.runs[0] / "tmp" / "t").exists()
