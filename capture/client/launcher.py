@@ -293,11 +293,19 @@ class AgentTap:
         """A reward for a session (open or closed: a late one), as ``ProxyPool.reward``."""
         self.client.post(f"/sessions/{session_id}/reward", {"reward": reward})
 
-    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
-        """The trainer's own advantage for a session, for the viewer (nothing trains on it)."""
-        self.client.post(
-            f"/sessions/{session_id}/advantage", {"advantage": advantage, "step": step}
-        )
+    def advantage(
+        self,
+        session_id: str,
+        advantage: float,
+        step: int | None = None,
+        step_s: float | None = None,
+    ) -> None:
+        """The trainer's own advantage for a session, for the viewer (nothing trains on it),
+        and the trainer's own time for its step (``step_s``) where it measured it."""
+        body: dict[str, Any] = {"advantage": advantage, "step": step}
+        if step_s is not None:
+            body["step_s"] = step_s
+        self.client.post(f"/sessions/{session_id}/advantage", body)
 
     def cancel_rollout(self, rollout_id: str) -> dict[str, Any]:
         """Stop a rollout: its agents' processes end, their rows are kept (``cancelled``)."""

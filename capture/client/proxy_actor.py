@@ -132,9 +132,15 @@ class ProxyActor:
             self.uploader.sync()
         return table
 
-    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
+    def advantage(
+        self,
+        session_id: str,
+        advantage: float,
+        step: int | None = None,
+        step_s: float | None = None,
+    ) -> None:
         """The trainer's own advantage for a session of this proxy, for its viewer."""
-        self.tap.advantage(session_id, advantage, step)
+        self.tap.advantage(session_id, advantage, step, step_s)
 
     def reward(self, session_id: str, reward: float | dict[str, float]) -> None:
         """A late reward, after close (written to this proxy's ``rewards/``)."""

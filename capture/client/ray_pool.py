@@ -342,12 +342,19 @@ class ProxyPool(PoolGroups):
 
         ray.get(self.actors[self._holder(session_id)].reward.remote(session_id, reward))
 
-    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None:
-        """The trainer's own advantage for a session, to the actor that held it (its viewer)."""
+    def advantage(
+        self,
+        session_id: str,
+        advantage: float,
+        step: int | None = None,
+        step_s: float | None = None,
+    ) -> None:
+        """The trainer's own advantage for a session (and its step's time), to the actor that
+        held it (its viewer)."""
         import ray
 
         actor = self.actors[self._holder(session_id)]
-        ray.get(actor.advantage.remote(session_id, advantage, step))
+        ray.get(actor.advantage.remote(session_id, advantage, step, step_s))
 
     def _holder(self, session_id: str) -> int:
         """The actor that holds or held ``session_id``; KeyError if none did."""

@@ -52,7 +52,12 @@ from capture.control.sessions import ControlledSession, Limits, reject_unknown
 from capture.logs.escape import printable
 from capture.ports import GatewayConfig, GatewayCore
 from capture.rollouts.routes import RolloutRoutes
-from capture.storage.advantages import parse_advantage, parse_step, write_advantage
+from capture.storage.advantages import (
+    parse_advantage,
+    parse_step,
+    parse_step_s,
+    write_advantage,
+)
 from capture.storage.rewards import join_rewards, load_rewards, parse_reward, write_rewards
 from capture.storage.sessions import RowAnnotations
 from capture.storage.shards import REWARD_CLOSE
@@ -451,15 +456,19 @@ class ControlAPI:
 
     async def _advantage(self, request: web.Request, sid: str) -> web.Response:
         """The trainer's own advantage for a session (kept for the viewer; nothing trains on
-        it): ``{"advantage": number, "step"?: int}``."""
+        it): ``{"advantage": number, "step"?: int, "step_s"?: number}`` (``step_s``: the
+        trainer's own time for the step, the viewer's time per step)."""
         body = await self.body(request)
         if "advantage" not in body:
-            raise ValueError('the body must be {"advantage": number, "step"?: whole number}')
+            raise ValueError(
+                'the body must be {"advantage": number, "step"?: whole number, "step_s"?: seconds}'
+            )
         advantage = parse_advantage(body["advantage"])
         step = parse_step(body.get("step"))
+        step_s = parse_step_s(body.get("step_s"))
         if self.gateway.control.get(sid) is None:
             return self._unknown(sid)
-        path = write_advantage(self.out_dir, sid, advantage, step)
+        path = write_advantage(self.out_dir, sid, advantage, step, step_s)
         return web.json_response({"id": sid, "advantage": advantage, "written": str(path)})
 
 

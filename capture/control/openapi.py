@@ -108,6 +108,10 @@ OPERATIONS: dict[str, dict[str, dict[str, Any]]] = {
                 {
                     "advantage": {"type": "number", "description": "as the trainer used it"},
                     "step": {"type": "integer", "description": "the trainer step"},
+                    "step_s": {
+                        "type": "number",
+                        "description": "the trainer's own time for the step, in seconds",
+                    },
                 }
             ),
             "responses": {"200": _said("written"), "404": _said("unknown session")},

@@ -5,8 +5,12 @@ Nothing trains on them: they record what the trainer used (its grouping, its sca
 TRL's ``scale_rewards="group"``) so that the viewer shows that, and not its own estimate (the
 reward less the group's mean), beside the rows.
 
-    write_advantage(Path("OUT"), "sess-1", 0.71, step=3)
-    load_advantages(Path("OUT"))  # {"sess-1": {"advantage": 0.71, "step": 3, "set_at": ...}}
+    write_advantage(Path("OUT"), "sess-1", 0.71, step=3, step_s=41.5)
+    load_advantages(Path("OUT"))
+    # {"sess-1": {"advantage": 0.71, "step": 3, "step_s": 41.5, "set_at": ...}}
+
+``step_s`` is the trainer's own time for that step, where its adapter measured it: the viewer's
+time per step.
 """
 
 from __future__ import annotations
@@ -40,13 +44,30 @@ def parse_step(value: Any) -> int | None:
     return value
 
 
-def write_advantage(out: Path, session_id: str, advantage: float, step: int | None) -> Path:
+def parse_step_s(value: Any) -> float | None:
+    """The trainer's time for the step, in seconds: a finite number from 0, or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f'"step_s" must be a finite number of seconds from 0, not {value!r}')
+    return float(value)
+
+
+def write_advantage(
+    out: Path, session_id: str, advantage: float, step: int | None, step_s: float | None = None
+) -> Path:
     """Append one advantage (one ``write`` of one line on a file opened to append: lines from
     concurrent calls do not interleave)."""
     path = out / ADVANTAGES_FILE
-    line = json.dumps(
-        {"session_id": session_id, "advantage": advantage, "step": step, "set_at": time.time()}
-    )
+    entry = {"session_id": session_id, "advantage": advantage, "step": step, "set_at": time.time()}
+    if step_s is not None:
+        entry["step_s"] = step_s
+    line = json.dumps(entry)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())
@@ -56,8 +77,9 @@ def write_advantage(out: Path, session_id: str, advantage: float, step: int | No
 
 
 def load_advantages(out: Path) -> dict[str, dict[str, Any]]:
-    """Each session's last advantage: ``{"advantage", "step", "set_at"}``. A line that is not
-    one (a torn last line, an edit) is skipped with a warning."""
+    """Each session's last advantage: ``{"advantage", "step", "step_s", "set_at"}`` (``step_s``
+    None where the trainer gave none). A line that is not one (a torn last line, an edit, a bad
+    ``step_s``) is skipped with a warning."""
     path = out / ADVANTAGES_FILE
     try:
         text = path.read_text()
@@ -70,13 +92,15 @@ def load_advantages(out: Path) -> dict[str, dict[str, Any]]:
             entry = json.loads(line)
             sid = entry["session_id"]
             value = parse_advantage(entry["advantage"])
-        except (ValueError, KeyError, TypeError):
+            step_s = parse_step_s(entry.get("step_s"))
+        except (ValueError, KeyError, TypeError, AttributeError):
             bad += 1
             continue
         if isinstance(sid, str):
             found[sid] = {
                 "advantage": value,
                 "step": entry.get("step"),
+                "step_s": step_s,
                 "set_at": entry.get("set_at"),
             }
     if bad:

@@ -117,7 +117,13 @@ class Rollouts(Protocol):
 
     def reward(self, session_id: str, reward: float | dict[str, float]) -> None: ...
 
-    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None: ...
+    def advantage(
+        self,
+        session_id: str,
+        advantage: float,
+        step: int | None = None,
+        step_s: float | None = None,
+    ) -> None: ...
 
 
 AgentSpec = str | dict[str, list[str]]

@@ -7,13 +7,20 @@ torch or TRL import at module level (the step's-end callback is transformers'
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
 
 class AdvantageSink(Protocol):
-    def advantage(self, session_id: str, advantage: float, step: int | None = None) -> None: ...
+    def advantage(
+        self,
+        session_id: str,
+        advantage: float,
+        step: int | None = None,
+        step_s: float | None = None,
+    ) -> None: ...
 
 
 class AdvantageSender:
@@ -29,11 +36,12 @@ class AdvantageSender:
         """The batch the rollout function just returned: its advantages are sent next."""
         self._unsent = (sessions, step)
 
-    def send(self, trainer: Any) -> int:
+    def send(self, trainer: Any, step_s: float | None = None) -> int:
         """The advantages TRL computed for the latest batch, each to its session. TRL keeps the
         latest generation batch's, all processes' in order, in ``trainer._logs["advantages"]``;
         this process's samples are its ``process_index``-th slice, as TRL cuts it. Sent once per
-        batch, at the step's end or on the next call; returns how many were sent (0 when TRL
+        batch, at the step's end (with ``step_s``, the trainer's time for the step, measured by
+        ``watch_steps``' callback) or on the next call; returns how many were sent (0 when TRL
         has not scored the batch yet)."""
         if self._unsent is None or trainer is None:
             return 0
@@ -48,7 +56,7 @@ class AdvantageSender:
         sent = 0
         for sid, advantage in zip(sessions, mine, strict=True):
             try:
-                self.tap.advantage(sid, float(advantage), step)
+                self.tap.advantage(sid, float(advantage), step, step_s)
                 sent += 1
             except Exception as exc:  # a pool's actor raises its own kinds
                 # For the viewer only: the training goes on without it.
@@ -57,7 +65,8 @@ class AdvantageSender:
 
     def watch_steps(self, trainer: Any) -> None:
         """Once per trainer: a callback that sends each step's advantages at its end (the
-        last step's would otherwise wait for a call that never comes)."""
+        last step's would otherwise wait for a call that never comes), with the step's time
+        from its beginning to its end as the trainer ran it (rollouts, update, callbacks)."""
         if self._watching is trainer or not callable(getattr(trainer, "add_callback", None)):
             return
         from transformers import TrainerCallback
@@ -65,8 +74,14 @@ class AdvantageSender:
         send = self.send
 
         class SendAdvantages(TrainerCallback):  # type: ignore[misc]  # transformers' class
+            began: float | None = None
+
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.began = time.monotonic()
+
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                send(trainer)
+                took = time.monotonic() - self.began if self.began is not None else None
+                send(trainer, took)
 
         trainer.add_callback(SendAdvantages())
         self._watching = trainer

@@ -19,6 +19,7 @@ from capture.viewer.run import (
     group_view,
     run_by_default,
     run_summary,
+    trainer_step_times,
 )
 from capture.viewer.session_list import (
     DEFAULT_PAGE,
@@ -91,5 +92,6 @@ __all__ = [
     "token_page",
     "tokenizer_decoder",
     "tool_calls",
+    "trainer_step_times",
     "versions_in",
 ]

@@ -286,7 +286,8 @@ class ViewerRoutes:
     def _run_view(self, by: str | None, compare: str | None = None) -> dict[str, Any]:
         sessions = self._all_sessions()
         groups = viewer.group_list(sessions)
-        view = viewer.run_summary(sessions, by) | {
+        step_s = viewer.trainer_step_times(self.source.advantages())
+        view = viewer.run_summary(sessions, by, step_s) | {
             "source": self.describe,
             "keys": [k["key"] for k in viewer.metadata_keys(sessions)],
             "groups": groups[:GROUPS_SHOWN],
@@ -294,7 +295,11 @@ class ViewerRoutes:
         }
         if compare:
             other = self.others.source(compare)
-            summary = viewer.run_summary(viewer.session_list(other.summaries()), view["by"])
+            summary = viewer.run_summary(
+                viewer.session_list(other.summaries()),
+                view["by"],
+                viewer.trainer_step_times(other.advantages()),
+            )
             view["compare"] = {
                 "source": str(other.out_dir),
                 "name": other.out_dir.name,

@@ -4,6 +4,7 @@ their advantages."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from capture.viewer.session_list import as_text, reward_of, session_value, sort_key, value_key
@@ -26,12 +27,29 @@ def run_by_default(sessions: list[dict[str, Any]]) -> str:
     return "version"
 
 
-def run_summary(sessions: list[dict[str, Any]], by: str | None = None) -> dict[str, Any]:
+def trainer_step_times(advantages: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Session id -> the trainer's own time for its step, from the advantages its adapter sent
+    (capture/storage/advantages.py ``load_advantages``; those without ``step_s`` left out)."""
+    return {
+        sid: float(given["step_s"])
+        for sid, given in advantages.items()
+        if given.get("step_s") is not None
+    }
+
+
+def run_summary(
+    sessions: list[dict[str, Any]],
+    by: str | None = None,
+    trainer_step_s: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """The run at a glance, one point per step (the sessions' ``by``: ``trainer_step``, the
     weight ``version``, or any metadata key): its sessions, their reward's mean, spread
     (standard deviation), min and max, its sessions per status, tokens (all, trained), calls,
-    and time (first call's start to last call's end over its sessions, seconds). Sessions
-    without the key are counted apart (``unstepped``)."""
+    and time in seconds: the trainer's own time for the step where its adapter sent it with a
+    session's advantage (``trainer_step_s``: session id -> seconds; ``time_source``
+    "trainer"), else its first call's start to its last call's end (``time_source`` "calls").
+    Sessions without the key are counted apart (``unstepped``)."""
+    trainer_step_s = trainer_step_s or {}
     by = by or run_by_default(sessions)
     steps: dict[str, list[dict[str, Any]]] = {}
     labels: dict[str, Any] = {}
@@ -54,6 +72,8 @@ def run_summary(sessions: list[dict[str, Any]], by: str | None = None) -> dict[s
             statuses[s["status"]] = statuses.get(s["status"], 0) + 1
         starts = [s["started_at"] for s in group if s.get("started_at")]
         ends = [s["ended_at"] for s in group if s.get("ended_at")]
+        told = [trainer_step_s[s["id"]] for s in group if s["id"] in trainer_step_s]
+        span = max(ends) - min(starts) if starts and ends else None
         points.append(
             {
                 "step": key,
@@ -64,7 +84,8 @@ def run_summary(sessions: list[dict[str, Any]], by: str | None = None) -> dict[s
                 "tokens": sum(s["tokens"] for s in group),
                 "trained_tokens": sum(s["trained_tokens"] for s in group),
                 "calls": sum(s["calls"] for s in group),
-                "time_s": max(ends) - min(starts) if starts and ends else None,
+                "time_s": max(told) if told else span,
+                "time_source": "trainer" if told else "calls",
                 "groups": len({as_text(session_value(s, "group_id")) for s in group}),
             }
         )

@@ -223,6 +223,15 @@ function show(view) {
 // the viewer's machine), its reward, tokens and time per step beside this run's.
 const COMPARE = new URLSearchParams(location.search).get("compare") || "";
 const COMPARE_COLOUR = "#ef6c00", COMPARE_COLOUR_NAME = "in orange";
+// The time plot says whose time it is: the trainer's own step time where its adapter sent it
+// (time_source "trainer"), else the span from a step's first call to its last.
+function timeTitle(steps) {
+  const told = steps.filter((s) => s.time_source === "trainer").length;
+  const timed = steps.filter((s) => s.time_s !== null && s.time_s !== undefined).length;
+  if (told && told === timed) return "time per step (the trainer's, s)";
+  if (told) return "time per step (the trainer's where it sent it, else first call to last, s)";
+  return "time per step (first call to last, s)";
+}
 function runQuery() {
   const query = [];
   if (state.runBy) query.push("by=" + encodeURIComponent(state.runBy));
@@ -277,7 +286,7 @@ function renderRun(data) {
       series: [{ name: "all", colour: "#90a4ae", values: steps.map((s) => s.tokens) }, { name: named("trained"), colour: "#2e7d32", values: steps.map((s) => s.trained_tokens) }]
         .concat(cmp ? [{ name: "trained, " + cmp.name, colour: COMPARE_COLOUR, values: theirs((s) => s.trained_tokens) }] : []),
       extra: (i) => [steps[i].calls + " calls"] }),
-    plot({ name: "time", title: "time per step (first call to last, s)", kind: "bars", labels, xName, unit: " s", onclick: pick,
+    plot({ name: "time", title: timeTitle(steps), kind: "bars", labels, xName, unit: " s", onclick: pick,
       series: [{ name: named("time"), colour: "#6d4c41", values: steps.map((s) => s.time_s) }]
         .concat(cmp ? [{ name: "time, " + cmp.name, colour: COMPARE_COLOUR, values: theirs((s) => s.time_s) }] : []) }),
   ];

@@ -438,18 +438,21 @@ def run(
     truth = write_run(out, STEPS, GROUPS_PER_STEP, GROUP_SIZE)
     write_long_session(out)
     # One group's advantages as its trainer used them (TRL's scale_rewards="group"), sent by
-    # the adapter (POST /sessions/ID/advantage writes this file).
+    # the adapter (POST /sessions/ID/advantage writes this file), with the trainer's own time
+    # for their step.
     members = [s for s in truth if s["group"] == TRAINER_GROUP]
     advantages = grpo_group_advantages([s["reward"] for s in members])
     for s, advantage in zip(members, advantages, strict=True):
-        write_advantage(out, s["id"], advantage, s["step"])
+        write_advantage(out, s["id"], advantage, s["step"], TRAINER_STEP_S)
     shots = tmp_path_factory.mktemp("viewer-screenshots")
     for url in serve(out):
         yield url, truth, shots
 
 
-# The group whose trainer sent its own advantages (the others show the page's estimate).
+# The group whose trainer sent its own advantages (the others show the page's estimate), and
+# the trainer's time for its step (6) it sent with them.
 TRAINER_GROUP = "grpo-06-2"
+TRAINER_STEP_S = 123.25
 
 
 def grpo_group_advantages(rewards: list[float]) -> list[float]:
@@ -513,7 +516,8 @@ def test_the_run_view_plots_a_point_per_step(browser: Any, run: Any) -> None:
         for s in steps[step]:
             want[s["status"]] = want.get(s["status"], 0) + 1
         assert dict(values) == want
-    # Tokens (all, trained) and time (first call's start to last call's end) per step.
+    # Tokens (all, trained) and time per step: the trainer's own for step 6 (it sent it with
+    # TRAINER_GROUP's advantages), first call's start to last call's end elsewhere.
     tokens = page.eval_on_selector_all(
         "svg[data-plot='tokens'] rect.bar[data-series='all']",
         "els => els.map(e => Number(e.dataset.value))",
@@ -527,9 +531,13 @@ def test_the_run_view_plots_a_point_per_step(browser: Any, run: Any) -> None:
     times = page.eval_on_selector_all(
         "svg[data-plot='time'] rect.bar", "els => els.map(e => Number(e.dataset.value))"
     )
+    assert len(times) == STEPS
     for k, t in enumerate(times):
         span = max(s["ended_at"] for s in steps[k]) - min(s["started_at"] for s in steps[k])
-        assert t == pytest.approx(span, abs=1e-6)
+        assert t == pytest.approx(TRAINER_STEP_S if k == 6 else span, abs=1e-6), k
+    assert page.text_content("svg[data-plot='time'] text.plot-title") == (
+        "time per step (the trainer's where it sent it, else first call to last, s)"
+    )
     # The groups, newest step first.
     assert page.locator("#groups tr.group").count() == STEPS * GROUPS_PER_STEP
     assert page.locator("#groups tr.group").first.locator("td").nth(1).inner_text() == "11"

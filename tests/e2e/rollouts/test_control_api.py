@@ -178,16 +178,23 @@ def test_proxy_mode_session_closed_with_reward_then_a_late_one(
     other.close()
     # The trainer's own advantage (open or closed): kept for the viewer; a value that is not
     # a finite number is refused in words, an unknown session is a 404, and neither is kept.
-    tap.advantage(sess.id, -0.75, step=3)
+    tap.advantage(sess.id, -0.75, step=3, step_s=41.5)
     assert load_advantages(tap.out)[sess.id] == pytest.approx(
-        {"advantage": -0.75, "step": 3, "set_at": load_advantages(tap.out)[sess.id]["set_at"]}
-    )
+        {"advantage": -0.75, "step": 3, "step_s": 41.5,
+         "set_at": load_advantages(tap.out)[sess.id]["set_at"]}
+    )  # fmt: skip
     url = f"{tap.api_url}/sessions/{sess.id}/advantage"
     for bad in ({"advantage": "high"}, {"advantage": True}, {"step": 1}):
         status, body = http(url, "POST", tap.token, bad)
         assert status == 400 and '"advantage"' in body["error"]["message"], (bad, body)
     status, body = http(url, "POST", tap.token, {"advantage": 1.0, "step": -1})
     assert status == 400 and '"step"' in body["error"]["message"]
+    for bad_s in (-1.0, "12", True):
+        status, body = http(url, "POST", tap.token, {"advantage": 1.0, "step_s": bad_s})
+        assert status == 400 and '"step_s"' in body["error"]["message"], (bad_s, body)
+    # Infinity (1e400 as Python reads it) is refused by the body parse before any field is read.
+    status, body = http(url, "POST", tap.token, {"advantage": 1.0, "step_s": 1e400})
+    assert status == 400 and "numbers must be finite" in body["error"]["message"], body
     with pytest.raises(AgentTapError) as err:
         tap.advantage("no-such-session", 1.0)
     assert err.value.status == 404

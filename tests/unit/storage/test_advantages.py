@@ -15,6 +15,7 @@ from capture.storage.advantages import (
     load_advantages,
     parse_advantage,
     parse_step,
+    parse_step_s,
     write_advantage,
 )
 from capture.viewer.run import group_view
@@ -30,6 +31,24 @@ def test_the_last_advantage_of_a_session_wins(tmp_path: Path) -> None:
         "s-1": (2.0, 2),
         "s-2": (-1.25, None),
     }
+
+
+def test_the_trainers_step_time_is_kept_where_it_gave_one(tmp_path: Path) -> None:
+    write_advantage(tmp_path, "s-1", 0.5, 1, step_s=41.5)
+    write_advantage(tmp_path, "s-2", 0.5, 1)
+    found = load_advantages(tmp_path)
+    assert (found["s-1"]["step_s"], found["s-2"]["step_s"]) == (41.5, None)
+    # A line whose step time is not one (written by hand) is skipped like any bad line.
+    with open(tmp_path / ADVANTAGES_FILE, "a") as fh:
+        fh.write('{"session_id": "s-3", "advantage": 1.0, "step_s": -2}\n')
+    assert "s-3" not in load_advantages(tmp_path)
+
+
+@pytest.mark.parametrize("value", [-0.5, math.nan, math.inf, "3", True, [1.0]])
+def test_a_step_time_is_a_finite_number_of_seconds_from_0(value: Any) -> None:
+    with pytest.raises(ValueError, match='"step_s" must be a finite number of seconds'):
+        parse_step_s(value)
+    assert parse_step_s(None) is None and parse_step_s(0) == 0.0 and parse_step_s(2) == 2.0
 
 
 def test_a_line_that_is_not_an_advantage_is_skipped(

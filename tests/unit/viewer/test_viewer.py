@@ -255,6 +255,29 @@ def test_the_run_per_trainer_step(run: tuple[Path, list[dict[str, Any]]]) -> Non
     assert [p["step"] for p in by_task["steps"]] == ["task-0", "task-1", "task-2"]
 
 
+def test_a_steps_time_is_the_trainers_where_it_sent_one(
+    run: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Where the trainer's adapter sent its step time with the advantages, that is the step's
+    time (the largest given, for a step); elsewhere the span of its calls, and each point says
+    which."""
+    out, _ = run
+    sessions = viewer.session_list(ShardSource(out).summaries())
+    own = {p["step"]: p for p in viewer.run_summary(sessions)["steps"]}
+    step3 = [s["id"] for s in sessions if viewer.session_value(s, "trainer_step") == 3]
+    advantages = {sid: {"advantage": 0.1, "step": 3, "step_s": 30.0} for sid in step3}
+    advantages[step3[0]]["step_s"] = 31.5
+    advantages["elsewhere"] = {"advantage": 0.1, "step": 4, "step_s": None}
+    told = viewer.trainer_step_times(advantages)
+    assert set(told) == set(step3) and told[step3[0]] == 31.5
+    summary = {p["step"]: p for p in viewer.run_summary(sessions, None, told)["steps"]}
+    assert (summary["3"]["time_s"], summary["3"]["time_source"]) == (31.5, "trainer")
+    for step, point in summary.items():
+        if step != "3":
+            assert point["time_source"] == "calls"
+            assert point["time_s"] == pytest.approx(own[step]["time_s"])
+
+
 def test_a_group_its_rewards_and_advantages(run: tuple[Path, list[dict[str, Any]]]) -> None:
     out, truth = run
     source = ShardSource(out)
