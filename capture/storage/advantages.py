@@ -1,5 +1,6 @@
-"""The trainer's own advantages, as its adapter sent them (``POST /sessions/{id}/advantage``):
-one JSON line each in ``OUT/advantages.jsonl``, the last one given for a session wins.
+"""The trainer's own advantages, as its adapter sent them (``POST /sessions/{id}/advantage``),
+with the trainer's time for their step where it measured it: one JSON line each in
+``OUT/advantages.jsonl``, the last one given for a session wins.
 
 Nothing trains on them: they record what the trainer used (its grouping, its scaling, e.g.
 TRL's ``scale_rewards="group"``) so that the viewer shows that, and not its own estimate (the
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from capture.storage.rewards import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ ADVANTAGES_FILE = "advantages.jsonl"
 
 def parse_advantage(value: Any) -> float:
     """A finite number; ValueError, in words for the caller, for anything else."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ValueError(f'"advantage" must be a finite number, not {value!r}')
     return float(value)
 
@@ -48,12 +50,7 @@ def parse_step_s(value: Any) -> float | None:
     """The trainer's time for the step, in seconds: a finite number from 0, or None."""
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not is_finite_number(value) or value < 0:
         raise ValueError(f'"step_s" must be a finite number of seconds from 0, not {value!r}')
     return float(value)
 

@@ -254,8 +254,8 @@ def join_rewards(
         if (
             not isinstance(session_id, str)
             or not (thread_id is None or isinstance(thread_id, str))
-            or not (void or _finite(reward))
-            or not _finite(set_at)
+            or not (void or is_finite_number(reward))
+            or not is_finite_number(set_at)
         ):
             ignored += 1
             continue
@@ -286,7 +286,9 @@ def join_rewards(
     return out
 
 
-def _finite(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """A JSON number (not a bool) that is finite as a float: an int past float64's range is
+    not (``math.isfinite`` would raise on it)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     try:
