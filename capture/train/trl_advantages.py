@@ -1,8 +1,8 @@
 """TRL's own advantages, each to its session (``POST /sessions/ID/advantage``), for the viewer
-to show instead of its estimate: ``AdvantageSender``, held by capture/train/trl.py's rollout
-function. Nothing trains on them; a failure to send one is logged and training goes on. No
-torch or TRL import at module level (the step's-end callback is transformers'
-``TrainerCallback``, imported once a trainer calls)."""
+to show instead of its estimate, with each step's time as the trainer ran it:
+``AdvantageSender``, held by capture/train/trl.py's rollout function. Nothing trains on them; a
+failure to send one is logged and training goes on. No torch or TRL import at module level (the
+step's-end callback is transformers' ``TrainerCallback``, imported once a trainer calls)."""
 
 from __future__ import annotations
 

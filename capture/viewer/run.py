@@ -1,6 +1,6 @@
 """The trajectory viewer's run: per trainer step or weight version (its sessions' reward mean
-and spread, statuses, tokens, time), per GRPO group, and one group's rollouts side by side with
-their advantages."""
+and spread, statuses, tokens, time: the trainer's where it sent it), per GRPO group, and one
+group's rollouts side by side with their advantages."""
 
 from __future__ import annotations
 
