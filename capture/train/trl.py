@@ -95,7 +95,7 @@ from capture.train.rows import (
     prompt_text,
     split_row,
 )
-from capture.train.trl_advantages import AdvantageSender
+from capture.train.trl_advantages import AdvantageSender, AdvantageSink
 
 PathLike = str | os.PathLike[str]
 # A trainer-side verifier: (the prompt's text, the rollout's answer for one agent) -> reward.
@@ -106,9 +106,10 @@ Workdir = PathLike | Callable[[str], PathLike | None]
 Image = str | Callable[[str], str | None]
 
 
-class Rollouts(Protocol):
+class Rollouts(AdvantageSink, Protocol):
     """What runs the rollouts: one agenttap (``AgentTap``) or a Ray pool of them
-    (``capture.client.ray_pool.ProxyPool``, the agents spread over its nodes)."""
+    (``capture.client.ray_pool.ProxyPool``, the agents spread over its nodes). It takes the
+    trainer's advantages too (``AdvantageSink.advantage``)."""
 
     @property
     def rollout(self) -> Callable[..., dict[str, Any]]: ...
@@ -116,14 +117,6 @@ class Rollouts(Protocol):
     def get_rollout(self, rollout_id: str) -> dict[str, Any]: ...
 
     def reward(self, session_id: str, reward: float | dict[str, float]) -> None: ...
-
-    def advantage(
-        self,
-        session_id: str,
-        advantage: float,
-        step: int | None = None,
-        step_s: float | None = None,
-    ) -> None: ...
 
 
 AgentSpec = str | dict[str, list[str]]
